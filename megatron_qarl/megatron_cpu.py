@@ -1,0 +1,130 @@
+"""Every fix Megatron-Core 0.16 needs to run on a CPU-only torch, in one place.
+
+`apply()` installs them, once, and only when CUDA is absent: on a GPU machine it does nothing.
+Each fix is a small function named ``fix_*`` whose docstring gives the reason; each has a test in
+tests/test_megatron_cpu.py that reproduces the upstream failure without the fix, so the test fails
+(and the fix can go) the day upstream no longer needs it. Installed packages are never edited:
+the fixes replace attributes at import time.
+
+Things that need no patch, only the right arguments (see megatron_qarl.moe.model):
+``use_cpu_initialization``, an explicit boolean causal mask, the *_fusion flags off, clip_grad 0,
+SequentialMLP experts, ``model_parallel_cuda_manual_seed(..., inference_rng_tracker=True)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_APPLIED: list[str] = []
+
+
+def needed() -> bool:
+    """True when the running torch has no usable CUDA device."""
+    return not torch.cuda.is_available()
+
+
+def fix_current_device() -> None:
+    """torch.cuda.current_device() is called inside forward passes (rotary embeddings, attention
+    masks, the alltoall dispatcher's buffers) and raises "Torch not compiled with CUDA enabled".
+    Returning the string "cpu" makes every ``device=torch.cuda.current_device()`` a CPU tensor."""
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+
+def fix_alltoall_streams() -> None:
+    """The alltoall token dispatcher creates a torch.cuda.Stream in __init__ and moves its split
+    sizes to the host on that stream; on CPU the split sizes also stay tensors, while
+    torch.distributed.all_to_all_single wants host sizes (with EP > 1 it raises otherwise).
+    Replace the device-to-host step with what it does on GPUs, minus the stream: the split sizes
+    become numpy arrays (later code calls .tolist() on them)."""
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    cls = td.MoEAlltoAllTokenDispatcher
+    cls.cuda_dtoh_stream = "cpu"  # any non-None value: __init__ then skips torch.cuda.Stream()
+
+    def _host(x):
+        return x.numpy() if torch.is_tensor(x) else x
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            self.input_splits = _host(self.input_splits)
+            self.output_splits = _host(self.output_splits)
+            self.output_splits_tp = _host(self.output_splits_tp)
+        return tokens_per_expert
+
+    cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+
+
+def fix_te_general_gemm() -> None:
+    """megatron-core 0.14-0.16 bug without Transformer Engine: moe_utils imports te_general_gemm
+    only inside ``try: import transformer_engine`` and later tests ``te_general_gemm is not None``,
+    so every MoE router forward raises NameError. Define the name as None."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class _CudaAllocationsOnCpu(torch.overrides.TorchFunctionMode):
+    """Inside this mode, factory calls with device="cuda" allocate on the CPU, .cuda() is a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and not isinstance(device, int) and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _allocate_on_cpu(fn):
+    def wrapper(*args, **kwargs):
+        with _CudaAllocationsOnCpu():
+            return fn(*args, **kwargs)
+
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def fix_optimizer_device() -> None:
+    """Megatron's optimizers allocate their loss-scale and found-inf tensors with device='cuda' in
+    __init__, and gradient clipping / norm / zero counting allocate on 'cuda' too (clip_grads.py).
+    Run exactly those methods in a torch-function mode that turns device='cuda' into 'cpu'. The mode
+    is scoped to these calls: the forward and backward passes never pay for it."""
+    from megatron.core.optimizer import optimizer as opt
+
+    for cls, name in ((opt.FP32Optimizer, "__init__"), (opt.MixedPrecisionOptimizer, "__init__"),
+                      (opt.MegatronOptimizer, "get_grad_norm"), (opt.MegatronOptimizer, "clip_grad_norm"),
+                      (opt.MegatronOptimizer, "count_zeros")):
+        setattr(cls, name, _allocate_on_cpu(getattr(cls, name)))
+
+
+def fix_clip_grads() -> None:
+    """clip_grad_by_total_norm_fp32 asserts every gradient is a 'torch.cuda.FloatTensor', so any
+    clip_grad > 0 fails on CPU. Replace the name the optimizer module calls with the same rule,
+    g <- g * max_norm / (total_norm + 1e-6) when that factor is below 1, for CPU tensors."""
+    from megatron.core.optimizer import optimizer as opt
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        params = [parameters] if torch.is_tensor(parameters) else parameters
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        coeff = max_norm / (total_norm + 1.0e-6)
+        if coeff < 1.0:
+            for p in params:
+                g = getattr(p, attr, None)
+                if g is not None:
+                    g.detach().mul_(coeff)
+
+    opt.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_optimizer_device, fix_clip_grads)
+
+
+def apply() -> list[str]:
+    """Install every fix once if CUDA is absent; return the names of the fixes in force."""
+    if needed() and not _APPLIED:
+        for fix in FIXES:
+            fix()
+            _APPLIED.append(fix.__name__)
+    return list(_APPLIED)

@@ -1,0 +1,228 @@
+"""Hugging Face Qwen3-MoE <-> Megatron-Core parameter names and shards, for any TP / EP layout.
+
+One table (`param_maps`) states, for every Megatron parameter of this rank, the Hugging Face tensors
+it comes from and how they are split:
+  replicated  norms, q/k norms, router            same tensor on every rank
+  tp_row      embedding, lm_head                  split along dim 0 over TP
+  tp_col      o_proj (linear_proj)                split along dim 1 over TP
+  qkv         q/k/v_proj -> linear_qkv            per KV group g: [q heads of g; k_g; v_g], TP splits
+                                                  whole groups
+  fc1         experts.E.{gate,up}_proj -> local_experts.e.linear_fc1   [gate_r; up_r] stacked (dim 0),
+              gate and up each split along dim 0 over expert-TP (ETP)
+  fc2         experts.E.down_proj -> local_experts.e.linear_fc2        split along dim 1 over ETP
+Global expert E = e + ep_rank * (num_experts / ep). ETP is 1 when EP > 1 and equals TP otherwise
+(megatron_qarl.moe.model.expert_tp), as Megatron sums expert gradients only over expert groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_qarl.moe.model import Qwen3MoeArch
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMap:
+    mcore: str
+    hf: tuple[str, ...]
+    split: str  # replicated | tp_row | tp_col | qkv | fc1 | fc2
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """This rank's coordinates: tensor, expert and expert-tensor parallel rank and size."""
+
+    tp_rank: int = 0
+    tp: int = 1
+    ep_rank: int = 0
+    ep: int = 1
+    etp_rank: int = 0
+    etp: int = 1
+
+    @classmethod
+    def current(cls) -> "Layout":
+        from megatron.core import parallel_state as ps
+
+        return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                   ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                   ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+
+
+def param_maps(arch: Qwen3MoeArch, ep_rank: int = 0, ep: int = 1) -> Iterator[ParamMap]:
+    """Every parameter of one TP/EP rank's Megatron model and its Hugging Face sources."""
+    yield ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "tp_row")
+    n_local = arch.num_experts // ep
+    for L in range(arch.num_hidden_layers):
+        m, h = f"decoder.layers.{L}.", f"model.layers.{L}."
+        yield ParamMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated")
+        yield ParamMap(m + "self_attention.linear_qkv.weight",
+                       tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv")
+        yield ParamMap(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "tp_col")
+        yield ParamMap(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "replicated")
+        yield ParamMap(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "replicated")
+        yield ParamMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated")
+        yield ParamMap(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated")
+        for e in range(n_local):
+            E = e + ep_rank * n_local
+            me, he = m + f"mlp.experts.local_experts.{e}.", h + f"mlp.experts.{E}."
+            yield ParamMap(me + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"), "fc1")
+            yield ParamMap(me + "linear_fc2.weight", (he + "down_proj.weight",), "fc2")
+    yield ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
+    yield ParamMap("output_layer.weight", ("lm_head.weight",), "tp_row")
+
+
+def _qkv_groups(arch: Qwen3MoeArch) -> tuple[int, int]:
+    """(rows per KV group in linear_qkv, q rows per group)."""
+    q_per_group = arch.num_attention_heads // arch.num_key_value_heads * arch.head_dim
+    return q_per_group + 2 * arch.head_dim, q_per_group
+
+
+def hf_to_shard(pm: ParamMap, get: Callable[[str], torch.Tensor], arch: Qwen3MoeArch,
+                lay: Layout) -> torch.Tensor:
+    """This rank's Megatron tensor for ``pm`` from Hugging Face tensors (``get(name)``)."""
+    if pm.split == "replicated":
+        return get(pm.hf[0])
+    if pm.split == "fc1":
+        return torch.cat([get(n).chunk(lay.etp, dim=0)[lay.etp_rank] for n in pm.hf], dim=0)
+    if pm.split == "fc2":
+        return get(pm.hf[0]).chunk(lay.etp, dim=1)[lay.etp_rank]
+    tp, tp_rank = lay.tp, lay.tp_rank
+    if pm.split in ("tp_row", "tp_col"):
+        return get(pm.hf[0]).chunk(tp, dim=0 if pm.split == "tp_row" else 1)[tp_rank]
+    # qkv: [G, q_rows + 2*hd, H] interleaved, then whole groups per TP rank
+    q, k, v = (get(n) for n in pm.hf)
+    g, hd = arch.num_key_value_heads, arch.head_dim
+    hidden = q.shape[1]
+    qkv = torch.cat([q.view(g, -1, hidden), k.view(g, hd, hidden), v.view(g, hd, hidden)], dim=1)
+    return qkv.chunk(tp, dim=0)[tp_rank].reshape(-1, hidden)
+
+
+def shards_to_hf(pm: ParamMap, shards: list[torch.Tensor], arch: Qwen3MoeArch) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors for ``pm`` from the list of its TP (or ETP) shards, in rank order."""
+    if pm.split == "replicated":
+        return {pm.hf[0]: shards[0]}
+    if pm.split == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return {pm.hf[0]: torch.cat([h[0] for h in halves]), pm.hf[1]: torch.cat([h[1] for h in halves])}
+    if pm.split in ("tp_row", "tp_col", "fc2"):
+        return {pm.hf[0]: torch.cat(shards, dim=0 if pm.split == "tp_row" else 1)}
+    rows, q_rows = _qkv_groups(arch)
+    hidden = shards[0].shape[1]
+    qkv = torch.cat([s.view(-1, rows, hidden) for s in shards], dim=0)
+    hd = arch.head_dim
+    q, k, v = qkv.split([q_rows, hd, hd], dim=1)
+    return {pm.hf[0]: q.reshape(-1, hidden), pm.hf[1]: k.reshape(-1, hidden), pm.hf[2]: v.reshape(-1, hidden)}
+
+
+class SafetensorsDir:
+    """Lazy access to the tensors of a Hugging Face safetensors directory (single or sharded)."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = [p.name for p in sorted(self.dir.glob("*.safetensors"))]
+        if not files:
+            raise FileNotFoundError(f"{self.dir}: no *.safetensors files")
+        self._handles = {}
+        self._where: dict[str, str] = {}
+        for f in files:
+            handle = safe_open(str(self.dir / f), framework="pt")
+            self._handles[f] = handle
+            for key in handle.keys():
+                self._where[key] = f
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"{self.dir}: tensor {name!r} not found in the checkpoint")
+        return self._handles[self._where[name]].get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_into_model(model, arch: Qwen3MoeArch, hf: Mapping[str, torch.Tensor]) -> None:
+    """Copy Hugging Face weights into this rank's Megatron model shard (every parameter checked)."""
+    lay = Layout.current()
+    params = dict(model.named_parameters())
+    seen = set()
+    for pm in param_maps(arch, lay.ep_rank, lay.ep):
+        if pm.mcore not in params:
+            raise KeyError(f"Megatron model has no parameter {pm.mcore!r}")
+        src = hf_to_shard(pm, hf.__getitem__, arch, lay)
+        dst = params[pm.mcore]
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"{pm.hf} -> {pm.mcore}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
+        dst.copy_(src.to(dst.dtype))
+        seen.add(pm.mcore)
+    missing = set(params) - seen
+    if missing:
+        raise KeyError(f"parameters with no Hugging Face source: {sorted(missing)[:5]}")
+
+
+def _gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    if size == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+@torch.no_grad()
+def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: yield (Hugging Face name, full tensor) for the whole model on every rank.
+
+    TP shards are all-gathered; with ``all_experts`` each EP rank's experts are all-gathered over
+    the EP group too, otherwise every rank yields only its own experts (what a weight broadcaster
+    from several EP ranks needs). All ranks must iterate in step.
+    """
+    from megatron.core import parallel_state as ps
+
+    lay = Layout.current()
+    tp_group = ps.get_tensor_model_parallel_group()
+    ep_group = ps.get_expert_model_parallel_group()
+    etp_group = ps.get_expert_tensor_parallel_group()
+    params = dict(model.named_parameters())
+    n_local = arch.num_experts // lay.ep
+    for pm in param_maps(arch, lay.ep_rank, lay.ep):
+        local = params[pm.mcore].detach()
+        if pm.split not in ("fc1", "fc2"):
+            shards = _gather(local, tp_group, lay.tp) if pm.split != "replicated" else [local]
+            yield from shards_to_hf(pm, shards, arch).items()
+            continue
+        full = shards_to_hf(pm, _gather(local, etp_group, lay.etp), arch)
+        if not all_experts or lay.ep == 1:
+            yield from full.items()
+            continue
+        e_local = int(pm.mcore.split("local_experts.")[1].split(".")[0])
+        mine = f"experts.{e_local + lay.ep_rank * n_local}."
+        for name, tensor in full.items():
+            for r, t in enumerate(_gather(tensor, ep_group, lay.ep)):
+                yield name.replace(mine, f"experts.{e_local + r * n_local}."), t
+
+
+def save_hf(state: Mapping[str, torch.Tensor], model_dir: str | Path, out_dir: str | Path) -> None:
+    """Write ``state`` as model.safetensors beside copies of the source dir's config/tokenizer files."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for p in Path(model_dir).iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name != "model.safetensors.index.json":
+            shutil.copy2(p, out / p.name)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})

@@ -1,0 +1,229 @@
+"""Qwen3-MoE as a Megatron-Core GPTModel, built from a Hugging Face config.json.
+
+The architecture (what Qwen3MoeForCausalLM computes):
+  x = embed(tokens)
+  per layer:  h = x + o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))   with RMSNorm before attention
+              x = h + sum_{e in topk} p_e * down_e(silu(gate_e(n)) * up_e(n))  n = RMSNorm(h)
+              p = softmax over the top-k router logits in fp32 (norm_topk_prob) or the top-k of a
+              softmax over all logits (no renormalisation)
+  logits = lm_head(RMSNorm(x))   (untied)
+GQA with ``num_key_value_heads`` groups, head_dim from the config, RoPE base ``rope_theta``.
+
+Parallelism is a construction-time property in Megatron: the model built here is the shard of the
+calling rank for the tensor / sequence / expert parallel groups set up by
+megatron_qarl.moe.parallelize.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megatron_qarl.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3MoeArch:
+    """The fields of a Hugging Face Qwen3-MoE config.json that define the network."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    norm_topk_prob: bool
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "Qwen3MoeArch":
+        """Read the architecture from a config.json dict; errors name the file and the key."""
+        if cfg.get("model_type") not in (None, "qwen3_moe"):
+            raise ConfigError(f"{source}: model_type is {cfg.get('model_type')!r}, expected 'qwen3_moe'")
+        sparse_step = cfg.get("decoder_sparse_step", 1)
+        if sparse_step != 1 or cfg.get("mlp_only_layers"):
+            raise ConfigError(f"{source}: only all-MoE layers are supported "
+                              f"(decoder_sparse_step=1, mlp_only_layers=[])")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:  # transformers 5 nests it under rope_parameters
+            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+        rope_type = (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type", "default")
+        if rope_type != "default":
+            raise ConfigError(f"{source}: rope scaling {rope_type!r} is not supported")
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "rope_theta":
+                values[f.name] = rope_theta
+            elif f.name == "head_dim":
+                values[f.name] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+            elif f.name in ("tie_word_embeddings", "attention_bias"):
+                values[f.name] = bool(cfg.get(f.name, False))
+            elif f.name == "norm_topk_prob":  # transformers' default is False
+                values[f.name] = bool(cfg.get(f.name, False))
+            elif f.name == "num_experts" and "num_experts" not in cfg:  # transformers 5 renamed it
+                values[f.name] = cfg.get("num_local_experts")
+            else:
+                if cfg.get(f.name) is None:
+                    raise ConfigError(f"{source}: missing key {f.name!r}")
+                values[f.name] = cfg[f.name]
+        if values["rope_theta"] is None:
+            raise ConfigError(f"{source}: missing key 'rope_theta'")
+        if values["tie_word_embeddings"]:
+            raise ConfigError(f"{source}: tie_word_embeddings=true is not supported (Qwen3-MoE unties them)")
+        return cls(**values)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "Qwen3MoeArch":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: not found (expected a Hugging Face model directory)")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: line {err.lineno}: invalid JSON: {err.msg}") from None
+        return cls.from_hf_config(cfg, str(path))
+
+
+def expert_tp(tp: int, ep: int) -> int:
+    """Expert tensor-parallel size: 1 with expert parallelism, else TP. Megatron sums expert
+    gradients over expert-data-parallel groups only when EP > 1 (with EP = 1 the experts count as
+    dense parameters), so TP > 1 with EP = 1 must shard the experts over TP as well."""
+    return 1 if ep > 1 else tp
+
+
+def transformer_config(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool = False,
+                       dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall"):
+    """The Megatron TransformerConfig equal to the Hugging Face architecture (fusions off: CPU-safe)."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=arch.num_hidden_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.attention_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.num_experts_per_tok,
+        moe_ffn_hidden_size=arch.moe_intermediate_size,
+        # norm_topk_prob: softmax over the top-k logits == top-k of softmax, renormalised
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp(tp, ep),
+        sequence_parallel=sp,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm as a Megatron norm module (Megatron's own wrapper refuses sequence parallel).
+
+    Its weight is replicated over the tensor-parallel group; with sequence parallel each rank sees
+    other tokens, and q/k norms see other heads, so the weight is tagged ``sequence_parallel`` and
+    Megatron's finalize_model_grads all-reduces its gradient over the tensor-parallel group.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Hugging Face's Qwen3RMSNorm: normalise in fp32, cast back, then scale
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def layer_spec(arch: Qwen3MoeArch):
+    """Megatron-Core local layer spec (no TE) with RMSNorm, qk-norm and SequentialMLP experts."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
+                                     qk_layernorm=True, normalization="RMSNorm")
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    sub.self_attention.submodules.q_layernorm = RMSNorm
+    sub.self_attention.submodules.k_layernorm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * arch.num_hidden_layers, layer_norm=RMSNorm)
+
+
+def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None = None,
+                dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall"):
+    """This rank's shard of the Qwen3-MoE GPTModel. Parallel state must be initialised first."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_qarl import megatron_cpu
+
+    megatron_cpu.apply()
+    if sp is None:
+        sp = tp > 1
+    config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        rotary_percent=1.0,
+    )
+
+
+def causal_mask(seq_len: int) -> torch.Tensor:
+    """Megatron's attention mask: True where attention is NOT allowed, shape [1, 1, s, s]."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def forward_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [B, S, V] of this rank's model shard (gathered over TP)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    seq = tokens_BS.shape[1]
+    position_ids = torch.arange(seq).unsqueeze(0).expand_as(tokens_BS)
+    logits = model(tokens_BS, position_ids, causal_mask(seq))
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits

@@ -1,0 +1,44 @@
+"""megatron_qarl: rollout-aligned quantization-aware RL for Qwen3-MoE on Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+# Pinned, CPU-installable. torch==2.13.0 has a CPU wheel on the project's machines; on GPU clusters
+# install the CUDA build of the same version first and pip keeps it.
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "nvidia-modelopt==0.47.0",
+    "ray[default]==2.60.0",
+    "transformers==5.24.0",
+    "tokenizers>=0.22",
+    "safetensors>=0.5",
+    "compressed-tensors==0.20.1",
+    "tensorboard==2.21.0",
+    "math-verify==0.9.0",
+    "pydantic>=2.10,<3",
+    "pyyaml>=6",
+    "fastapi>=0.115",
+    "uvicorn>=0.34",
+    "httpx>=0.28",
+    "tqdm>=4.66",
+    "matplotlib>=3.9",
+    "numpy>=1.26",
+]
+
+EXTRAS = {
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.8", "schemathesis>=3.36"],
+    # GPU clusters only: none of these installs on a CPU-only machine. Imported lazily.
+    "gpu": ["transformer-engine[pytorch]>=2.4", "sglang[all]>=0.5"],
+}
+
+setup(
+    name="megatron_qarl",
+    version="0.1.0",
+    description="QaRL: rollout-aligned quantization-aware RL for Mixture-of-Experts LMs on Megatron-Core",
+    packages=find_packages(include=["megatron_qarl", "megatron_qarl.*", "launch", "launch.*"]),
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["qarl=megatron_qarl.cli:main"]},
+)
