@@ -17,6 +17,7 @@ from megatron_qarl.errors import UserError
 SUBCOMMANDS: list[str] = [
     "megatron_qarl.moe.verify",  # qarl convert verify
     "megatron_qarl.data.evaluate",  # qarl eval
+    "megatron_qarl.qat.cli",  # qarl quantize
 ]
 
 

@@ -7,7 +7,7 @@ tests/test_megatron_cpu.py that reproduces the upstream failure without the fix,
 the fixes replace attributes at import time.
 
 Things that need no patch, only the right arguments (see megatron_qarl.moe.model):
-``use_cpu_initialization``, an explicit boolean causal mask, the *_fusion flags off, clip_grad 0,
+``use_cpu_initialization``, an explicit boolean causal mask, the *_fusion flags off,
 SequentialMLP experts, ``model_parallel_cuda_manual_seed(..., inference_rng_tracker=True)``.
 """
 
@@ -116,6 +116,28 @@ def fix_clip_grads() -> None:
                     g.detach().mul_(coeff)
 
     opt.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """Fix by replacement (used in megatron_qarl.moe.model.layer_spec, on CPU and on GPUs without
+    Transformer Engine): Megatron's WrappedTorchNorm, the only norm without TE or apex, asserts
+    ``not sequence_parallel``, but MoE with TP > 1 requires sequence parallel.
+
+    Its weight is replicated over the tensor-parallel group; with sequence parallel each rank sees
+    other tokens, and q/k norms see other heads, so the weight is tagged ``sequence_parallel`` and
+    Megatron's finalize_model_grads all-reduces its gradient over the tensor-parallel group.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Hugging Face's Qwen3RMSNorm: normalise in fp32, cast back, then scale
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
 
 
 FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_optimizer_device, fix_clip_grads)

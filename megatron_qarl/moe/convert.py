@@ -46,7 +46,7 @@ class Layout:
     etp: int = 1
 
     @classmethod
-    def current(cls) -> "Layout":
+    def current(cls) -> Layout:
         from megatron.core import parallel_state as ps
 
         return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),

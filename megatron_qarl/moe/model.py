@@ -48,7 +48,7 @@ class Qwen3MoeArch:
     attention_bias: bool
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "Qwen3MoeArch":
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> Qwen3MoeArch:
         """Read the architecture from a config.json dict; errors name the file and the key."""
         if cfg.get("model_type") not in (None, "qwen3_moe"):
             raise ConfigError(f"{source}: model_type is {cfg.get('model_type')!r}, expected 'qwen3_moe'")
@@ -85,7 +85,7 @@ class Qwen3MoeArch:
         return cls(**values)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "Qwen3MoeArch":
+    def from_model_dir(cls, model_dir: str | Path) -> Qwen3MoeArch:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path}: not found (expected a Hugging Face model directory)")
@@ -151,26 +151,6 @@ def transformer_config(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool
     )
 
 
-class RMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm as a Megatron norm module (Megatron's own wrapper refuses sequence parallel).
-
-    Its weight is replicated over the tensor-parallel group; with sequence parallel each rank sees
-    other tokens, and q/k norms see other heads, so the weight is tagged ``sequence_parallel`` and
-    Megatron's finalize_model_grads all-reduces its gradient over the tensor-parallel group.
-    """
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Hugging Face's Qwen3RMSNorm: normalise in fp32, cast back, then scale
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
-
-
 def layer_spec(arch: Qwen3MoeArch):
     """Megatron-Core local layer spec (no TE) with RMSNorm, qk-norm and SequentialMLP experts."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -178,6 +158,8 @@ def layer_spec(arch: Qwen3MoeArch):
 
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                      qk_layernorm=True, normalization="RMSNorm")
+    from megatron_qarl.megatron_cpu import RMSNorm
+
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm

@@ -1,0 +1,186 @@
+"""The run configuration: typed sections composed from each component's own config, loaded from
+YAML with ``key.sub=value`` overrides and validated before any work starts.
+
+    cfg = load_config("configs/cpu_default.yaml", ["parallel.tp=2", "optim.lr=1e-5"])
+
+Every error is a ConfigError whose message starts with the dotted key (``parallel.tp: ...``) and,
+for YAML problems, the file and line. Relative input paths (``model.path``) are looked up from the
+current directory first, then from the directory above the config file's folder (the repository
+root for configs/*.yaml).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from megatron_qarl.algo.advantages import AdvantageConfig
+from megatron_qarl.algo.policy_loss import PolicyLossConfig
+from megatron_qarl.errors import ConfigError
+from megatron_qarl.qat.config import QuantConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelConfig(_Section):
+    """The policy: a Hugging Face Qwen3-MoE directory and the learner's parameter dtype."""
+
+    path: str
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @field_validator("path")
+    @classmethod
+    def _resolve(cls, value: str, info: ValidationInfo) -> str:
+        p = Path(value).expanduser()
+        if not p.is_absolute():
+            base = (info.context or {}).get("base_dir")
+            candidates = [Path.cwd() / p] + ([Path(base) / p] if base else [])
+            p = next((c for c in candidates if c.exists()), candidates[0])
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{value!r}: no Hugging Face config.json in {p}")
+        return str(p.resolve())
+
+
+class ParallelConfig(_Section):
+    """Learner layout: tensor (TP), expert (EP) parallel sizes; sequence parallel follows TP > 1."""
+
+    tp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    sequence_parallel: bool | None = None  # None: on when tp > 1 (Megatron requires it for MoE + TP)
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if self.tp > 1 and self.sequence_parallel is False:
+            raise ValueError("sequence_parallel: must be on when tp > 1 (Megatron MoE with TP requires it)")
+        return self
+
+
+class OptimConfig(_Section):
+    """Adam on the master weights (Megatron's optimizer)."""
+
+    lr: float = Field(default=1e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    adam_eps: float = Field(default=1e-8, gt=0)
+    clip_grad: float = Field(default=1.0, ge=0)  # 0 = off
+
+
+class AlgoConfig(_Section):
+    """The policy-gradient algorithm: advantage estimator and policy loss (algo/)."""
+
+    advantage: AdvantageConfig = AdvantageConfig()
+    loss: PolicyLossConfig = PolicyLossConfig()
+
+
+class QarlConfig(_Section):
+    """A whole run."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    quant: QuantConfig = QuantConfig()
+    optim: OptimConfig = OptimConfig()
+    algo: AlgoConfig = AlgoConfig()
+    seed: int = 1234
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> QarlConfig:
+        from megatron_qarl.moe.model import Qwen3MoeArch
+
+        arch = Qwen3MoeArch.from_model_dir(self.model.path)
+        tp, ep = self.parallel.tp, self.parallel.ep
+        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
+            if getattr(arch, name) % tp:
+                raise ConfigError(f"parallel.tp: {tp} does not divide the model's {name} "
+                                  f"({getattr(arch, name)}, {self.model.path}/config.json)")
+        if arch.num_experts % ep:
+            raise ConfigError(f"parallel.ep: {ep} does not divide the model's num_experts "
+                              f"({arch.num_experts}, {self.model.path}/config.json)")
+        return self
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, cannot set {key}")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``key.sub=value`` strings; values are parsed as YAML scalars (``1e-5``, ``true``, ``[1,2]``)."""
+    for item in overrides:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{key}: cannot parse value {raw!r}: {err}") from None
+        _set_dotted(data, key.strip(), value)
+    return data
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<config>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        else:
+            msg += f" (got {e['input']!r})" if not isinstance(e.get("input"), dict) else ""
+        lines.append(f"{key}: {msg}")
+    return "\n".join(lines)
+
+
+def validate_config(data: dict, base_dir: str | Path | None = None, cls: type[BaseModel] = QarlConfig):
+    """Validate a plain dict into ``cls``; raise ConfigError naming each bad key."""
+    try:
+        return cls.model_validate(data, context={"base_dir": str(base_dir) if base_dir else None})
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark else str(p)
+        raise ConfigError(f"{where}: invalid YAML: {getattr(err, 'problem', err)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections")
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, cls: type[BaseModel] = QarlConfig):
+    """Load a YAML config, apply overrides, validate (raises ConfigError)."""
+    data = apply_overrides(load_yaml(path), list(overrides or []))
+    return validate_config(data, base_dir=Path(path).resolve().parent.parent, cls=cls)

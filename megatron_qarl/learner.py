@@ -1,0 +1,152 @@
+"""The Megatron learner of one rank: the sharded Qwen3-MoE policy, its DDP wrapper and optimizer.
+
+Every rank of the learner group builds one `Learner` with the same batch; each data-parallel rank
+takes its slice of the responses. Log-probs come from Megatron's vocab-parallel cross entropy
+(logp = -CE), so the full vocabulary is never gathered on one rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from megatron_qarl.config import OptimConfig, ParallelConfig
+from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
+from megatron_qarl.qat.config import QuantConfig
+from megatron_qarl.qat.modules import apply_fake_quant
+
+
+@dataclasses.dataclass
+class Batch:
+    """Token sequences and which target positions count.
+
+    tokens_BS: prompt + response ids (right-padded), loss_mask_BT (T = S - 1): 1 where token t+1 is
+    a response token whose log-prob enters the loss. ``extra`` holds per-response tensors a loss
+    function needs (advantages, old / sampler log-probs), sliced with the batch.
+    """
+
+    tokens_BS: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def rows(self, index: torch.Tensor | slice) -> Batch:
+        return Batch(self.tokens_BS[index], self.loss_mask_BT[index], {k: v[index] for k, v in self.extra.items()})
+
+
+# loss_fn(logp_BT, batch_slice, normalizer) -> (loss, metrics); normalizer is the global one
+LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]
+
+
+class Learner:
+    """One rank's shard of the policy with its optimizer (parallel state must be initialised)."""
+
+    def __init__(self, arch: Qwen3MoeArch, parallel: ParallelConfig, optim: OptimConfig,
+                 dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.arch = arch
+        self.parallel = parallel
+        self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
+                                  dispatcher=parallel.dispatcher)
+        # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights
+        self.fake_quant = apply_fake_quant(self.module, arch, quant) if quant and quant.enabled else None
+        self.model = DistributedDataParallel(
+            self.module.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                          use_distributed_optimizer=False),
+            self.module,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
+                            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                            clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16,
+                            params_dtype=dtype),
+            [self.model],
+        )
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.tp = parallel.tp
+        self.clip_grad = optim.clip_grad
+
+    def load_hf(self, model_dir: str) -> None:
+        from megatron_qarl.moe.convert import SafetensorsDir, load_hf_into_model
+
+        load_hf_into_model(self.module, self.arch, SafetensorsDir(model_dir))
+        if self.fake_quant:
+            self.fake_quant.invalidate()
+
+    def _pad_seq(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """Right-pad the sequence to a multiple of TP (sequence parallel splits it)."""
+        pad = (-tokens_BS.shape[1]) % self.tp
+        return torch.nn.functional.pad(tokens_BS, (0, pad)) if pad else tokens_BS
+
+    def logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """log pi(tokens[:, t+1] | tokens[:, :t+1]) for t < S-1: [B, S-1], fp32, with autograd."""
+        seq = tokens_BS.shape[1]
+        padded = self._pad_seq(tokens_BS)
+        labels = torch.roll(padded, -1, dims=1)
+        s = padded.shape[1]
+        position_ids = torch.arange(s).unsqueeze(0).expand_as(padded)
+        ce_BS = self.model(padded, position_ids, causal_mask(s), labels=labels)
+        return -ce_BS[:, : seq - 1].float()
+
+    def my_rows(self, batch_size: int) -> slice:
+        """The responses this data-parallel rank trains on (contiguous, equal split)."""
+        if batch_size % self.dp_size:
+            raise ValueError(f"batch of {batch_size} responses does not split over data-parallel size "
+                             f"{self.dp_size}")
+        per = batch_size // self.dp_size
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict:
+        """One optimizer step on the whole batch (this rank takes its data-parallel slice).
+
+        ``loss_fn(logp_BT, batch)`` must return this slice's share of the global loss (normalised by
+        the global count). Megatron's DDP averages gradients over data-parallel ranks, so the loss
+        is multiplied by the data-parallel size first: the sum over ranks is the global gradient.
+        A non-finite loss or gradient norm skips the update (``skipped`` = 1).
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        local = batch.rows(self.my_rows(batch.tokens_BS.shape[0]))
+        logp_BT = self.logprobs(local.tokens_BS)
+        loss, metrics = loss_fn(logp_BT, local)
+        (loss * self.dp_size).backward()
+        finalize_model_grads([self.model])
+        global_loss = self._dp_sum(loss.detach())
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())  # reduced over all model-parallel ranks
+        finite = not found_inf and math.isfinite(grad_norm) and math.isfinite(global_loss)
+        if finite:
+            if self.clip_grad > 0:
+                self.optimizer.clip_grad_norm(self.clip_grad)
+            self.optimizer.step_with_ready_grads()
+            if self.fake_quant:
+                self.fake_quant.invalidate()
+        metrics = dict(metrics)
+        metrics.update(loss=global_loss, grad_norm=grad_norm, skipped=0.0 if finite else 1.0)
+        return metrics
+
+    def _dp_sum(self, value: torch.Tensor) -> float:
+        """Sum of the per-rank loss shares = the global loss."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        v = value.clone().float().reshape(1)
+        if self.dp_size > 1:
+            dist.all_reduce(v, group=ps.get_data_parallel_group())
+        return v.item()
+
+
+def token_mean_nll(logp_BT: torch.Tensor, batch: Batch, total_tokens: int) -> tuple[torch.Tensor, dict]:
+    """Supervised loss: -sum(mask * logp) / total_tokens (total over the whole batch)."""
+    mask = batch.loss_mask_BT.to(logp_BT.dtype)
+    return -(logp_BT * mask).sum() / total_tokens, {}

@@ -1,0 +1,261 @@
+"""The one quantizer: pure functions that turn a weight into integer codes + scales and back.
+
+The learner's fake-quant forward (``fake_quant.py``) and the exporter (``export.py``) both call these
+functions; nothing else in the project quantizes a weight. Shapes: a linear weight is ``w_NK``
+(N = out features, K = in features, the reduction dim); activations are ``x_*K``.
+
+Numerics rules that make the result identical on CPU and GPU:
+- only max-reductions (order-independent), IEEE multiplications and tensor/tensor divisions;
+  never ``python_scalar / tensor`` (torch computes that as ``reciprocal * scalar``) and never
+  ``tensor / python_scalar`` (CUDA turns a CPU-scalar divisor into a reciprocal multiply);
+- rounding is ``torch.round`` (half to even) unless a docstring says otherwise;
+- fp32 -> float8_e4m3fn conversion rounds to nearest even; values are clamped to +-448 first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatron_qarl.qat.config import QuantConfig, check_scheme
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT4_MIN, INT4_MAX = -8, 7
+ACT_EPS = 1e-10  # SGLang's floor on a token (group) amax
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """Integer codes and scales of one linear weight ``w_NK``, exactly as exported to SGLang.
+
+    codes:  w4a16 int8 [N, K] in [-8, 7];  w8a8_fp8 float8_e4m3fn [N, K];  w8a8_int8 int8 [N, K]
+    scales: w4a16 bf16 [N, K/G] (weight_scale);  w8a8_fp8 fp32 [ceil(N/B), ceil(K/B)] (weight_scale_inv,
+            a dequant multiplier);  w8a8_int8 fp32 [N, 1] (weight_scale)
+    zero_points: w4a16 asymmetric only: int8 [N, K/G] in [-8, 7]; else None
+    group_size: w4a16 group along K; w8a8_fp8 block edge B; None for w8a8_int8
+    """
+
+    codes: Tensor
+    scales: Tensor
+    zero_points: Tensor | None
+    shape: tuple[int, int]
+    scheme: str
+    group_size: int | None = None
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The weight the rollout engine computes with (see ``dequantize_weight``)."""
+        return dequantize_weight(self, dtype)
+
+
+def _const(value: float, like: Tensor) -> Tensor:
+    # A 1-element fp32 tensor on ``like``'s device: divisions by it are true IEEE divisions on CPU and GPU.
+    return torch.full((1,), value, dtype=torch.float32, device=like.device)
+
+
+def check_weight(w: Tensor, name: str = "weight") -> None:
+    """Raise ValueError unless ``w`` is a finite 2-D floating-point tensor; messages name ``name``."""
+    if w.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D weight [N, K], got shape {list(w.shape)}")
+    if not w.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point weight, got {w.dtype}")
+    bad = int((~torch.isfinite(w)).sum())
+    if bad:
+        raise ValueError(f"{name}: {bad} non-finite value(s) (nan/inf) in weight of shape {list(w.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------- W4A16
+def quantize_w4a16(
+    w: Tensor, group_size: int = 128, symmetric: bool = True, name: str = "weight"
+) -> QuantizedWeight:
+    """INT4 per group of ``group_size`` along K, scale in bf16, for SGLang's Marlin (compressed-tensors).
+
+    Symmetric (default), per group g of one row:
+        s_b = bf16(amax_g / 7.5)              amax_g = max |w| over the group, in fp32; s_b = 1 if it is 0
+        q   = clamp(round_half_even(w.float() / s_b.float()), -8, 7)
+        w_fq = bf16(q * s_b)                  (= Marlin's bf16_round((u - 8) * scale_bf16), u = q + 8)
+    Asymmetric (zero point z per group, both sides of 0 kept in range):
+        lo = min(min_g, 0); hi = max(max_g, 0); s_b = bf16((hi - lo) / 15)
+        z = clamp(round_half_even(-8 - lo / s_b), -8, 7); q = clamp(round_half_even(w / s_b) + z, -8, 7)
+        w_fq = bf16((q - z) * s_b)            (compressed-tensors' dequantize, bit for bit)
+
+    The scale is rounded to bf16 FIRST and the codes are computed against that rounded scale, so the
+    exported (q, s_b) reproduce w_fq exactly; ``q * s_b`` is exact in fp32 (4 x 8 significant bits), so
+    w_fq is a single rounding. Why amax/7.5 and not amax/7: it is compressed-tensors' RTN convention
+    (scale = max(|min|, |max|) / 7.5, codes in [-8, 7]); it uses all 16 levels, its step is 6.7% finer
+    than amax/7, and its worst-case error stays half a step (the +amax element lands on 7.5, is clamped
+    to 7: error s/2), so the mean squared error is lower (measured in docs/quantization.md).
+    """
+    check_weight(w, name)
+    n, k = w.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"{name}: group_size {group_size} does not divide K={k} (weight shape [{n}, {k}])")
+    w_ngg = w.detach().float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
+    if symmetric:
+        amax_ng = w_ngg.abs().amax(dim=-1)
+        scale_ng = (amax_ng / _const(7.5, w)).to(torch.bfloat16)
+        scale_ng = torch.where(scale_ng == 0, torch.ones_like(scale_ng), scale_ng)
+        q = torch.round(w_ngg / scale_ng.float()[..., None]).clamp_(INT4_MIN, INT4_MAX)
+        zero_ng = None
+    else:
+        lo_ng = w_ngg.amin(dim=-1).clamp(max=0.0)
+        hi_ng = w_ngg.amax(dim=-1).clamp(min=0.0)
+        scale_ng = ((hi_ng - lo_ng) / _const(15.0, w)).to(torch.bfloat16)
+        scale_ng = torch.where(scale_ng == 0, torch.ones_like(scale_ng), scale_ng)
+        zero_f = torch.round(_const(INT4_MIN, w) - lo_ng / scale_ng.float()).clamp_(INT4_MIN, INT4_MAX)
+        q = (torch.round(w_ngg / scale_ng.float()[..., None]) + zero_f[..., None]).clamp_(INT4_MIN, INT4_MAX)
+        zero_ng = zero_f.to(torch.int8)
+    codes = q.to(torch.int8).reshape(n, k)
+    return QuantizedWeight(codes, scale_ng, zero_ng, (n, k), "w4a16", group_size)
+
+
+def dequantize_w4a16(qw: QuantizedWeight) -> Tensor:
+    """w_NK = bf16((q - z) * s_b) per group (z = 0 when symmetric); returns bf16 [N, K]."""
+    n, k = qw.shape
+    g = qw.group_size
+    q_ngg = qw.codes.float().reshape(n, k // g, g)
+    if qw.zero_points is not None:
+        q_ngg = q_ngg - qw.zero_points.float()[..., None]
+    return (q_ngg * qw.scales.float()[..., None]).to(torch.bfloat16).reshape(n, k)
+
+
+# -------------------------------------------------------------------------------------- W8A8 FP8 weights
+def _pad_to_blocks(w: Tensor, block: int) -> Tensor:
+    n, k = w.shape
+    pn, pk = -n % block, -k % block
+    return torch.nn.functional.pad(w, (0, pk, 0, pn)) if pn or pk else w
+
+
+def quantize_fp8_block(w: Tensor, block_size: int = 128, name: str = "weight") -> QuantizedWeight:
+    """float8 e4m3 weights in ``block_size`` x ``block_size`` blocks (DeepSeek-V3 / Qwen3-FP8 layout).
+
+    Per block b (partial blocks at the edges allowed):
+        s_b = amax_b / 448   (fp32; 1 if amax_b = 0)     exported as weight_scale_inv [ceil(N/B), ceil(K/B)]
+        q   = e4m3_round_half_even(clamp(w.float() / s_b, -448, 448))
+        w_fq = q.float() * s_b                               (fp32; cast to the module dtype by the caller)
+    """
+    check_weight(w, name)
+    n, k = w.shape
+    b = block_size
+    w_p = _pad_to_blocks(w.detach().float(), b)
+    nb, kb = w_p.shape[0] // b, w_p.shape[1] // b
+    w_bbbb = w_p.reshape(nb, b, kb, b)  # [N/B, B, K/B, B]
+    amax = w_bbbb.abs().amax(dim=(1, 3))  # [N/B, K/B]
+    scale = amax / _const(FP8_MAX, w)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = (w_bbbb / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    codes = q.reshape(nb * b, kb * b)[:n, :k].contiguous()
+    return QuantizedWeight(codes, scale, None, (n, k), "w8a8_fp8", block_size)
+
+
+def dequantize_fp8_block(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """w_NK = q.float() * weight_scale_inv[block of (n, k)], computed in fp32, returned in ``dtype``."""
+    n, k = qw.shape
+    b = qw.group_size
+    scale_nk = qw.scales.repeat_interleave(b, dim=0).repeat_interleave(b, dim=1)[:n, :k]
+    return (qw.codes.float() * scale_nk).to(dtype)
+
+
+# ------------------------------------------------------------------------------------- W8A8 INT8 weights
+def quantize_int8_channel(w: Tensor, name: str = "weight") -> QuantizedWeight:
+    """int8 per output channel, symmetric, static (SGLang ``w8a8_int8``). Per row n:
+
+    s_n = amax_n / 127   (fp32 [N, 1]; 1 if amax_n = 0)     exported as weight_scale
+    q   = clamp(round_half_even(w.float() / s_n), -128, 127)
+    w_fq = q.float() * s_n                                   (fp32; cast to the module dtype)
+    """
+    check_weight(w, name)
+    n, k = w.shape
+    w_nk = w.detach().float()
+    scale_n1 = w_nk.abs().amax(dim=-1, keepdim=True) / _const(127.0, w)
+    scale_n1 = torch.where(scale_n1 == 0, torch.ones_like(scale_n1), scale_n1)
+    codes = torch.round(w_nk / scale_n1).clamp_(-128, 127).to(torch.int8)
+    return QuantizedWeight(codes, scale_n1, None, (n, k), "w8a8_int8", None)
+
+
+def dequantize_int8_channel(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """w_NK = q.float() * weight_scale[n], computed in fp32, returned in ``dtype``."""
+    return (qw.codes.float() * qw.scales).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------- dispatchers
+def quantize_weight(w: Tensor, cfg: QuantConfig, name: str = "weight") -> QuantizedWeight:
+    """Quantize ``w`` with the scheme of ``cfg`` (the single entry point of the learner and the exporter)."""
+    scheme = check_scheme(cfg.scheme)
+    if scheme == "w4a16":
+        return quantize_w4a16(w, cfg.group_size, cfg.symmetric, name)
+    if scheme == "w8a8_fp8":
+        return quantize_fp8_block(w, cfg.group_size, name)
+    if scheme == "w8a8_int8":
+        return quantize_int8_channel(w, name)
+    raise ValueError(f"{name}: scheme bf16 means quantization is off; nothing to quantize")
+
+
+def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype | None = None) -> Tensor:
+    """Dequantize by scheme. ``dtype=None``: bf16 for w4a16 (the Marlin value), fp32 for w8a8."""
+    scheme = check_scheme(qw.scheme)
+    if scheme == "w4a16":
+        w = dequantize_w4a16(qw)
+        return w if dtype is None else w.to(dtype)  # bf16 -> fp32 is exact
+    if scheme == "w8a8_fp8":
+        return dequantize_fp8_block(qw, dtype or torch.float32)
+    if scheme == "w8a8_int8":
+        return dequantize_int8_channel(qw, dtype or torch.float32)
+    raise ValueError("scheme bf16 has no quantized weights")
+
+
+# ------------------------------------------------------------------------------------------- activations
+def quant_act_fp8_per_token_group(x: Tensor, group_size: int = 128) -> tuple[Tensor, Tensor]:
+    """Per token, per group of ``group_size`` along K, dynamic fp8 e4m3: SGLang's sgl-kernel recipe.
+
+    Follows ``sgl_per_token_group_quant_8bit`` (the CUDA op behind ``sglang_per_token_group_quant_fp8``):
+        a = max(amax_group, 1e-10)               fp32
+        q = e4m3_rne(clamp(x.float() * (448 / a), -448, 448))     multiply by the inverse scale
+        s = a * fp32(1 / 448)                    the stored scale (dequant multiplier)
+    Returns (codes float8_e4m3fn [..., K], scales fp32 [..., K/group]). The Triton fallback computes
+    s = a / 448 and multiplies by 1 / s: it can differ from this by one ulp in s.
+    """
+    *lead, k = x.shape
+    if k % group_size:
+        raise ValueError(f"activation: group_size {group_size} does not divide K={k}")
+    x_tgg = x.detach().float().reshape(*lead, k // group_size, group_size)
+    amax = x_tgg.abs().amax(dim=-1).clamp_(min=ACT_EPS)  # [..., K/G]
+    inv = torch.full_like(amax, FP8_MAX) / amax
+    scale = amax * _const(1.0 / FP8_MAX, x)  # fp32(1/448) * a, as in the kernel
+    codes = (x_tgg * inv[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.reshape(*lead, k), scale
+
+
+def dequant_act_fp8_per_token_group(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """x_fq = (q.float() * s_group) in fp32, returned in ``dtype``."""
+    *lead, k = codes.shape
+    g = k // scales.shape[-1]
+    x = codes.float().reshape(*lead, k // g, g) * scales[..., None]
+    return x.reshape(*lead, k).to(dtype)
+
+
+def _round_half_away(t: Tensor) -> Tensor:
+    # libdevice.round: ties away from zero. Exact: t - trunc(t) is exact in fp32.
+    r = torch.trunc(t)
+    return r + torch.where((t - r).abs() >= 0.5, torch.sign(t), torch.zeros_like(t))
+
+
+def quant_act_int8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per token, dynamic, symmetric int8: SGLang's ``per_token_quant_int8`` (used by ``w8a8_int8``).
+
+        a = max(amax_token, 1e-10)               fp32
+        q = clamp(round_half_away(x.float() * (127 / a)), -128, 127)
+        s = a / 127                              fp32 [..., 1]
+    Returns (codes int8 [..., K], scales fp32 [..., 1]).
+    """
+    x_tk = x.detach().float()
+    amax = x_tk.abs().amax(dim=-1, keepdim=True).clamp_(min=ACT_EPS)
+    mult = torch.full_like(amax, 127.0) / amax
+    codes = _round_half_away(x_tk * mult).clamp_(-128, 127).to(torch.int8)
+    return codes, amax / _const(127.0, x)
+
+
+def dequant_act_int8_per_token(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """x_fq = (q.float() * s_token) in fp32, returned in ``dtype``."""
+    return (codes.float() * scales).to(dtype)

@@ -1,0 +1,80 @@
+"""Typed configuration: YAML + overrides, validated before any work, errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_qarl.config import QarlConfig, apply_overrides, load_config, validate_config
+from megatron_qarl.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_default_config_loads(tiny_model_dir):
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml")
+    assert isinstance(cfg, QarlConfig)
+    assert Path(cfg.model.path) == Path(tiny_model_dir).resolve()
+    assert cfg.quant.scheme == "w4a16" and cfg.algo.loss.mode == "tbpo"
+
+
+def test_overrides_are_typed(tiny_model_dir):
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml",
+                      ["parallel.tp=2", "optim.lr=3e-4", "algo.loss.mode=token_ppo", "parallel.ep=2"])
+    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.optim.lr, cfg.algo.loss.mode) == (2, 2, 3e-4, "token_ppo")
+    assert cfg.parallel.sp is True
+
+
+@pytest.mark.parametrize("override, message", [
+    # the three of the acceptance: bad type, unknown key, TP not dividing the KV groups
+    ("parallel.tp=two", r"^parallel\.tp: Input should be a valid integer"),
+    ("parallel.tensor_parallel=2", r"^parallel\.tensor_parallel: unknown key$"),
+    ("parallel.tp=4", r"^parallel\.tp: 4 does not divide the model's num_key_value_heads \(2"),
+    # more of the same family
+    ("parallel.ep=3", r"^parallel\.ep: 3 does not divide the model's num_experts \(8"),
+    ("parallel.tp=0", r"^parallel\.tp: Input should be greater than or equal to 1"),
+    ("optim.lr=-1", r"^optim\.lr: Input should be greater than 0"),
+    ("quant.scheme=w3a3", r"^quant\.scheme: Input should be"),
+    ("algo.loss.mode=ppo2", r"^algo\.loss\.mode: Input should be"),
+    ("model.path=/nonexistent", r"^model\.path: '/nonexistent': no Hugging Face config.json"),
+    ("trainer.steps=3", r"^trainer: unknown key$"),
+    ("optim.clip_grad=[1]", r"^optim\.clip_grad: Input should be a valid number"),
+])
+def test_wrong_configs_name_the_key(override, message, tiny_model_dir):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(REPO / "configs" / "cpu_default.yaml", [override])
+    assert len(str(info.value).splitlines()) == 1, str(info.value)
+
+
+def test_yaml_errors_name_file_and_line(tmp_path):
+    path = _write(tmp_path, "model:\n  path: x\nparallel: [1,\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml:\d+: invalid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(_write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_missing_model_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model: required key is missing$"):
+        load_config(_write(tmp_path, "seed: 1\n"))
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="expected key.sub=value"):
+        apply_overrides({}, ["parallel.tp"])
+    with pytest.raises(ConfigError, match="parallel.tp: is a value"):
+        apply_overrides({"parallel": {"tp": 1}}, ["parallel.tp.x=2"])
+
+
+def test_tp_without_sequence_parallel_is_refused(tiny_model_dir):
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel: must be on when tp > 1"):
+        validate_config({"model": {"path": tiny_model_dir}, "parallel": {"tp": 2, "sequence_parallel": False}})

@@ -1,0 +1,65 @@
+"""The Megatron learner trains on CPU, and its layout does not change the result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_qarl.config import OptimConfig, ParallelConfig
+from megatron_qarl.learner import Batch, Learner, token_mean_nll
+from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.moe.parallelize import init_parallel, run_ranks
+from megatron_qarl.moe.verify import world_size
+
+
+def _train(model_dir: str, tp: int, ep: int, steps: int, poison_step: int = -1) -> list[dict]:
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(tp=tp, ep=ep, seed=7)
+    learner = Learner(arch, ParallelConfig(tp=tp, ep=ep), OptimConfig(lr=1e-3, clip_grad=1.0))
+    learner.load_hf(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(steps):
+        tokens = torch.randint(0, arch.vocab_size, (4, 24), generator=gen)
+        mask = torch.zeros(4, 23)
+        mask[:, 8:] = 1  # "response" part only
+        total = int(mask.sum())
+
+        def loss_fn(logp, b, step=step, total=total):
+            loss, metrics = token_mean_nll(logp, b, total)
+            return (loss * float("nan") if step == poison_step else loss), metrics
+
+        metrics = learner.train_step(Batch(tokens, mask), loss_fn)
+        metrics["param_sum"] = sum(p.double().sum().item() for p in learner.module.parameters())
+        out.append(metrics)
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2), (2, 2)])
+def test_five_steps_match_tp1(tp, ep, tiny_model_dir):
+    ref = run_ranks(1, _train, tiny_model_dir, 1, 1, 5)[0]
+    got = run_ranks(world_size(tp, ep), _train, tiny_model_dir, tp, ep, 5)
+    ref_losses = [m["loss"] for m in ref]
+    assert ref_losses[-1] < ref_losses[0]  # it learns
+    for rank_metrics in got:
+        losses = [m["loss"] for m in rank_metrics]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-5, (losses, ref_losses)
+
+
+def test_non_finite_loss_skips_the_update(random_model_dir):
+    metrics = run_ranks(1, _train, random_model_dir, 1, 1, 3, 1)[0]
+    assert [m["skipped"] for m in metrics] == [0.0, 1.0, 0.0]
+    assert metrics[1]["param_sum"] == metrics[0]["param_sum"]  # the skipped step changed nothing
+    assert metrics[2]["param_sum"] != metrics[1]["param_sum"]
+
+
+def test_batch_must_split_over_data_parallel_ranks(random_model_dir):
+    with pytest.raises(RuntimeError, match="batch of 3 responses does not split over data-parallel size 2"):
+        run_ranks(2, _bad_split, random_model_dir)
+
+
+def _bad_split(model_dir):
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(ep=2)
+    Learner(arch, ParallelConfig(ep=2), OptimConfig()).my_rows(3)
