@@ -11,6 +11,7 @@ root for configs/*.yaml).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +30,25 @@ from megatron_qarl.algo.advantages import AdvantageConfig
 from megatron_qarl.algo.policy_loss import PolicyLossConfig
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.qat.config import QuantConfig
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads 1e-5 as a string (it wants 1.0e-5); accept the exponent forms people write."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 class _Section(BaseModel):
@@ -135,7 +155,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"override {item!r}: expected key.sub=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = _yaml(raw) if raw.strip() else None
         except yaml.YAMLError as err:
             raise ConfigError(f"{key}: cannot parse value {raw!r}: {err}") from None
         _set_dotted(data, key.strip(), value)
@@ -147,6 +167,9 @@ def _format_validation_error(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<config>"
         msg = e["msg"].removeprefix("Value error, ")
+        head, sep, rest = msg.partition(": ")
+        if sep and head.isidentifier() and e["type"] == "value_error":  # a model check naming its field
+            key, msg = f"{key}.{head}" if key != "<config>" else head, rest
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif e["type"] == "missing":
@@ -170,7 +193,7 @@ def load_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = _yaml(p.read_text()) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{p}:{mark.line + 1}" if mark else str(p)

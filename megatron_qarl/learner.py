@@ -123,17 +123,27 @@ class Learner:
         finalize_model_grads([self.model])
         global_loss = self._dp_sum(loss.detach())
         found_inf = self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())  # reduced over all model-parallel ranks
+        grad_norm = float(self.optimizer.get_grad_norm())  # over every model-parallel rank and expert group
         finite = not found_inf and math.isfinite(grad_norm) and math.isfinite(global_loss)
         if finite:
-            if self.clip_grad > 0:
-                self.optimizer.clip_grad_norm(self.clip_grad)
+            self._clip(grad_norm)
             self.optimizer.step_with_ready_grads()
             if self.fake_quant:
                 self.fake_quant.invalidate()
         metrics = dict(metrics)
         metrics.update(loss=global_loss, grad_norm=grad_norm, skipped=0.0 if finite else 1.0)
         return metrics
+
+    def _clip(self, grad_norm: float) -> None:
+        """Scale every gradient by clip_grad / grad_norm when below 1 (the global norm, dense + experts)."""
+        from megatron.core.optimizer import optimizer as mopt
+
+        if self.clip_grad <= 0:
+            return
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = opt.get_parameters()
+            if params:
+                mopt.clip_grad_by_total_norm_fp32(params, max_norm=self.clip_grad, total_norm=grad_norm)
 
     def _dp_sum(self, value: torch.Tensor) -> float:
         """Sum of the per-rank loss shares = the global loss."""

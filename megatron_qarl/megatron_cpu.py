@@ -95,7 +95,8 @@ def fix_optimizer_device() -> None:
 
     for cls, name in ((opt.FP32Optimizer, "__init__"), (opt.MixedPrecisionOptimizer, "__init__"),
                       (opt.MegatronOptimizer, "get_grad_norm"), (opt.MegatronOptimizer, "clip_grad_norm"),
-                      (opt.MegatronOptimizer, "count_zeros")):
+                      (opt.MegatronOptimizer, "count_zeros"), (opt.ChainedOptimizer, "get_grad_norm"),
+                      (opt.ChainedOptimizer, "count_zeros")):
         setattr(cls, name, _allocate_on_cpu(getattr(cls, name)))
 
 

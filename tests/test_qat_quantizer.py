@@ -236,3 +236,20 @@ def test_is_quantized_defaults():
         assert not is_quantized(name, w8), name
     custom = QuantConfig(scheme="w4a16", targets=["re:.*experts.*"], ignore=["down_proj"])
     assert not is_quantized(expert, custom) and is_quantized(expert.replace("down", "up"), custom)
+
+
+def test_five_bit_scales_make_every_product_exact_in_bf16():
+    """The default w4a16 scale (5 significant bits): q * s is exact in bf16, so an fp32 kernel
+    computing (u - 8) * scale without rounding gets the same weights as Marlin's bf16 rounding."""
+    from megatron_qarl.qat.config import QuantConfig
+    from megatron_qarl.qat.quantizer import quantize_weight
+
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(3)) * 0.02
+    qw = quantize_weight(w, QuantConfig(scheme="w4a16"))
+    exact_fp32 = qw.codes.float().reshape(256, 4, 128) * qw.scales.float()[..., None]
+    assert torch.equal(exact_fp32.reshape(256, 512), qw.dequantize(torch.float32))
+    full = quantize_weight(w, QuantConfig(scheme="w4a16", scale_bits=None))
+    exact_full = full.codes.float().reshape(256, 4, 128) * full.scales.float()[..., None]
+    assert not torch.equal(exact_full.reshape(256, 512), full.dequantize(torch.float32))  # 8-bit scales round
+    rel = lambda qq: ((qq.dequantize(torch.float32) - w).pow(2).mean() / w.pow(2).mean()).item()  # noqa: E731
+    assert rel(qw) < 1.05 * rel(full)  # the coarser scale costs < 5% more squared error

@@ -73,8 +73,20 @@ class QuantConfig(BaseModel):
     group_size: int = 128
     symmetric: bool = True
     num_bits: int = 4
+    # w4a16 symmetric: significant bits kept in the bf16 scale. 5 makes every (q * s) exact in bf16
+    # (|q| <= 8 has 4 bits), so Marlin's bf16 rounding, an fp32 CPU kernel and the learner all get the
+    # same weight values ("kernel-invariant"); None keeps all 8 bits of bf16 (then only kernels that
+    # round the product to bf16, like Marlin, match exactly).
+    scale_bits: int | None = 5
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] | None = Field(default=None)
+
+    @field_validator("scale_bits")
+    @classmethod
+    def _check_scale_bits(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= 8:
+            raise ValueError(f"scale_bits must be in 1..8 (bf16 has 8 significant bits) or null, got {value}")
+        return value
 
     @field_validator("group_size")
     @classmethod

@@ -66,8 +66,14 @@ def check_weight(w: Tensor, name: str = "weight") -> None:
 
 
 # ----------------------------------------------------------------------------------------------- W4A16
+def round_significant_bits(x: Tensor, bits: int) -> Tensor:
+    """x rounded (half to even) to ``bits`` significant bits: m * 2^e with m in [0.5, 1) kept to 2^-bits."""
+    m, e = torch.frexp(x.float())
+    return torch.ldexp(torch.round(m * (1 << bits)) / (1 << bits), e)
+
+
 def quantize_w4a16(
-    w: Tensor, group_size: int = 128, symmetric: bool = True, name: str = "weight"
+    w: Tensor, group_size: int = 128, symmetric: bool = True, name: str = "weight", scale_bits: int | None = None
 ) -> QuantizedWeight:
     """INT4 per group of ``group_size`` along K, scale in bf16, for SGLang's Marlin (compressed-tensors).
 
@@ -75,6 +81,10 @@ def quantize_w4a16(
         s_b = bf16(amax_g / 7.5)              amax_g = max |w| over the group, in fp32; s_b = 1 if it is 0
         q   = clamp(round_half_even(w.float() / s_b.float()), -8, 7)
         w_fq = bf16(q * s_b)                  (= Marlin's bf16_round((u - 8) * scale_bf16), u = q + 8)
+    ``scale_bits`` (symmetric only; QuantConfig's default is 5): the scale is first rounded to that many
+    significant bits, s_b = bf16(round_significant_bits(amax_g / 7.5, scale_bits)). With 5 bits every
+    q * s_b (|q| <= 8: 4 bits) is exact in bf16, so bf16(q * s_b) = q * s_b: Marlin, an fp32 CPU int4
+    kernel and the learner compute with identical weights whatever their internal precision.
     Asymmetric (zero point z per group, both sides of 0 kept in range):
         lo = min(min_g, 0); hi = max(max_g, 0); s_b = bf16((hi - lo) / 15)
         z = clamp(round_half_even(-8 - lo / s_b), -8, 7); q = clamp(round_half_even(w / s_b) + z, -8, 7)
@@ -94,7 +104,10 @@ def quantize_w4a16(
     w_ngg = w.detach().float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
     if symmetric:
         amax_ng = w_ngg.abs().amax(dim=-1)
-        scale_ng = (amax_ng / _const(7.5, w)).to(torch.bfloat16)
+        scale_ng = amax_ng / _const(7.5, w)
+        if scale_bits is not None:
+            scale_ng = round_significant_bits(scale_ng, scale_bits)
+        scale_ng = scale_ng.to(torch.bfloat16)
         scale_ng = torch.where(scale_ng == 0, torch.ones_like(scale_ng), scale_ng)
         q = torch.round(w_ngg / scale_ng.float()[..., None]).clamp_(INT4_MIN, INT4_MAX)
         zero_ng = None
@@ -184,7 +197,7 @@ def quantize_weight(w: Tensor, cfg: QuantConfig, name: str = "weight") -> Quanti
     """Quantize ``w`` with the scheme of ``cfg`` (the single entry point of the learner and the exporter)."""
     scheme = check_scheme(cfg.scheme)
     if scheme == "w4a16":
-        return quantize_w4a16(w, cfg.group_size, cfg.symmetric, name)
+        return quantize_w4a16(w, cfg.group_size, cfg.symmetric, name, cfg.scale_bits if cfg.symmetric else None)
     if scheme == "w8a8_fp8":
         return quantize_fp8_block(w, cfg.group_size, name)
     if scheme == "w8a8_int8":
