@@ -46,7 +46,7 @@ def time_steps(arch, scheme: str, batch: int, seq: int, steps: int) -> list[floa
         tokens = torch.randint(0, arch.vocab_size, (batch, seq), generator=gen)
         mask = torch.ones(batch, seq - 1)
         t0 = time.perf_counter()
-        learner.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, int(mask.sum())))
+        learner.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, b.loss_mask_BT.numel()))
         times.append(time.perf_counter() - t0)
     return times[1:]
 
@@ -57,8 +57,8 @@ def run(steps: int) -> str:
 
     def body():
         init_parallel()
-        models = [("tiny (1.8M params, hidden 128)", Qwen3MoeArch.from_model_dir(REPO / "checkpoints/tiny-qwen3-moe"),
-                   16, 64),
+        tiny = Qwen3MoeArch.from_model_dir(REPO / "checkpoints/tiny-qwen3-moe")
+        models = [("tiny (1.8M params, hidden 128)", tiny, 16, 64),
                   ("wide (hidden 2048, FFN 768, 16 experts, 2 layers)", wide_arch(), 2, 64)]
         rows = []
         for label, arch, batch, seq in models:
@@ -72,7 +72,8 @@ def run(steps: int) -> str:
 
     rows = run_ranks(1, body)[0]
     head = ["| model | batch x seq | fake quant | median step (ms) | vs off |", "|---|---|---|---|---|"]
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    machine = f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     return "\n".join([f"Machine: {machine}; {steps} timed steps per row after 1 warm-up.", "", *head, *rows])
 
 
