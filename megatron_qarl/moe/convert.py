@@ -171,6 +171,13 @@ def load_hf_into_model(model, arch: Qwen3MoeArch, hf: Mapping[str, torch.Tensor]
         raise KeyError(f"parameters with no Hugging Face source: {sorted(missing)[:5]}")
 
 
+def peer_expert_name(name: str, pm: ParamMap, lay: Layout, n_local: int, peer_ep_rank: int) -> str:
+    """The Hugging Face name of ``name`` (one of this rank's experts) for the same local expert slot
+    on EP rank ``peer_ep_rank``: global expert e_local + ep_rank * n_local."""
+    e_local = int(pm.mcore.split("local_experts.")[1].split(".")[0])
+    return name.replace(f"experts.{e_local + lay.ep_rank * n_local}.", f"experts.{e_local + peer_ep_rank * n_local}.")
+
+
 def _gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     if size == 1:
         return [t]
@@ -180,13 +187,14 @@ def _gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True,
+                    include: Callable[[ParamMap], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: yield (Hugging Face name, full tensor) for the whole model on every rank.
 
     TP shards are all-gathered; with ``all_experts`` each EP rank's experts are all-gathered over
     the EP group too, otherwise every rank yields only its own experts (what a weight broadcaster
-    from several EP ranks needs). All ranks must iterate in step.
+    from several EP ranks needs). ``include`` selects parameters (same answer on every rank). All
+    ranks must iterate in step.
     """
     from megatron.core import parallel_state as ps
 
@@ -197,6 +205,8 @@ def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True
     params = dict(model.named_parameters())
     n_local = arch.num_experts // lay.ep
     for pm in param_maps(arch, lay.ep_rank, lay.ep):
+        if include is not None and not include(pm):
+            continue
         local = params[pm.mcore].detach()
         if pm.split not in ("fc1", "fc2"):
             shards = _gather(local, tp_group, lay.tp) if pm.split != "replicated" else [local]
@@ -206,11 +216,9 @@ def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True
         if not all_experts or lay.ep == 1:
             yield from full.items()
             continue
-        e_local = int(pm.mcore.split("local_experts.")[1].split(".")[0])
-        mine = f"experts.{e_local + lay.ep_rank * n_local}."
         for name, tensor in full.items():
             for r, t in enumerate(_gather(tensor, ep_group, lay.ep)):
-                yield name.replace(mine, f"experts.{e_local + r * n_local}."), t
+                yield peer_expert_name(name, pm, lay, n_local, r), t
 
 
 def save_hf(state: Mapping[str, torch.Tensor], model_dir: str | Path, out_dir: str | Path) -> None:

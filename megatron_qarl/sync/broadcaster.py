@@ -1,0 +1,226 @@
+"""The distributed-broadcast transport: learner rank 0 pushes weights to SGLang-protocol servers.
+
+One sync, as SGLang and its RL trainers do it:
+    pause_generation -> flush_cache -> per bucket: POST /update_weights_from_distributed to every
+    engine (names, dtypes, shapes, in order) while broadcasting each tensor from rank 0 in that same
+    order -> continue_generation; every sync carries a new weight_version.
+The weight-update group is the one SGLang expects: the trainer is rank 0, engine i joins with
+rank_offset = 1 + the ranks of the engines before it, world_size = 1 + all engine ranks; gloo on
+CPU, NCCL on GPUs. All learner ranks call `sync` (the payload is gathered collectively); only rank 0
+talks to the servers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import time
+from collections.abc import Iterable
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from megatron_qarl.sync.payload import iter_sync_tensors
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16",
+               torch.int32: "int32", torch.int8: "int8", torch.uint8: "uint8", torch.float8_e4m3fn: "float8_e4m3fn"}
+
+
+class SyncError(RuntimeError):
+    """A weight sync failed; the message names the server."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    url: str  # http://host:port
+    ranks: int = 1  # the engine's tensor-parallel ranks in the weight group
+    api_key: str | None = None
+
+
+@dataclasses.dataclass
+class SyncReport:
+    weight_version: str
+    tensors: int
+    bytes: int
+    buckets: int
+    seconds: float
+    checksums: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor's raw bytes (C-contiguous, as broadcast)."""
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class DistributedBroadcaster:
+    """Weight sync over a torch.distributed broadcast group (one per set of engines)."""
+
+    def __init__(self, engines: Iterable[Engine], *, master_addr: str = "127.0.0.1", master_port: int = 0,
+                 backend: str | None = None, bucket_bytes: int = 512 << 20, group_name: str = "weight_update_group",
+                 dtype: torch.dtype = torch.bfloat16, timeout_s: float = 300.0, verify: bool = False):
+        from megatron_qarl.moe.parallelize import free_port
+
+        self.engines = list(engines)
+        self.master_addr, self.master_port = master_addr, master_port or free_port()
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.bucket_bytes, self.group_name, self.dtype = bucket_bytes, group_name, dtype
+        self.timeout_s, self.verify = timeout_s, verify
+        self.group = None
+        self.version = 0
+        self._is_sender = not dist.is_initialized() or dist.get_rank() == 0
+
+    # --------------------------------------------------------------------------------------- HTTP
+    def _post(self, engine: Engine, path: str, payload: dict | None = None) -> dict:
+        headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else {}
+        try:
+            r = httpx.post(engine.url + path, json=payload or {}, headers=headers, timeout=self.timeout_s)
+        except httpx.HTTPError as err:
+            raise SyncError(f"{engine.url}{path}: {type(err).__name__}: {err}") from None
+        if r.status_code >= 400:
+            raise SyncError(f"{engine.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json() if r.content else {}
+
+    def _start_all(self, path: str, payloads: list[dict]) -> _Calls:
+        """POST to every engine concurrently; the calls block server-side until the broadcasts end."""
+        calls = _Calls(self, path, payloads)
+        calls.start()
+        return calls
+
+    # ------------------------------------------------------------------------------------ group
+    def connect(self) -> None:
+        """Create the weight-update group with every engine (learner rank 0 only)."""
+        if not self._is_sender or self.group is not None:
+            return
+        from megatron_qarl.rollout.weight_sync import init_custom_process_group
+
+        world = 1 + sum(e.ranks for e in self.engines)
+        offsets = [1 + sum(e.ranks for e in self.engines[:i]) for i in range(len(self.engines))]
+        calls = self._start_all("/init_weights_update_group", [
+            {"master_address": self.master_addr, "master_port": self.master_port, "rank_offset": off,
+             "world_size": world, "group_name": self.group_name, "backend": self.backend} for off in offsets])
+        self.group = init_custom_process_group(
+            backend=self.backend, init_method=f"tcp://{self.master_addr}:{self.master_port}", world_size=world,
+            rank=0, group_name=self.group_name)
+        calls.join()
+
+    def close(self) -> None:
+        if self.group is None:
+            return
+        for engine in self.engines:
+            try:
+                self._post(engine, "/destroy_weights_update_group", {"group_name": self.group_name})
+            except SyncError:
+                pass  # a dead server has nothing to destroy
+        dist.destroy_process_group(self.group)
+        self.group = None
+
+    # ------------------------------------------------------------------------------------- sync
+    def sync(self, learner) -> SyncReport | None:
+        """Push the learner's current weights (collective over learner ranks; rank 0 reports)."""
+        start = time.perf_counter()
+        self.version += 1
+        version = f"v{self.version}"
+        if self._is_sender:
+            self.connect()
+            for engine in self.engines:
+                self._post(engine, "/pause_generation", {})
+                self._flush(engine)
+        report = SyncReport(version, 0, 0, 0, 0.0)
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in iter_sync_tensors(learner, self.dtype):
+            if not self._is_sender:
+                continue
+            bucket.append((name, tensor.contiguous()))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                self._send(bucket, version, report)
+                bucket, size = [], 0
+        if not self._is_sender:
+            return None
+        if bucket:
+            self._send(bucket, version, report)
+        for engine in self.engines:
+            self._post(engine, "/continue_generation", {})
+        if self.verify:
+            self._verify(report)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _flush(self, engine: Engine, tries: int = 50) -> None:
+        for _ in range(tries):  # 400 while requests are still pending: retry, as trainers do
+            try:
+                self._post(engine, "/flush_cache")
+                return
+            except SyncError as err:
+                if "HTTP 400" not in str(err):
+                    raise
+                time.sleep(0.1)
+        raise SyncError(f"{engine.url}/flush_cache: still busy after {tries} tries")
+
+    def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str, report: SyncReport) -> None:
+        payload = {"names": [n for n, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
+                   "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                   "flush_cache": True, "weight_version": version}
+        calls = self._start_all("/update_weights_from_distributed", [payload] * len(self.engines))
+        try:
+            for name, tensor in bucket:
+                dist.broadcast(tensor, src=0, group=self.group)
+                report.bytes += tensor.numel() * tensor.element_size()
+                report.tensors += 1
+                if self.verify:
+                    report.checksums[name] = tensor_sha256(tensor)
+        except Exception as err:  # a peer died mid-broadcast: say which servers did not answer
+            calls.join(timeout=5.0, cause=err)
+            raise
+        calls.join()
+        report.buckets += 1
+
+    def _verify(self, report: SyncReport) -> None:
+        """Each server reports sha256 checksums of what it holds; they must equal what was sent."""
+        for engine in self.engines:
+            headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else {}
+            r = httpx.get(engine.url + "/weights_checksum", headers=headers, timeout=self.timeout_s)
+            if r.status_code >= 400:
+                raise SyncError(f"{engine.url}/weights_checksum: HTTP {r.status_code}: {r.text[:200]}")
+            held = r.json().get("checksums", r.json())
+            wrong = [n for n, h in report.checksums.items() if held.get(n) != h]
+            if wrong:
+                raise SyncError(f"{engine.url}: {len(wrong)} tensors differ after sync, e.g. {wrong[:3]}")
+
+
+class _Calls:
+    """Concurrent POSTs to all engines, joined after the broadcasts."""
+
+    def __init__(self, owner: DistributedBroadcaster, path: str, payloads: list[dict]):
+        self.owner, self.path = owner, path
+        self.results: list = [None] * len(owner.engines)
+        self.threads = [threading.Thread(target=self._call, args=(i, e, p), daemon=True)
+                        for i, (e, p) in enumerate(zip(owner.engines, payloads, strict=True))]
+
+    def _call(self, i: int, engine: Engine, payload: dict) -> None:
+        try:
+            self.results[i] = self.owner._post(engine, self.path, payload)
+        except SyncError as err:
+            self.results[i] = err
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float | None = None, cause: BaseException | None = None) -> list[dict]:
+        for t in self.threads:
+            t.join(timeout if timeout is not None else self.owner.timeout_s)
+        problems = []
+        for engine, result in zip(self.owner.engines, self.results, strict=True):
+            if isinstance(result, SyncError):
+                problems.append(str(result))
+            elif result is None:
+                problems.append(f"{engine.url}{self.path}: no answer")
+            elif result.get("success") is False:
+                problems.append(f"{engine.url}{self.path}: refused: {result.get('message')}")
+        if problems:
+            raise SyncError("; ".join(problems)) from cause
+        return self.results

@@ -1,0 +1,56 @@
+"""What a weight sync sends: the learner's weights in the rollout server's checkpoint format.
+
+Collective over all learner ranks (every rank iterates in step); rank 0 receives every tensor:
+  - weights the quant config leaves in high precision: TP shards all-gathered, every EP rank's
+    experts all-gathered, cast to the server's dtype, under Hugging Face names;
+  - quantized weights: the integer codes and scales of qat/'s one quantizer, taken from the learner's
+    fake-quant cache (the very call its forward used), in SGLang's format (weight_packed /
+    weight_scale / weight_shape for W4A16, weight + weight_scale(_inv) for W8A8); each EP rank
+    contributes its own experts' codes, all-gathered to rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_qarl.moe.convert import Layout, ParamMap, iter_hf_tensors, peer_expert_name
+from megatron_qarl.qat.export import to_sglang_tensors
+
+
+def _gather_ep(t: torch.Tensor, lay: Layout) -> list[torch.Tensor]:
+    from megatron.core import parallel_state as ps
+
+    if lay.ep == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(lay.ep)]
+    dist.all_gather(out, t.contiguous(), group=ps.get_expert_model_parallel_group())
+    return out
+
+
+def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in the server's checkpoint format, in one fixed order (collective)."""
+    fq = learner.fake_quant
+    quantized = {t.pm.mcore for t in fq.targets} if fq else set()
+
+    def high_precision(pm: ParamMap) -> bool:
+        return pm.mcore not in quantized
+
+    for name, tensor in iter_hf_tensors(learner.module, learner.arch, include=high_precision):
+        yield name, tensor.to(dtype)
+    if not fq:
+        return
+    lay = fq.layout
+    n_local = learner.arch.num_experts // lay.ep
+    for t in fq.targets:
+        fq._refresh(t)
+        for hf_name, qw in t.quantized.items():
+            tensors = to_sglang_tensors(hf_name.removesuffix(".weight"), qw)
+            if t.pm.split not in ("fc1", "fc2"):
+                yield from tensors.items()
+                continue
+            for name, tensor in tensors.items():
+                for r, peer in enumerate(_gather_ep(tensor, lay)):
+                    yield peer_expert_name(name, t.pm, lay, n_local, r), peer
