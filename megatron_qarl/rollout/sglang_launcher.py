@@ -1,0 +1,96 @@
+"""Start real SGLang servers on GPU nodes: `python -m sglang.launch_server` with the flags each
+quantization scheme and layout needs. SGLang is a GPU-only optional extra; only the command line is
+built here (and tested on CPU machines), the process is started only where SGLang is installed.
+
+Offline-quantized checkpoints (from `qarl quantize` or the learner's export) carry their
+``quantization_config`` in config.json, which SGLang reads by itself: no --quantization flag is
+passed for them (adding one would override the checkpoint's). BF16 checkpoints run as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SGLangServerSpec:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+    mem_fraction_static: float | None = None
+    context_length: int | None = None
+    api_key: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of node 0, multi-node only
+    random_seed: int | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+def checkpoint_scheme(model_path: str | Path) -> str:
+    """The scheme a checkpoint was exported in, from its config.json quantization_config."""
+    cfg_path = Path(model_path) / "config.json"
+    try:
+        qcfg = json.loads(cfg_path.read_text()).get("quantization_config")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{cfg_path}: not found (expected a Hugging Face model directory)") from None
+    if not qcfg:
+        return "bf16"
+    method = qcfg.get("quant_method")
+    if method == "compressed-tensors":
+        return "w4a16"
+    if method == "fp8":
+        return "w8a8_fp8"
+    if method == "w8a8_int8":
+        return "w8a8_int8"
+    raise ValueError(f"{cfg_path}: quantization_config.quant_method {method!r} is not one of ours")
+
+
+def launch_command(spec: SGLangServerSpec, python: str = sys.executable) -> list[str]:
+    """The argv that starts one SGLang server (one node of it when nnodes > 1)."""
+    if spec.tp < 1 or spec.ep < 1 or spec.dp < 1:
+        raise ValueError(f"tp, ep, dp must be >= 1, got tp={spec.tp} ep={spec.ep} dp={spec.dp}")
+    if spec.ep > spec.tp * spec.dp:
+        raise ValueError(f"ep_size {spec.ep} cannot exceed the server's GPUs tp*dp={spec.tp * spec.dp}")
+    if spec.nnodes > 1 and not spec.dist_init_addr:
+        raise ValueError("dist_init_addr (host:port of node 0) is required when nnodes > 1")
+    checkpoint_scheme(spec.model_path)  # fails early on a missing or foreign checkpoint
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(spec.model_path), "--host", spec.host,
+           "--port", str(spec.port), "--tp-size", str(spec.tp)]
+    if spec.ep > 1:
+        cmd += ["--ep-size", str(spec.ep)]
+    if spec.dp > 1:
+        cmd += ["--dp-size", str(spec.dp)]
+    if spec.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
+    if spec.context_length is not None:
+        cmd += ["--context-length", str(spec.context_length)]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
+    if spec.nnodes > 1:
+        cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
+                "--dist-init-addr", spec.dist_init_addr]
+    if spec.random_seed is not None:
+        cmd += ["--random-seed", str(spec.random_seed)]
+    return cmd + list(spec.extra_args)
+
+
+def sglang_available() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+def start_server(spec: SGLangServerSpec, log_path: str | Path) -> subprocess.Popen:
+    """Start the server process (GPU machines with the `gpu` extra installed)."""
+    if not sglang_available():
+        raise RuntimeError("sglang is not installed: `pip install -e .[gpu]` on a CUDA machine, or use "
+                           "`qarl serve` (the embedded CPU server) instead")
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
+    return subprocess.Popen(launch_command(spec), stdout=log, stderr=subprocess.STDOUT)
