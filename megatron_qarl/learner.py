@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_qarl.algo.policy_loss import PolicyLossConfig, loss_normalizer, policy_loss
 from megatron_qarl.config import OptimConfig, ParallelConfig
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
 from megatron_qarl.qat.config import QuantConfig
@@ -95,6 +96,21 @@ class Learner:
         ce_BS = self.model(padded, position_ids, causal_mask(s), labels=labels)
         return -ce_BS[:, : seq - 1].float()
 
+    @torch.no_grad()
+    def forward_logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """The aligned forward (fake quant on when configured): logp [B, S-1] of the whole batch on
+        every rank; each data-parallel rank computes its slice, then they are all-gathered."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        self.model.eval()
+        mine = self.logprobs(tokens_BS[self.my_rows(tokens_BS.shape[0])])
+        if self.dp_size == 1:
+            return mine
+        parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(parts, mine.contiguous(), group=ps.get_data_parallel_group())
+        return torch.cat(parts)
+
     def my_rows(self, batch_size: int) -> slice:
         """The responses this data-parallel rank trains on (contiguous, equal split)."""
         if batch_size % self.dp_size:
@@ -154,6 +170,19 @@ class Learner:
         if self.dp_size > 1:
             dist.all_reduce(v, group=ps.get_data_parallel_group())
         return v.item()
+
+
+def policy_loss_fn(cfg: PolicyLossConfig, batch: Batch) -> LossFn:
+    """algo/'s policy loss for `Learner.train_step`. ``batch.extra`` holds adv_B, logp_old_BT and
+    logp_sampler_BT (aligned with loss_mask_BT); the normaliser is the whole batch's, so the
+    data-parallel shares add up to the global loss."""
+    normalizer = loss_normalizer(batch.loss_mask_BT, cfg)
+
+    def loss_fn(logp_BT: torch.Tensor, b: Batch) -> tuple[torch.Tensor, dict]:
+        return policy_loss(logp_BT, b.extra["logp_old_BT"], b.extra["logp_sampler_BT"], b.loss_mask_BT,
+                           b.extra["adv_B"], cfg, normalizer=normalizer)
+
+    return loss_fn
 
 
 def token_mean_nll(logp_BT: torch.Tensor, batch: Batch, total_tokens: int) -> tuple[torch.Tensor, dict]:
