@@ -1,0 +1,123 @@
+"""G samples per prompt from a set of SGLang-protocol servers, with failover.
+
+Every (prompt, sample) pair is one /generate request with its own sampling_seed (derived from the
+run seed, the step, the prompt and the sample index, so a rerun draws the same samples). Requests go
+to the live server with the fewest in flight. When a server fails (connection refused, timeout, 5xx
+after the client's retries) it is marked dead, handed to the optional ``restart`` callback, and its
+unfinished requests are sent again to the others: no prompt is lost, and ``resent`` counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from collections.abc import Awaitable, Callable, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from megatron_qarl.rollout.client import RolloutServerError, SGLangClient
+
+
+class SamplingConfig(BaseModel):
+    """How responses are sampled (``rollout.sampling`` in the run config)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_samples: int = Field(8, ge=1, description="G: responses per prompt (a GRPO group)")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1: off")
+    max_new_tokens: int = Field(48, ge=1)
+
+    def params(self, seed: int, stop_token_ids: Sequence[int]) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_new_tokens": self.max_new_tokens, "stop_token_ids": list(stop_token_ids),
+                "sampling_seed": seed}
+
+
+@dataclasses.dataclass
+class Sample:
+    """One response: token ids and the sampler's log-prob of each (the stop token included)."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logp_sampler: list[float]
+    finish_reason: str
+    weight_version: str | None
+    server: str
+
+
+def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt_index}:{sample_index}".encode(), digest_size=4)
+    return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
+
+
+def parse_response(resp: dict, prompt_index: int, sample_index: int, prompt_ids: list[int], server: str) -> Sample:
+    """SGLang's /generate answer -> Sample (token ids from output_token_logprobs: stop token kept)."""
+    meta = resp["meta_info"]
+    triples = meta.get("output_token_logprobs")
+    if triples is None:
+        raise RolloutServerError(f"{server}: /generate answered without output_token_logprobs")
+    return Sample(prompt_index, sample_index, list(prompt_ids), [int(t[1]) for t in triples],
+                  [float(t[0]) for t in triples], meta["finish_reason"]["type"], meta.get("weight_version"), server)
+
+
+class RolloutManager:
+    """Fans a batch of prompts out to the servers and gathers G samples each."""
+
+    def __init__(self, clients: Sequence[SGLangClient], sampling: SamplingConfig, stop_token_ids: Sequence[int],
+                 *, seed: int = 0, restart: Callable[[int], Awaitable[SGLangClient | None]] | None = None):
+        if not clients:
+            raise ValueError("rollout: at least one server is needed")
+        self.clients = list(clients)
+        self.alive = [True] * len(self.clients)
+        self.in_flight = [0] * len(self.clients)
+        self.assigned = [0] * len(self.clients)
+        self.sampling, self.stop_token_ids, self.seed = sampling, list(stop_token_ids), seed
+        self.restart = restart
+        self.resent = 0
+        self.server_failures = 0
+
+    def _pick(self) -> int:
+        live = [i for i, ok in enumerate(self.alive) if ok]
+        if not live:
+            raise RolloutServerError("rollout: every server is down")
+        i = min(live, key=lambda i: (self.in_flight[i], self.assigned[i]))  # ties: the least used so far
+        self.assigned[i] += 1
+        return i
+
+    async def _fail(self, i: int) -> None:
+        if not self.alive[i]:
+            return
+        self.alive[i] = False
+        self.server_failures += 1
+        if self.restart is not None:
+            client = await self.restart(i)
+            if client is not None:
+                self.clients[i], self.alive[i] = client, True
+
+    async def _one(self, step: int, p: int, j: int, prompt_ids: list[int]) -> Sample:
+        params = self.sampling.params(sample_seed(self.seed, step, p, j), self.stop_token_ids)
+        while True:
+            i = self._pick()
+            self.in_flight[i] += 1
+            try:
+                resp = await self.clients[i].generate(prompt_ids, params, return_logprob=True)
+                return parse_response(resp, p, j, prompt_ids, self.clients[i].url)
+            except RolloutServerError as err:
+                if err.status is not None and err.status < 500:
+                    raise  # our request is wrong: re-sending cannot help
+                await self._fail(i)
+                self.resent += 1
+            finally:
+                self.in_flight[i] -= 1
+
+    async def generate(self, prompts: Sequence[list[int]], step: int) -> list[list[Sample]]:
+        """G samples for every prompt, grouped per prompt in order."""
+        n = self.sampling.n_samples
+        samples = await asyncio.gather(*(self._one(step, p, j, ids) for p, ids in enumerate(prompts)
+                                         for j in range(n)))
+        return [list(samples[p * n:(p + 1) * n]) for p in range(len(prompts))]

@@ -1,0 +1,80 @@
+"""G samples per prompt from several servers; a server that dies loses no prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from megatron_qarl.rollout.client import ClientConfig, RolloutServerError, SGLangClient
+from megatron_qarl.rollout.manager import RolloutManager, SamplingConfig, sample_seed
+
+
+def _server(name: str, die_after: int | None = None):
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if die_after is not None and len(seen) >= die_after:
+            raise httpx.ConnectError(f"{name} is down")
+        body = json.loads(request.content)
+        seen.append(body)
+        seed = body["sampling_params"]["sampling_seed"]
+        out = [seed % 7 + 4, 1]  # two tokens: something, then eos
+        return httpx.Response(200, json={"text": "", "output_ids": out, "meta_info": {
+            "finish_reason": {"type": "stop"}, "weight_version": "v3",
+            "output_token_logprobs": [[-0.5, out[0], None], [-0.1, out[1], None]]}})
+
+    client = SGLangClient(f"http://{name}", transport=httpx.MockTransport(handler),
+                          config=ClientConfig(retries=1, backoff_s=0.0))
+    return client, seen
+
+
+def test_every_prompt_gets_g_samples_with_distinct_seeds():
+    a, seen_a = _server("a")
+    b, seen_b = _server("b")
+    mgr = RolloutManager([a, b], SamplingConfig(n_samples=4, max_new_tokens=8), stop_token_ids=[1], seed=9)
+    groups = asyncio.run(mgr.generate([[5, 6], [7, 8, 9], [10]], step=2))
+    assert [len(g) for g in groups] == [4, 4, 4]
+    assert len(seen_a) + len(seen_b) == 12 and seen_a and seen_b  # both servers used
+    for p, group in enumerate(groups):
+        for j, s in enumerate(group):
+            assert (s.prompt_index, s.sample_index) == (p, j)
+            assert s.response_ids == [sample_seed(9, 2, p, j) % 7 + 4, 1] and s.logp_sampler == [-0.5, -0.1]
+            assert s.weight_version == "v3" and s.finish_reason == "stop"
+    params = (seen_a + seen_b)[0]["sampling_params"]
+    assert params["stop_token_ids"] == [1] and params["max_new_tokens"] == 8
+
+
+def test_a_server_dying_mid_rollout_loses_no_prompt():
+    a, _ = _server("a")
+    b, seen_b = _server("b", die_after=3)
+    mgr = RolloutManager([a, b], SamplingConfig(n_samples=8), stop_token_ids=[1])
+    prompts = [[i + 4] for i in range(16)]
+    groups = asyncio.run(mgr.generate(prompts, step=0))
+    assert sum(len(g) for g in groups) == 16 * 8
+    assert {(s.prompt_index, s.sample_index) for g in groups for s in g} == {(p, j) for p in range(16)
+                                                                           for j in range(8)}
+    assert mgr.alive == [True, False] and mgr.server_failures == 1 and mgr.resent >= 1
+    servers = [s.server for g in groups for s in g]
+    assert servers.count("http://b") == len(seen_b) == 3 and servers.count("http://a") == 16 * 8 - 3
+
+
+def test_restart_callback_brings_a_server_back():
+    a, _ = _server("a", die_after=0)
+    replacement, seen = _server("a2")
+
+    async def restart(i):
+        return replacement
+
+    mgr = RolloutManager([a], SamplingConfig(n_samples=2), stop_token_ids=[1], restart=restart)
+    groups = asyncio.run(mgr.generate([[4]], step=0))
+    assert len(groups[0]) == 2 and len(seen) == 2 and mgr.alive == [True]
+
+
+def test_all_servers_down_is_an_error():
+    a, _ = _server("a", die_after=0)
+    mgr = RolloutManager([a], SamplingConfig(n_samples=1), stop_token_ids=[1])
+    with pytest.raises(RolloutServerError, match="every server is down"):
+        asyncio.run(mgr.generate([[4]], step=0))
