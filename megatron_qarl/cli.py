@@ -18,6 +18,7 @@ SUBCOMMANDS: list[str] = [
     "megatron_qarl.moe.verify",  # qarl convert verify
     "megatron_qarl.data.evaluate",  # qarl eval
     "megatron_qarl.qat.cli",  # qarl quantize
+    "megatron_qarl.plan_cli",  # qarl plan
 ]
 
 

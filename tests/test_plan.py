@@ -1,0 +1,193 @@
+"""`qarl plan`: parameter counts and checkpoint bytes of Qwen3-30B-A3B against the published figures, the
+byte counting against real exported checkpoints of the tiny model, layout validation, the learner and
+rollout memory formulas, and the command's text and JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_qarl import cli, plan_cli
+from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.plan import (
+    GIB,
+    LayoutError,
+    LearnerLayout,
+    ServerLayout,
+    activation_bytes,
+    check_learner_layout,
+    check_server_layout,
+    hf_tensors,
+    kv_bytes_per_token,
+    learner_memory,
+    param_counts,
+    rollout_memory,
+    rollout_weight_bytes,
+)
+from megatron_qarl.qat.config import QuantConfig
+from megatron_qarl.qat.export import iter_safetensors, quantize_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN3_30B = REPO / "configs" / "models" / "qwen3-30b-a3b"
+W4A16 = QuantConfig(scheme="w4a16")
+
+
+@pytest.fixture(scope="module")
+def big() -> Qwen3MoeArch:
+    return Qwen3MoeArch.from_model_dir(QWEN3_30B)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> Qwen3MoeArch:
+    return Qwen3MoeArch.from_model_dir(tiny_model_dir)
+
+
+def test_qwen3_30b_config_is_the_published_architecture(big):
+    shape = (big.num_hidden_layers, big.hidden_size, big.num_attention_heads, big.num_key_value_heads)
+    assert shape == (48, 2048, 32, 4)
+    assert (big.head_dim, big.num_experts, big.num_experts_per_tok, big.moe_intermediate_size) == (128, 128, 8, 768)
+    assert (big.vocab_size, big.rope_theta, big.max_position_embeddings) == (151936, 1e6, 40960)
+    assert not big.tie_word_embeddings and big.rms_norm_eps == 1e-6
+
+
+@pytest.mark.parametrize(("scheme", "published_gib"), [("bf16", 56.88), ("w4a16", 16.89)])
+def test_rollout_weights_match_published_figures(big, scheme, published_gib):
+    gib = rollout_weight_bytes(big, QuantConfig(scheme=scheme)) / GIB
+    assert abs(gib - published_gib) / published_gib < 0.02, f"{scheme}: {gib:.2f} GiB vs published {published_gib}"
+
+
+def test_w4a16_counting_needs_bf16_rest_and_scales(big):
+    """Why the 16.89 GiB figure pins the counting: dropping the BF16 non-expert tensors or the scales misses it."""
+    p = param_counts(big)
+    packed = p["experts"] / 2
+    rest = (p["total"] - p["experts"]) * 2
+    full = rollout_weight_bytes(big, W4A16)
+    scales = full - packed - rest - 8 * 3 * big.num_experts * big.num_hidden_layers  # minus weight_shape tensors
+    assert scales == 2 * p["experts"] // 128  # one bf16 scale per group of 128 weights
+    assert abs((packed + rest) / GIB - 16.89) / 16.89 > 0.02
+    assert abs((packed + scales) / GIB - 16.89) / 16.89 > 0.02
+    zero_points = rollout_weight_bytes(big, QuantConfig(scheme="w4a16", symmetric=False)) - full
+    assert zero_points == p["experts"] // 128 // 2  # one int4 zero point per group: the 0.10 GiB left to 16.89
+
+
+def test_param_counts_qwen3_30b(big):
+    p = param_counts(big)
+    assert abs(p["total"] / 30.5e9 - 1) < 0.01  # "30.5B total"
+    assert abs(p["active"] / 3.3e9 - 1) < 0.03  # "3.3B activated"
+    h, d, a, g = 2048, 128, 32, 4
+    assert p["attention_per_layer"] == h * a * d * 2 + h * g * d * 2 + 2 * d
+    assert p["experts"] == 48 * 128 * 3 * h * 768
+    assert p["embedding"] == p["lm_head"] == 151936 * h
+    parts = ("embedding", "lm_head", "attention", "router", "experts", "norms")
+    assert sum(p[k] for k in parts) == p["total"]
+    assert p["active"] == p["total"] - p["experts"] * 120 // 128
+
+
+def test_tensors_and_bf16_bytes_equal_the_tiny_checkpoint(tiny, tiny_model_dir):
+    real = {name: t for name, t in iter_safetensors(tiny_model_dir)}
+    assert {t.name: t.shape for t in hf_tensors(tiny)} == {n: tuple(t.shape) for n, t in real.items()}
+    assert rollout_weight_bytes(tiny, QuantConfig()) == sum(t.numel() * 2 for t in real.values())
+    elem = {t.element_size() for t in real.values()}.pop()  # the committed checkpoint is stored in one dtype
+    assert rollout_weight_bytes(tiny, QuantConfig(), elem) == sum(t.numel() * elem for t in real.values())
+
+
+@pytest.mark.parametrize(
+    ("scheme", "symmetric"), [("w4a16", True), ("w4a16", False), ("w8a8_fp8", True), ("w8a8_int8", True)]
+)
+def test_quantized_bytes_equal_the_exported_checkpoint(tiny, tiny_model_dir, tmp_path, scheme, symmetric):
+    out = quantize_checkpoint(tiny_model_dir, scheme, tmp_path / scheme, symmetric=symmetric)
+    tensors = dict(iter_safetensors(out))
+    real = sum(t.numel() * t.element_size() for t in tensors.values())
+    passthrough = {t.element_size() for n, t in tensors.items() if n.endswith("norm.weight")}.pop()
+    assert rollout_weight_bytes(tiny, QuantConfig(scheme=scheme, symmetric=symmetric), passthrough) == real
+
+
+def test_learner_layouts_rejected_with_a_reason(big):
+    with pytest.raises(LayoutError, match=r"ep=3 does not divide the 128 experts"):
+        learner_memory(big, W4A16, LearnerLayout(gpus=24, tp=1, ep=3), micro_batch_tokens=1024)
+    with pytest.raises(LayoutError, match=r"tp=8 must divide .* 4 KV groups"):
+        check_learner_layout(big, LearnerLayout(gpus=16, tp=8, ep=2))
+    with pytest.raises(LayoutError, match=r"multiple of tp=4 and of ep\*etp=16"):
+        check_learner_layout(big, LearnerLayout(gpus=8, tp=4, ep=16))
+
+
+def test_server_layouts_rejected_with_a_reason(big):
+    with pytest.raises(LayoutError, match=r"ep=6 does not divide the 128 experts"):
+        check_server_layout(big, W4A16, ServerLayout(tp=6, ep=6))
+    with pytest.raises(LayoutError, match=r"ep must divide tp"):
+        check_server_layout(big, W4A16, ServerLayout(tp=2, ep=4))
+    with pytest.raises(LayoutError, match=r"768/4 is not a multiple of the w4a16 group/block 128"):
+        check_server_layout(big, W4A16, ServerLayout(tp=4, ep=1))
+    check_server_layout(big, QuantConfig(), ServerLayout(tp=4, ep=1))  # BF16 experts split anywhere
+    check_server_layout(big, QuantConfig(scheme="w8a8_int8"), ServerLayout(tp=8, ep=1))  # per channel
+
+
+def test_learner_memory_formulas(big):
+    lay = LearnerLayout(gpus=16, tp=4, ep=8)
+    assert (lay.etp, lay.dp, lay.edp, lay.sp) == (1, 4, 2, True)
+    full = learner_memory(big, QuantConfig(), lay, micro_batch_tokens=8192, distributed_optimizer=False)
+    dist = learner_memory(big, QuantConfig(), lay, micro_batch_tokens=8192)
+    assert full["gradients"] == pytest.approx(2 * full["weights"], abs=2)
+    assert full["optimizer"] == pytest.approx(6 * full["weights"], abs=6)
+    assert dist["optimizer"] < full["optimizer"] / 2 and full["qat_cache"] == 0
+    qat = learner_memory(big, W4A16, lay, micro_batch_tokens=8192)
+    local_experts = param_counts(big)["experts"] / 8
+    assert qat["qat_cache"] == pytest.approx(3 * local_experts + 2 * local_experts / 128, rel=1e-5)  # + shapes
+    assert qat["total"] == sum(v for k, v in qat.items() if k != "total")
+    assert activation_bytes(big, lay, 8192, recompute=True) < activation_bytes(big, lay, 8192) / 4
+    assert activation_bytes(big, lay, 16384) == pytest.approx(2 * activation_bytes(big, lay, 8192), rel=1e-6)
+
+
+def test_rollout_kv_cache_and_pool(big):
+    assert kv_bytes_per_token(big, 1) == 2 * 48 * 4 * 128 * 2
+    assert kv_bytes_per_token(big, 4) == kv_bytes_per_token(big, 8) == 2 * 48 * 1 * 128 * 2  # replicated beyond g
+    gpu = int(80 * GIB)
+    mem = rollout_memory(big, W4A16, ServerLayout(tp=1), gpu_bytes=gpu, mem_fraction_static=0.8,
+                         concurrent_seqs=16, seq_len=9216)
+    assert mem.weights == rollout_weight_bytes(big, W4A16)
+    assert mem.kv_pool == int(0.8 * gpu) - mem.weights
+    assert mem.kv_tokens == mem.kv_pool // kv_bytes_per_token(big, 1)
+    assert mem.fits and mem.fits_all == (mem.kv_pool >= 16 * 9216 * kv_bytes_per_token(big, 1))
+    bf16 = rollout_memory(big, QuantConfig(), ServerLayout(tp=1), gpu_bytes=gpu, mem_fraction_static=0.7,
+                          concurrent_seqs=16, seq_len=9216)
+    assert not bf16.fits  # 56.9 GiB of BF16 weights leave no KV room in 70% of 80 GiB
+
+
+def _run_plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="qarl")
+    plan_cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_text_and_json(big, capsys):
+    assert _run_plan(["plan", "--model", str(QWEN3_30B), "--nodes", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["rollout_checkpoint_gib"] == {
+        "bf16": round(rollout_weight_bytes(big, QuantConfig()) / GIB, 2),
+        "w4a16": round(rollout_weight_bytes(big, W4A16) / GIB, 2),
+    }
+    (cluster,) = plan["clusters"]
+    assert [p["placement"] for p in cluster["placements"]] == ["colocated", "split 1+1"]
+    usable = plan["config"]["cluster"]["gpu_gib"] - plan["config"]["cluster"]["reserve_gib"]
+    for pl in cluster["placements"]:
+        assert all(r["fits"] == (r["total_gib"] <= usable + 0.01) for r in pl["learner"])
+        assert all(r["tp"] != 8 for r in pl["learner"])  # 4 KV groups: Megatron cannot use TP 8
+        assert pl["fits"] == (any(r["fits"] for r in pl["learner"]) and any(r["fits"] for r in pl["rollout"]))
+    assert _run_plan(["plan", "--model", str(QWEN3_30B), "--nodes", "2", "--scheme", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "rollout checkpoint: bf16 56.87 GiB" in text and "== 2 x 8 GPUs ==" in text
+    assert "learner layouts that fit:" in text and "colocated: learner on 16 GPUs" in text
+
+
+def test_cli_errors(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, "megatron_qarl.plan_cli"])
+    assert cli.main(["plan", "--model", str(QWEN3_30B), "--scheme", "w3"]) == 2
+    assert "--scheme: unknown scheme 'w3'" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", str(QWEN3_30B), "--mem-fraction-static", "1.5"]) == 2
+    assert "--mem-fraction-static" in capsys.readouterr().err
