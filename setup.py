@@ -23,6 +23,7 @@ INSTALL_REQUIRES = [
     "tqdm>=4.66",
     "matplotlib>=3.9",
     "numpy>=1.26",
+    "pyarrow>=15",
 ]
 
 EXTRAS = {

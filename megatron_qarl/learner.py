@@ -45,7 +45,7 @@ class Learner:
     """One rank's shard of the policy with its optimizer (parallel state must be initialised)."""
 
     def __init__(self, arch: Qwen3MoeArch, parallel: ParallelConfig, optim: OptimConfig,
-                 dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None):
+                 dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None, aligned: bool = True):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -54,8 +54,10 @@ class Learner:
         self.parallel = parallel
         self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
                                   dispatcher=parallel.dispatcher)
-        # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights
-        self.fake_quant = apply_fake_quant(self.module, arch, quant) if quant and quant.enabled else None
+        # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
+        # the same quantizer only produces what the rollout servers load
+        self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned)
+                           if quant and quant.enabled else None)
         self.model = DistributedDataParallel(
             self.module.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

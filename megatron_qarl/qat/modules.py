@@ -59,7 +59,8 @@ def _gather(t: Tensor, group, size: int) -> list[Tensor]:
 class FakeQuant:
     """The hooks on one rank's model; `remove()` takes them off."""
 
-    def __init__(self, model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, layout: Layout | None = None):
+    def __init__(self, model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, layout: Layout | None = None,
+                 forward: bool = True):
         from megatron.core import parallel_state as ps
 
         if not cfg.enabled:
@@ -85,8 +86,9 @@ class FakeQuant:
             target = _Target(pm, module, module.weight, group if size > 1 else None, size, rank,
                              _LINEAR_SPLITS[pm.split])
             self.targets.append(target)
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(target)))
-            self._handles.append(module.register_forward_hook(self._post_hook(target), always_call=True))
+            if forward:  # else: quantize for export only (a BF16 learner feeding a low-bit rollout)
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(target)))
+                self._handles.append(module.register_forward_hook(self._post_hook(target), always_call=True))
 
     # ------------------------------------------------------------------ quantization, cached per version
     def _refresh(self, t: _Target) -> None:
@@ -154,6 +156,9 @@ class FakeQuant:
         self._handles.clear()
 
 
-def apply_fake_quant(model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig) -> FakeQuant:
-    """Attach fake quantization to this rank's (unwrapped) Megatron model; returns the handle."""
-    return FakeQuant(model, arch, cfg)
+def apply_fake_quant(model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, forward: bool = True) -> FakeQuant:
+    """Attach fake quantization to this rank's (unwrapped) Megatron model; returns the handle.
+
+    ``forward=False`` attaches no hooks: the model computes in high precision while the handle still
+    quantizes its weights for the rollout servers (unaligned quantized rollout, the baseline)."""
+    return FakeQuant(model, arch, cfg, forward=forward)
