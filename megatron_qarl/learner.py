@@ -101,17 +101,22 @@ class Learner:
     @torch.no_grad()
     def forward_logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """The aligned forward (fake quant on when configured): logp [B, S-1] of the whole batch on
-        every rank; each data-parallel rank computes its slice, then they are all-gathered."""
+        every rank; each data-parallel rank computes its slice (rows padded to a multiple of the
+        data-parallel size by repeating the last one), then they are all-gathered."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         self.model.eval()
+        rows = tokens_BS.shape[0]
+        pad = (-rows) % self.dp_size
+        if pad:
+            tokens_BS = torch.cat([tokens_BS, tokens_BS[-1:].expand(pad, -1)])
         mine = self.logprobs(tokens_BS[self.my_rows(tokens_BS.shape[0])])
         if self.dp_size == 1:
             return mine
         parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
         dist.all_gather(parts, mine.contiguous(), group=ps.get_data_parallel_group())
-        return torch.cat(parts)
+        return torch.cat(parts)[:rows]
 
     def my_rows(self, batch_size: int) -> slice:
         """The responses this data-parallel rank trains on (contiguous, equal split)."""

@@ -31,6 +31,16 @@ class ClientConfig:
     max_concurrency: int = 64
 
 
+def _body(r: httpx.Response) -> Any:
+    """JSON, or the text of the answers SGLang sends as plain text (/flush_cache, /health)."""
+    if not r.content:
+        return None
+    try:
+        return r.json()
+    except ValueError:
+        return r.text
+
+
 class SGLangClient:
     """One rollout server. Use as ``async with SGLangClient(url) as c: await c.generate(...)``."""
 
@@ -63,7 +73,7 @@ class SGLangClient:
                 last = RolloutServerError(f"{self.url}{path}: {type(err).__name__}: {err}")
             else:
                 if r.status_code < 400:
-                    return r.json() if r.content else None
+                    return _body(r)
                 last = RolloutServerError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}", r.status_code)
                 if r.status_code < 500:
                     raise last

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import httpx
 import torch
@@ -59,7 +59,8 @@ class DistributedBroadcaster:
 
     def __init__(self, engines: Iterable[Engine], *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  backend: str | None = None, bucket_bytes: int = 512 << 20, group_name: str = "weight_update_group",
-                 dtype: torch.dtype = torch.bfloat16, timeout_s: float = 300.0, verify: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, timeout_s: float = 300.0, verify: bool = False,
+                 progress: Callable[[int, int], None] | None = None):
         from megatron_qarl.moe.parallelize import free_port
 
         self.engines = list(engines)
@@ -67,6 +68,7 @@ class DistributedBroadcaster:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.bucket_bytes, self.group_name, self.dtype = bucket_bytes, group_name, dtype
         self.timeout_s, self.verify = timeout_s, verify
+        self.progress = progress  # called as progress(buckets_sent, bytes_sent) after every bucket
         self.group = None
         self.version = 0
         self._is_sender = not dist.is_initialized() or dist.get_rank() == 0
@@ -80,7 +82,7 @@ class DistributedBroadcaster:
             raise SyncError(f"{engine.url}{path}: {type(err).__name__}: {err}") from None
         if r.status_code >= 400:
             raise SyncError(f"{engine.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
-        return r.json() if r.content else {}
+        return _body(r)
 
     def _start_all(self, path: str, payloads: list[dict]) -> _Calls:
         """POST to every engine concurrently; the calls block server-side until the broadcasts end."""
@@ -95,6 +97,11 @@ class DistributedBroadcaster:
             return
         from megatron_qarl.rollout.weight_sync import init_custom_process_group
 
+        for engine in self.engines:  # fail fast, naming the server, rather than wait for a group that never forms
+            try:
+                httpx.get(engine.url + "/health", timeout=10.0).raise_for_status()
+            except httpx.HTTPError as err:
+                raise SyncError(f"{engine.url}/health: {type(err).__name__}: {err}") from None
         world = 1 + sum(e.ranks for e in self.engines)
         offsets = [1 + sum(e.ranks for e in self.engines[:i]) for i in range(len(self.engines))]
         calls = self._start_all("/init_weights_update_group", [
@@ -113,7 +120,10 @@ class DistributedBroadcaster:
                 self._post(engine, "/destroy_weights_update_group", {"group_name": self.group_name})
             except SyncError:
                 pass  # a dead server has nothing to destroy
-        dist.destroy_process_group(self.group)
+        try:
+            dist.destroy_process_group(self.group)
+        except Exception:  # noqa: BLE001 - a group broken by a dead peer may refuse a clean shutdown
+            pass
         self.group = None
 
     # ------------------------------------------------------------------------------------- sync
@@ -174,9 +184,11 @@ class DistributedBroadcaster:
                     report.checksums[name] = tensor_sha256(tensor)
         except Exception as err:  # a peer died mid-broadcast: say which servers did not answer
             calls.join(timeout=5.0, cause=err)
-            raise
+            raise SyncError(f"broadcast of {name} failed: {err}") from err
         calls.join()
         report.buckets += 1
+        if self.progress is not None:
+            self.progress(report.buckets, report.bytes)
 
     def _verify(self, report: SyncReport) -> None:
         """Each server reports sha256 checksums of what it holds; they must equal what was sent."""
@@ -189,6 +201,15 @@ class DistributedBroadcaster:
             wrong = [n for n, h in report.checksums.items() if held.get(n) != h]
             if wrong:
                 raise SyncError(f"{engine.url}: {len(wrong)} tensors differ after sync, e.g. {wrong[:3]}")
+
+
+def _body(r: httpx.Response) -> dict:
+    """SGLang answers some admin calls with plain text (e.g. /flush_cache)."""
+    try:
+        body = r.json() if r.content else {}
+    except ValueError:
+        return {"text": r.text}
+    return body if isinstance(body, dict) else {"body": body}
 
 
 class _Calls:
