@@ -1,0 +1,222 @@
+"""Linear layers of the embedded engine: one class per checkpoint format, each on its CPU kernel.
+
+Shapes: a weight is ``[N, K]`` (N = out features, K = reduction dim); activations ``x_TK`` (T tokens).
+Every layer may fuse several HF linears that share their input (q/k/v, or an expert's gate/up) into
+one GEMM along N: one kernel call instead of three matters at decode, where a call costs ~10-20 us.
+
+The engine keeps a *store*: HF name -> tensor in the server's checkpoint format (what SGLang would
+hold and what ``/weights_checksum`` hashes). Each layer registers its tensors there and, where it can,
+computes from views of the very same memory, so a weight update is an in-place ``copy_`` into the
+store followed by ``refresh()`` of the layers whose derived operands are not views:
+
+    DenseLinear  w [N, K] in the compute dtype; the store entries are row views of the fused weight.
+    Int4Linear   W4A16 (compressed-tensors pack-quantized): the store holds weight_packed / weight_scale /
+                 weight_shape as loaded; the kernel operand is torch's CPU int4 layout
+                 (``_convert_weight_to_int4pack_for_cpu``, uint8 [N, K/2]) with qScaleAndZeros [K/G, N, 2]
+                 (scale, zero = 0: w = (u - 8) * scale), run by ``_weight_int4pack_mm_for_cpu``.
+                 No bf16/fp32 copy of the weight exists at any time.
+    Int8Linear   W8A8-INT8: codes int8 [N, K] (store views, used by the kernel as they are), per-channel
+                 scales; activations quantized per token by ``qat.quantizer.quant_act_int8_per_token``
+                 (dequantized, as the learner's fake quant does) and fed to ``_weight_int8pack_mm``.
+    Fp8Linear    W8A8-FP8: the store holds the e4m3 codes and weight_scale_inv; the operand is their
+                 per-block dequantization in the compute dtype (the exception documented in
+                 docs/rollout.md: torch's CPU fp8 GEMM is a ~50x slower reference path). Operands equal the
+                 GPU kernel's; activations are quantized per token group with the learner's function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_qarl.qat.pack import unpack_int4
+from megatron_qarl.qat.quantizer import (
+    QuantizedWeight,
+    dequant_act_fp8_per_token_group,
+    dequant_act_int8_per_token,
+    dequantize_fp8_block,
+    quant_act_fp8_per_token_group,
+    quant_act_int8_per_token,
+)
+
+Store = MutableMapping[str, Tensor]
+INT4_INNER_K_TILES = 2  # torch's CPU int4 packing ignores the tiling beyond validating it
+
+
+def detect_format(prefix: str, raw: Store) -> str:
+    """The checkpoint format of linear ``prefix``: dense, w4a16, w8a8_int8 or w8a8_fp8 (from its tensors)."""
+    if f"{prefix}.weight_packed" in raw:
+        return "w4a16"
+    w = raw.get(f"{prefix}.weight")
+    if w is None:
+        raise KeyError(f"{prefix}: no .weight nor .weight_packed tensor in the checkpoint")
+    if w.dtype == torch.float8_e4m3fn:
+        return "w8a8_fp8"
+    if w.dtype == torch.int8:
+        return "w8a8_int8"
+    return "dense"
+
+
+def _take(raw: Store, name: str) -> Tensor:
+    if name not in raw:
+        raise KeyError(f"{name}: missing from the checkpoint")
+    return raw.pop(name)
+
+
+class Linear:
+    """Base: ``names`` are the store entries this layer reads; ``splits`` the N of each fused linear."""
+
+    names: list[str]
+    splits: list[int]
+
+    def __call__(self, x_TK: Tensor) -> Tensor:
+        return self.mm(self.prepare(x_TK))
+
+    def prepare(self, x_TK: Tensor) -> Tensor:
+        """The activation the GEMM consumes (W8A8: quantized per token, dequantized). Row-wise, so the
+        rows of one prepared batch may be fed to several layers of the same format (the MoE does)."""
+        return x_TK
+
+    def mm(self, x_TK: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def refresh(self) -> None:
+        """Recompute operands that are not views of the store (after an in-place weight update)."""
+
+    def split(self, y_TN: Tensor) -> tuple[Tensor, ...]:
+        return tuple(torch.split(y_TN, self.splits, dim=-1))
+
+
+def _fuse_rows(prefixes: list[str], suffix: str, parts: list[Tensor], store: Store) -> Tensor:
+    """Concatenate ``parts`` along dim 0 and put row views of the result into ``store``.
+
+    Always a fresh allocation: tensors read from safetensors may sit at any byte offset, and torch's
+    int8 CPU kernel crashes on an operand that is not aligned the way its allocator aligns.
+    """
+    fused = torch.cat(parts) if len(parts) > 1 else parts[0].clone(memory_format=torch.contiguous_format)
+    row = 0
+    for p, t in zip(prefixes, parts, strict=True):
+        store[f"{p}.{suffix}"] = fused[row : row + t.shape[0]]
+        row += t.shape[0]
+    return fused
+
+
+class DenseLinear(Linear):
+    def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype):
+        parts = [_take(raw, f"{p}.weight").to(dtype) for p in prefixes]
+        self.splits = [t.shape[0] for t in parts]
+        self.w_NK = _fuse_rows(prefixes, "weight", parts, store)
+        self.names = [f"{p}.weight" for p in prefixes]
+
+    def mm(self, x_TK: Tensor) -> Tensor:
+        return F.linear(x_TK, self.w_NK)
+
+
+class Int8Linear(Linear):
+    def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype):
+        codes = [_take(raw, f"{p}.weight") for p in prefixes]
+        scales = [_take(raw, f"{p}.weight_scale").float().reshape(-1, 1) for p in prefixes]
+        self.splits = [t.shape[0] for t in codes]
+        self.codes_NK = _fuse_rows(prefixes, "weight", codes, store)  # the kernel's operand, shared
+        self.scale_N1 = _fuse_rows(prefixes, "weight_scale", scales, store)  # fp32 as exported
+        self.names = [f"{p}.{s}" for p in prefixes for s in ("weight", "weight_scale")]
+        self.dtype = dtype
+        self.refresh()
+
+    def refresh(self) -> None:
+        # the kernel wants scales in the activation dtype: exact in fp32 mode, bf16-rounded in bf16 mode
+        self.scale_N = self.scale_N1.view(-1) if self.dtype == torch.float32 else self.scale_N1.view(-1).to(self.dtype)
+
+    def prepare(self, x_TK: Tensor) -> Tensor:
+        codes_TK, s_T1 = quant_act_int8_per_token(x_TK)
+        return dequant_act_int8_per_token(codes_TK, s_T1, self.dtype)
+
+    def mm(self, x_TK: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x_TK, self.codes_NK, self.scale_N)
+
+
+class Fp8Linear(Linear):
+    def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype, block: int):
+        self.prefixes, self.store, self.dtype, self.block = prefixes, store, dtype, block
+        for p in prefixes:  # per linear, as loaded: a scale block may straddle two fused linears
+            store[f"{p}.weight"] = _take(raw, f"{p}.weight")
+            store[f"{p}.weight_scale_inv"] = _take(raw, f"{p}.weight_scale_inv").float()
+        self.splits = [store[f"{p}.weight"].shape[0] for p in prefixes]
+        self.names = [f"{p}.{s}" for p in prefixes for s in ("weight", "weight_scale_inv")]
+        self.refresh()
+
+    def refresh(self) -> None:
+        parts = []
+        for p in self.prefixes:
+            codes = self.store[f"{p}.weight"]
+            qw = QuantizedWeight(codes, self.store[f"{p}.weight_scale_inv"], None, tuple(codes.shape),
+                                 "w8a8_fp8", self.block)
+            parts.append(dequantize_fp8_block(qw, self.dtype))
+        self.w_NK = torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def prepare(self, x_TK: Tensor) -> Tensor:
+        codes_TK, s_TG = quant_act_fp8_per_token_group(x_TK, self.block)
+        return dequant_act_fp8_per_token_group(codes_TK, s_TG, self.dtype)
+
+    def mm(self, x_TK: Tensor) -> Tensor:
+        return F.linear(x_TK, self.w_NK)
+
+
+class Int4Linear(Linear):
+    def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype):
+        self.prefixes, self.store, self.dtype = prefixes, store, dtype
+        self.names = []
+        for p in prefixes:
+            for s in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"):
+                if s != "weight_zero_point" or f"{p}.{s}" in raw:
+                    store[f"{p}.{s}"] = _take(raw, f"{p}.{s}")
+                    self.names.append(f"{p}.{s}")
+        self.refresh()
+
+    def refresh(self) -> None:
+        u_parts, sz_parts, self.splits = [], [], []
+        group = None
+        for p in self.prefixes:
+            n, k = (int(v) for v in self.store[f"{p}.weight_shape"].tolist())
+            scale_NG = self.store[f"{p}.weight_scale"]
+            g = k // scale_NG.shape[1]
+            if group not in (None, g):
+                raise ValueError(f"{p}: group size {g} differs from the fused linears' {group}")
+            group = g
+            codes_NK = unpack_int4(self.store[f"{p}.weight_packed"], k)  # int8 in [-8, 7]
+            u_parts.append(codes_NK.to(torch.int32) + 8)
+            zp = self.store.get(f"{p}.weight_zero_point")
+            if zp is None:
+                zero_NG = torch.zeros_like(scale_NG, dtype=self.dtype)
+            else:  # w = (q - z) * s = (u - 8) * s + (-z * s)
+                zero_NG = -(unpack_int4(zp, n, packed_dim=0).float() * scale_NG.float()).to(self.dtype)
+            sz_parts.append(torch.stack([scale_NG.to(self.dtype), zero_NG], dim=-1))  # [n, K/G, 2]
+            self.splits.append(n)
+        u_NK = torch.cat(u_parts)
+        self.k, self.group = u_NK.shape[1], group
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u_NK, INT4_INNER_K_TILES)  # uint8 [N, K/2]
+        self.scale_zeros = torch.cat(sz_parts).transpose(0, 1).contiguous()  # [K/G, N, 2]
+
+    def mm(self, x_TK: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x_TK.contiguous(), self.packed, self.group,
+                                                          self.scale_zeros)
+
+
+def make_linear(prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype, fp8_block: int | None) -> Linear:
+    """The layer for HF linears ``prefixes`` (fused along N), moving their tensors from ``raw`` to ``store``."""
+    formats = {detect_format(p, raw) for p in prefixes}
+    if len(formats) != 1:
+        raise ValueError(f"{prefixes}: cannot fuse linears stored in different formats {sorted(formats)}")
+    fmt = formats.pop()
+    if fmt == "w4a16":
+        return Int4Linear(prefixes, raw, store, dtype)
+    if fmt == "w8a8_int8":
+        return Int8Linear(prefixes, raw, store, dtype)
+    if fmt == "w8a8_fp8":
+        if fp8_block is None:
+            raise ValueError(f"{prefixes[0]}: fp8 weights but no weight_block_size in quantization_config")
+        return Fp8Linear(prefixes, raw, store, dtype, fp8_block)
+    return DenseLinear(prefixes, raw, store, dtype)

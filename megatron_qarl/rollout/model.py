@@ -1,0 +1,210 @@
+"""Qwen3-MoE forward with a static KV cache (gpt-fast style), on the kernels of ``kernels.py``.
+
+Shape suffixes: B = sequences in a step, T = tokens per sequence in the step, S = cache length,
+H = hidden, Hq / Hkv = query / KV heads, D = head dim, E = experts, V = vocab, N / K = linear out / in.
+
+The math is Hugging Face's ``Qwen3MoeForCausalLM`` op for op (so that fp32 mode reproduces it):
+RMSNorm in fp32 then cast, q_norm / k_norm per head before RoPE (rotate-half, fp32 cos/sin cast to
+the compute dtype), SDPA with GQA, router logits in the compute dtype then softmax in fp32, top-k,
+renormalised when ``norm_topk_prob``, cast back; experts visited in ascending order and summed with
+``index_add_`` as HF does. Attention, router, norms, embeddings and lm_head stay in the compute dtype;
+only linears stored low-bit in the checkpoint run low-bit kernels.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_qarl.errors import ConfigError
+from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.qat.export import iter_safetensors, scheme_of
+from megatron_qarl.rollout.kernels import Linear, Store, make_linear
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF Qwen3MoeRMSNorm: normalise in fp32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Layer:
+    """One decoder layer's operands; the forward lives in ``Qwen3MoeEngineModel``."""
+
+    def __init__(self, i: int, arch: Qwen3MoeArch, raw: Store, store: Store, dtype: torch.dtype,
+                 fp8_block: int | None):
+        p = f"model.layers.{i}"
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+                     "mlp.gate"):  # plain tensors in the compute dtype
+            store[f"{p}.{name}.weight"] = raw.pop(f"{p}.{name}.weight").to(dtype)
+        self.prefix = p
+        a = f"{p}.self_attn"
+        self.qkv = make_linear([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], raw, store, dtype, fp8_block)
+        self.o = make_linear([f"{a}.o_proj"], raw, store, dtype, fp8_block)
+        e = f"{p}.mlp.experts"
+        self.gate_up: list[Linear] = []
+        self.down: list[Linear] = []
+        for j in range(arch.num_experts):
+            self.gate_up.append(make_linear([f"{e}.{j}.gate_proj", f"{e}.{j}.up_proj"], raw, store, dtype, fp8_block))
+            self.down.append(make_linear([f"{e}.{j}.down_proj"], raw, store, dtype, fp8_block))
+
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o, *self.gate_up, *self.down]
+
+
+class Qwen3MoeEngineModel:
+    """The network, its store of checkpoint-format tensors and a KV cache of ``slots`` sequences."""
+
+    def __init__(self, arch: Qwen3MoeArch, tensors: dict[str, Tensor], quant_cfg: dict | None,
+                 dtype: torch.dtype, slots: int, max_seq_len: int):
+        if arch.attention_bias:
+            raise ConfigError("config.json: attention_bias=true is not supported by the embedded engine")
+        self.arch, self.dtype = arch, dtype
+        self.scheme, group = scheme_of(quant_cfg) if quant_cfg else ("bf16", None)
+        fp8_block = group if self.scheme == "w8a8_fp8" else None
+        raw = dict(tensors)
+        self.store: dict[str, Tensor] = {}
+        for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            if name not in raw:
+                raise ConfigError(f"checkpoint: missing tensor {name!r}")
+            self.store[name] = raw.pop(name).to(dtype)
+        self.layers = [Layer(i, arch, raw, self.store, dtype, fp8_block) for i in range(arch.num_hidden_layers)]
+        if raw:
+            raise ConfigError(f"checkpoint: {len(raw)} unexpected tensor(s), e.g. {sorted(raw)[:3]}")
+        self.owner: dict[str, Linear] = {n: lin for layer in self.layers for lin in layer.linears() for n in lin.names}
+        self.slots, self.max_seq_len = slots, max_seq_len
+        kv_shape = (arch.num_hidden_layers, slots, arch.num_key_value_heads, max_seq_len, arch.head_dim)
+        self.k_cache = torch.zeros(kv_shape, dtype=dtype)
+        self.v_cache = torch.zeros(kv_shape, dtype=dtype)
+        d = arch.head_dim
+        inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs_SD2 = torch.arange(max_seq_len).float()[:, None] * inv_freq[None, :]
+        emb_SD = torch.cat((freqs_SD2, freqs_SD2), dim=-1)
+        self.cos_SD, self.sin_SD = emb_SD.cos().to(dtype), emb_SD.sin().to(dtype)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype, slots: int, max_seq_len: int | None):
+        arch = Qwen3MoeArch.from_model_dir(model_dir)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        length = min(max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        return cls(arch, dict(iter_safetensors(model_dir)), config.get("quantization_config"), dtype, slots, length)
+
+    # -------------------------------------------------------------------------------- weight updates
+    def update_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """Copy checkpoint-format tensors into the store in place, then refresh derived operands.
+
+        Every name must exist with the same shape; float tensors of unquantized weights are cast to the
+        compute dtype, the tensors of quantized linears must come in their exact checkpoint dtype.
+        Validates everything before writing anything.
+        """
+        for name, t in tensors.items():
+            held = self.store.get(name)
+            if held is None:
+                raise ValueError(f"{name}: not a tensor of this server's checkpoint (format {self.scheme})")
+            if tuple(t.shape) != tuple(held.shape):
+                raise ValueError(f"{name}: shape {list(t.shape)} differs from the server's {list(held.shape)}")
+            castable = held.dtype == self.dtype and t.is_floating_point() and t.dtype != torch.float8_e4m3fn
+            if t.dtype != held.dtype and not castable:
+                raise ValueError(f"{name}: dtype {t.dtype} differs from the server's {held.dtype}")
+        dirty: dict[int, Linear] = {}
+        with torch.no_grad():
+            for name, t in tensors.items():
+                self.store[name].copy_(t)
+                if name in self.owner:
+                    dirty[id(self.owner[name])] = self.owner[name]
+        for lin in dirty.values():
+            lin.refresh()
+
+    # ------------------------------------------------------------------------------------- forward
+    def _attention(self, layer: Layer, x_BTH: Tensor, slots_B: Tensor, pos_BT: Tensor, kv_len: int) -> Tensor:
+        a, s = self.arch, self.store
+        b, t, _ = x_BTH.shape
+        q, k, v = layer.qkv.split(layer.qkv(x_BTH.reshape(b * t, -1)))
+        p = layer.prefix
+        q_BHTD = rms_norm(q.view(b, t, a.num_attention_heads, a.head_dim), s[f"{p}.self_attn.q_norm.weight"],
+                          a.rms_norm_eps).transpose(1, 2)
+        k_BHTD = rms_norm(k.view(b, t, a.num_key_value_heads, a.head_dim), s[f"{p}.self_attn.k_norm.weight"],
+                          a.rms_norm_eps).transpose(1, 2)
+        v_BHTD = v.view(b, t, a.num_key_value_heads, a.head_dim).transpose(1, 2)
+        cos, sin = self.cos_SD[pos_BT][:, None], self.sin_SD[pos_BT][:, None]  # [B, 1, T, D]
+        q_BHTD = q_BHTD * cos + rotate_half(q_BHTD) * sin
+        k_BHTD = k_BHTD * cos + rotate_half(k_BHTD) * sin
+        li = int(p.rsplit(".", 1)[1])
+        kc, vc = self.k_cache[li], self.v_cache[li]  # [slots, Hkv, S, D]
+        bidx = slots_B[:, None].expand(b, t)
+        kc[bidx, :, pos_BT] = k_BHTD.transpose(1, 2)  # advanced indices first: [B, T, Hkv, D]
+        vc[bidx, :, pos_BT] = v_BHTD.transpose(1, 2)
+        keys, values = kc[slots_B, :, :kv_len], vc[slots_B, :, :kv_len]  # [B, Hkv, L, D]
+        mask_BTL = torch.arange(kv_len)[None, None, :] <= pos_BT[:, :, None]
+        o_BHTD = F.scaled_dot_product_attention(q_BHTD, keys, values, attn_mask=mask_BTL[:, None],
+                                                scale=a.head_dim**-0.5, enable_gqa=True)
+        return layer.o(o_BHTD.transpose(1, 2).reshape(b * t, -1)).view(b, t, -1)
+
+    def _moe(self, layer: Layer, x_TH: Tensor) -> Tensor:
+        a = self.arch
+        logits_TE = F.linear(x_TH, self.store[f"{layer.prefix}.mlp.gate.weight"])
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
+        top_TK, idx_TK = torch.topk(probs_TE, a.num_experts_per_tok, dim=-1)
+        if a.norm_topk_prob:
+            top_TK = top_TK / top_TK.sum(dim=-1, keepdim=True)
+        top_TK = top_TK.to(x_TH.dtype)
+        # Routing bookkeeping in Python lists: at decode a handful of tokens meet a handful of experts, and
+        # per-expert tensor ops (where / index / index_add_) cost more than the expert GEMMs themselves.
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for t, row in enumerate(idx_TK.tolist()):
+            for k, e in enumerate(row):
+                groups.setdefault(e, ([], []))[0].append(t)
+                groups[e][1].append(k)
+        experts = sorted(groups)  # ascending expert id, as HF accumulates
+        single = x_TH.shape[0] == 1
+        # W8A8 quantizes activations per token (row-wise): once for all experts' gate_up, once for all downs
+        x_in = layer.gate_up[experts[0]].prepare(x_TH)
+        h_parts = []
+        for e in experts:
+            gate, up = layer.gate_up[e].split(layer.gate_up[e].mm(x_in if single else x_in[groups[e][0]]))
+            h_parts.append(F.silu(gate) * up)
+        h_in = layer.down[experts[0]].prepare(torch.cat(h_parts) if len(h_parts) > 1 else h_parts[0])
+        out_TH = torch.zeros_like(x_TH)
+        row = 0
+        for e, h in zip(experts, h_parts, strict=True):
+            tok, kpos = groups[e]
+            y = layer.down[e].mm(h_in[row : row + h.shape[0]]) * top_TK[tok, kpos, None]
+            row += h.shape[0]
+            if single:
+                out_TH += y
+            else:  # a token meets an expert at most once: rows of ``tok`` are distinct
+                out_TH[tok] += y
+        return out_TH
+
+    @torch.inference_mode()
+    def forward(self, tokens_BT: Tensor, slots_B: Tensor, pos_BT: Tensor, all_logits: bool = False) -> Tensor:
+        """Run tokens ``tokens_BT`` at positions ``pos_BT`` for cache slots ``slots_B``; writes their K/V.
+
+        Positions of a row must be consecutive from the row's cached length (prefill: 0..T-1; decode: the
+        next position). Returns fp32 logits of the last token of each row [B, V] (all tokens [B, T, V]
+        when ``all_logits``).
+        """
+        a, s = self.arch, self.store
+        b, t = tokens_BT.shape
+        kv_len = int(pos_BT.max()) + 1
+        x = F.embedding(tokens_BT, s["model.embed_tokens.weight"])
+        for layer in self.layers:
+            p = layer.prefix
+            h = self._attention(layer, rms_norm(x, s[f"{p}.input_layernorm.weight"], a.rms_norm_eps),
+                                slots_B, pos_BT, kv_len)
+            x = x + h
+            n = rms_norm(x, s[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
+            x = x + self._moe(layer, n.reshape(b * t, -1)).view(b, t, -1)
+        x = rms_norm(x if all_logits else x[:, -1:], s["model.norm.weight"], a.rms_norm_eps)
+        logits = F.linear(x, s["lm_head.weight"]).float()
+        return logits if all_logits else logits[:, -1]

@@ -1,0 +1,359 @@
+"""``qarl serve``: the embedded engine behind SGLang's native HTTP API (the subset RL trainers use).
+
+The field names, defaults and response shapes follow SGLang (docs: /work/shared/reference/sglang-protocol.md
+and docs/rollout.md), so one rollout client drives a real SGLang fleet and this CPU server alike.
+Security: the server binds 127.0.0.1 by default. On any other host it refuses to start without an
+API key; with a key, every endpoint but GET /health needs ``Authorization: Bearer <key>`` (as SGLang's
+``--api-key``), which in particular guards the admin and weight-update endpoints.
+Bad input (unknown token ids, a length beyond the context, an empty prompt, malformed JSON, unknown
+fields) is a 4xx with a message; it never reaches the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+
+from megatron_qarl.errors import UserError
+from megatron_qarl.qat.export import iter_safetensors
+from megatron_qarl.rollout import weight_sync
+from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, ge=0, le=65535)
+    api_key: str | None = None
+
+    @property
+    def loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+_BEARER = HTTPBearer(auto_error=False)  # module level: FastAPI resolves the annotation from the globals
+
+
+# ---------------------------------------------------------------------------------------------- requests
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GenerateReq(_Body):
+    """POST /generate. One prompt (flat ``input_ids`` / a string ``text``) or a batch (lists of them)."""
+
+    input_ids: list[int] | list[list[int]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = Field(default=-1, ge=-1)
+    rid: str | list[str] | None = None
+    stream: Literal[False] = False
+    return_routed_experts: Literal[False] = False
+
+
+class PauseReq(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class UpdateFromDiskReq(_Body):
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+
+class InitGroupReq(_Body):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["gloo", "nccl"] = "nccl"
+
+
+class UpdateFromDistributedReq(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    weight_version: str | None = None
+    load_format: str | None = None
+    abort_all_requests: bool = False
+
+
+class DestroyGroupReq(_Body):
+    group_name: str = "weight_update_group"
+
+
+def _bad(message: str, status: int = 400) -> HTTPException:
+    return HTTPException(status_code=status, detail=message)
+
+
+def _tokenizer(model_path: str):
+    path = Path(model_path) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def checksums(store: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> sha256 of the raw bytes of each held tensor (checkpoint format, C order)."""
+    out = {}
+    for name in sorted(store):
+        t = store[name].detach().contiguous()
+        out[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- app
+def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
+    """The FastAPI app around a running engine. Raises UserError for an unsafe host/key combination."""
+    if not cfg.loopback and not cfg.api_key:
+        raise UserError(f"--host {cfg.host} is not a loopback address: --api-key is required "
+                        "(the admin and weight-update endpoints must not be open to the network)")
+    app = FastAPI(title="qarl embedded rollout server (SGLang native API subset)")
+    tokenizer = _tokenizer(engine.cfg.model_path)
+    groups: dict[str, Any] = {}
+    state = {"model_path": engine.cfg.model_path}
+
+    def auth(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
+        if cfg.api_key and (creds is None or creds.credentials != cfg.api_key):
+            raise HTTPException(status_code=401, detail="missing or wrong API key (Authorization: Bearer <key>)")
+
+    guarded = [Depends(auth)]
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, err: ValueError) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"error": {"message": str(err)}})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/get_model_info", dependencies=guarded)
+    async def get_model_info() -> dict:
+        m = engine.model
+        return {"model_path": state["model_path"], "tokenizer_path": state["model_path"], "is_generation": True,
+                "weight_version": engine.weight_version, "quantization": m.scheme, "dtype": engine.cfg.dtype,
+                "max_context_length": engine.max_seq_len, "vocab_size": engine.vocab_size,
+                "max_batch_size": m.slots}
+
+    @app.post("/generate", dependencies=guarded)
+    async def generate(body: GenerateReq) -> Any:
+        prompts, batched = _prompts(body, tokenizer)
+        params = body.sampling_params or SamplingParams()
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise _bad(f"sampling_params: {len(params)} entries for {len(prompts)} prompts")
+        rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+        if len(rids) != len(prompts):
+            raise _bad(f"rid: {len(rids)} entries for {len(prompts)} prompts")
+        loop = asyncio.get_running_loop()
+        futures, reqs = [], []
+        for i, ids in enumerate(prompts):
+            fut = loop.create_future()
+            kw = {"rid": rids[i]} if rids[i] is not None else {}
+            req = engine.make_request(ids, params[i] if isinstance(params, list) else params,
+                                      return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
+                                      on_done=lambda r, f=fut: loop.call_soon_threadsafe(_resolve, f, r), **kw)
+            futures.append(fut)
+            reqs.append(req)
+        for req in reqs:  # validated all before submitting any
+            engine.submit(req)
+        done = await asyncio.gather(*futures)
+        out = [_response(r, body, tokenizer) for r in done]
+        return out if batched else out[0]
+
+    @app.post("/flush_cache", dependencies=guarded)
+    async def flush_cache() -> Response:
+        pending = engine.num_pending()
+        if pending:
+            return Response(f"Cache not flushed: {pending} request(s) pending\n", status_code=400)
+        return Response("Cache flushed.\n", status_code=200)
+
+    @app.post("/pause_generation", dependencies=guarded)
+    async def pause_generation(body: PauseReq | None = None) -> dict:
+        n = await asyncio.to_thread(engine.pause, (body or PauseReq()).mode)
+        return {"success": True, "message": f"paused ({(body or PauseReq()).mode})", "num_paused_requests": n}
+
+    @app.post("/continue_generation", dependencies=guarded)
+    async def continue_generation() -> dict:
+        engine.resume()
+        return {"success": True, "message": "continued"}
+
+    @app.post("/update_weights_from_disk", dependencies=guarded)
+    def update_weights_from_disk(body: UpdateFromDiskReq) -> JSONResponse:
+        n = engine.num_pending()
+        try:
+            if body.load_format not in (None, "auto", "safetensors"):
+                raise ValueError(f"load_format {body.load_format!r}: only safetensors checkpoints are read")
+            if not (Path(body.model_path) / "config.json").is_file():
+                raise ValueError(f"{body.model_path}: not a model directory (no config.json)")
+            if body.abort_all_requests:
+                engine.abort_all("aborted by update_weights_from_disk")
+            engine.update_tensors(dict(iter_safetensors(body.model_path)), body.weight_version)
+        except (ValueError, OSError) as err:
+            return JSONResponse({"success": False, "message": str(err), "num_paused_requests": n}, 400)
+        state["model_path"] = body.model_path
+        return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
+                             "num_paused_requests": n})
+
+    @app.post("/init_weights_update_group", dependencies=guarded)
+    def init_weights_update_group(body: InitGroupReq) -> JSONResponse:
+        if body.group_name in groups:
+            return JSONResponse({"success": False, "message": f"group {body.group_name!r} exists"}, 400)
+        if body.rank_offset >= body.world_size:
+            return JSONResponse({"success": False, "message": "rank_offset must be < world_size"}, 400)
+        backend = "gloo" if body.backend == "nccl" and not torch.cuda.is_available() else body.backend
+        try:
+            groups[body.group_name] = weight_sync.init_custom_process_group(
+                backend, f"tcp://{body.master_address}:{body.master_port}", body.world_size, body.rank_offset,
+                body.group_name)
+        except Exception as err:  # noqa: BLE001 - a failed rendezvous is the caller's problem, reported
+            return JSONResponse({"success": False, "message": f"{type(err).__name__}: {err}"}, 400)
+        return JSONResponse({"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"
+                             f" of {body.world_size} ({backend})"})
+
+    @app.post("/update_weights_from_distributed", dependencies=guarded)
+    def update_weights_from_distributed(body: UpdateFromDistributedReq) -> JSONResponse:
+        pg = groups.get(body.group_name)
+        if pg is None:
+            return JSONResponse({"success": False, "message": f"no weight update group {body.group_name!r}"}, 400)
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            return JSONResponse({"success": False, "message": "names, dtypes, shapes differ in length"}, 400)
+        if body.load_format not in (None, "direct"):
+            return JSONResponse({"success": False, "message": f"load_format {body.load_format!r} unsupported"}, 400)
+        try:
+            dtypes = [weight_sync.parse_dtype(d) for d in body.dtypes]
+        except ValueError as err:
+            return JSONResponse({"success": False, "message": str(err)}, 400)
+        received = {}
+        for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):  # the trainer's order
+            t = torch.empty(shape, dtype=dtype)
+            torch.distributed.broadcast(t, src=0, group=pg)
+            received[name] = t
+        try:
+            if body.abort_all_requests:
+                engine.abort_all("aborted by update_weights_from_distributed")
+            engine.update_tensors(received, body.weight_version)
+        except ValueError as err:
+            return JSONResponse({"success": False, "message": str(err)}, 400)
+        return JSONResponse({"success": True, "message": f"updated {len(received)} tensor(s)"})
+
+    @app.post("/destroy_weights_update_group", dependencies=guarded)
+    def destroy_weights_update_group(body: DestroyGroupReq | None = None) -> JSONResponse:
+        name = (body or DestroyGroupReq()).group_name
+        pg = groups.pop(name, None)
+        if pg is None:
+            return JSONResponse({"success": False, "message": f"no weight update group {name!r}"}, 400)
+        weight_sync.destroy_process_group(pg)
+        return JSONResponse({"success": True, "message": f"destroyed {name}"})
+
+    @app.get("/weights_checksum", dependencies=guarded)
+    def weights_checksum() -> dict:
+        """Our extension for verify mode: name -> sha256 of each held tensor, in checkpoint format."""
+        with engine.lock:
+            return {"weight_version": engine.weight_version, "checksums": checksums(engine.model.store)}
+
+    app.post("/weights_checksum", dependencies=guarded, operation_id="weights_checksum_post")(weights_checksum)
+
+    return app
+
+
+def _resolve(fut: asyncio.Future, req) -> None:
+    if not fut.done():
+        fut.set_result(req)
+
+
+def _prompts(body: GenerateReq, tokenizer) -> tuple[list[list[int]], bool]:
+    """(prompts as token ids, whether the input was a batch)."""
+    if (body.input_ids is None) == (body.text is None):
+        raise _bad("give exactly one of input_ids and text")
+    if body.text is not None:
+        if tokenizer is None:
+            raise _bad("text input needs tokenizer.json in the model directory; send input_ids")
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+        batched = isinstance(body.text, list)
+    else:
+        ids = body.input_ids
+        batched = bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batched else [ids]
+    if not prompts:
+        raise _bad("empty batch")
+    return prompts, batched
+
+
+def _response(req, body: GenerateReq, tokenizer) -> dict:
+    text = ""
+    if tokenizer is not None:
+        ids = req.output_ids
+        if req.finish_reason.get("type") == "stop" and not req.params.no_stop_trim:
+            ids = ids[:-1]
+        text = tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+    meta = {"id": req.rid, "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids), "cached_tokens": 0, "weight_version": req.weight_version,
+            "e2e_latency": time.monotonic() - req.created}
+    if body.return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids,
+                                                                        strict=True)]
+        start = max(body.logprob_start_len, 0)
+        meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.input_logprobs,
+                                                                       req.prompt_ids[start:], strict=False)]
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a Qwen3-MoE checkpoint (bf16 or qat/ export) over SGLang's API")
+    p.add_argument("--model", required=True, help="Hugging Face model dir (bf16/fp32 or w4a16/w8a8 export)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="required when --host is not loopback")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    from megatron_qarl.errors import ConfigError
+
+    server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key)
+    if not server_cfg.loopback and not server_cfg.api_key:
+        raise UserError(f"--host {args.host} is not loopback: --api-key is required")
+    if not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
+    try:
+        engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                                     max_seq_len=args.max_seq_len))
+    except (KeyError, ValueError, json.JSONDecodeError) as err:
+        raise UserError(f"--model {args.model}: {err}") from None
+    app = build_app(engine, server_cfg)
+    try:
+        uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0

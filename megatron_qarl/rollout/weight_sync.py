@@ -1,0 +1,51 @@
+"""The receiving side of SGLang's distributed weight update: a process group of its own.
+
+A trainer (rank 0) and every rollout engine rank form a group through ``tcp://addr:port``; the engine
+must not touch the process's default group (a test or a colocated learner may own it), so the group
+is built as SGLang's ``init_custom_process_group`` does: rendezvous on the URL, a store prefixed with
+the group name, then torch's ``_new_process_group_helper`` (the function ``init_process_group`` calls
+for the default group), and the rank map registered so ``dist.broadcast(..., group=pg)`` works.
+The trainer side of a test or of our own broadcaster calls the same function with rank 0.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("bfloat16", "float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64",
+                 "float8_e4m3fn", "bool")
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` or ``"torch.bfloat16"`` -> torch.bfloat16; ValueError naming the valid ones."""
+    key = name.removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def init_custom_process_group(
+    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
+) -> dist.ProcessGroup:
+    """Join (or, as rank 0, host) a process group that is not the default one; blocks until all join."""
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_process_group(pg: dist.ProcessGroup) -> None:
+    """Leave ``pg`` (never the default group)."""
+    dist.destroy_process_group(pg)

@@ -1,0 +1,296 @@
+"""The embedded engine against transformers: greedy tokens and log-probabilities, per checkpoint format.
+
+For a low-bit checkpoint the reference is transformers' Qwen3MoeForCausalLM built from the
+dequantized tensors (``load_quantized_checkpoint``) in fp32, with the learner's activation fake quant
+hooked in for W8A8; the engine runs in float32. The engine must compute on the low-bit kernels (checked
+with the profiler and by the absence of float copies of the expert weights), and still agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megatron_qarl.qat.config import QuantConfig
+from megatron_qarl.qat.export import iter_safetensors, load_quantized_checkpoint, quantize_checkpoint
+from megatron_qarl.qat.fake_quant import fake_quant_act
+from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams
+from megatron_qarl.rollout.kernels import DenseLinear, Fp8Linear, Int4Linear, Int8Linear
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "checkpoints" / "tiny-qwen3-moe"
+PROMPTS = ["Q: 347+589= A:", "Q: 12-7= A:", "Q: 5+5= A:"]
+N_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> str:
+    """The trained tiny checkpoint (real margins between logits); a random one if it is being rebuilt."""
+    if (TINY / "model.safetensors").is_file():
+        out = tmp_path_factory.mktemp("tiny")  # a private copy: a colleague may be re-training it
+        for f in TINY.iterdir():
+            if f.is_file():
+                (out / f.name).write_bytes(f.read_bytes())
+        return str(out)
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out = tmp_path_factory.mktemp("random_moe")
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=128, intermediate_size=256, max_position_embeddings=128,
+                         tie_word_embeddings=False, norm_topk_prob=True, rope_theta=10000.0, eos_token_id=1)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
+    return str(out)
+
+
+def prompt_ids(model_dir: str) -> list[list[int]]:
+    tok = Path(model_dir) / "tokenizer.json"
+    if tok.is_file():
+        from tokenizers import Tokenizer
+
+        t = Tokenizer.from_file(str(tok))
+        return [t.encode(p, add_special_tokens=False).ids for p in PROMPTS]
+    return [[2, 5, 6, 7, 8], [2, 9, 10], [2, 11, 12, 13, 14, 15, 16]]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(base_dir, tmp_path_factory) -> dict[str, str]:
+    dirs = {"bf16": base_dir}
+    for scheme in ("w4a16", "w8a8_int8", "w8a8_fp8"):
+        dirs[scheme] = str(quantize_checkpoint(base_dir, scheme, tmp_path_factory.mktemp(scheme)))
+    return dirs
+
+
+def hf_reference(model_dir: str, tmp: Path, scheme: str):
+    """transformers' model on the dequantized tensors in fp32 (+ W8A8 activation fake quant)."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(config))
+    tensors = {k: v.float().contiguous() for k, v in load_quantized_checkpoint(model_dir, torch.float32).items()}
+    save_file(tensors, str(tmp / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    if scheme.startswith("w8a8"):
+        cfg = QuantConfig(scheme=scheme)
+        for name, mod in model.named_modules():
+            if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+                mod.register_forward_pre_hook(lambda _m, args: (fake_quant_act(args[0], cfg),))
+            if type(mod).__name__ == "Qwen3MoeExperts":
+                _fake_quant_experts(mod, cfg)
+    return model
+
+
+def _fake_quant_experts(experts, cfg) -> None:
+    """HF's Qwen3MoeExperts.forward with the W8A8 activation quantization before each expert GEMM."""
+    f = torch.nn.functional
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            tok, kpos = torch.where(top_k_index == e)
+            gate, up = f.linear(fake_quant_act(hidden_states[tok], cfg), experts.gate_up_proj[e]).chunk(2, dim=-1)
+            h = f.linear(fake_quant_act(experts.act_fn(gate) * up, cfg), experts.down_proj[e])
+            out.index_add_(0, tok, h * top_k_weights[tok, kpos, None])
+        return out
+
+    experts.forward = forward
+
+
+def hf_greedy(model, ids: list[int], n: int, eos: int) -> tuple[list[int], list[float]]:
+    out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, return_dict_in_generate=True,
+                         output_logits=True, pad_token_id=0, eos_token_id=eos)
+    tokens = out.sequences[0, len(ids):].tolist()
+    if eos in tokens:
+        tokens = tokens[: tokens.index(eos) + 1]
+    logps = [float(torch.log_softmax(out.logits[i][0].float(), -1)[t]) for i, t in enumerate(tokens)]
+    return tokens, logps
+
+
+def run(engine: Engine, prompts: list[list[int]], **params) -> list:
+    """Submit all prompts at once (they decode as one batch) and wait for every completion."""
+    done = threading.Semaphore(0)
+    reqs = [engine.make_request(p, SamplingParams(**params), return_logprob=True, on_done=lambda r: done.release())
+            for p in prompts]
+    for r in reqs:
+        engine.submit(r)
+    for _ in reqs:
+        assert done.acquire(timeout=60), "engine did not finish"
+    return reqs
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16", "w8a8_int8", "w8a8_fp8"])
+def test_greedy_and_logprobs_match_transformers(scheme, model_dirs, tmp_path):
+    model_dir = model_dirs[scheme]
+    engine = Engine(EngineConfig(model_path=model_dir, dtype="float32", max_batch_size=4))
+    try:
+        prompts = prompt_ids(model_dir)
+        reqs = run(engine, prompts, temperature=0.0, max_new_tokens=N_NEW)
+        with engine.lock, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.model.forward(torch.tensor([prompts[0]]), torch.tensor([0]), torch.arange(len(prompts[0]))[None])
+        ops = {e.key for e in prof.key_averages()}
+    finally:
+        engine.shutdown()
+    hf = hf_reference(model_dir, tmp_path / "hf", scheme)
+    for prompt, req in zip(prompts, reqs, strict=True):
+        tokens, logps = hf_greedy(hf, prompt, N_NEW, eos=1)
+        assert req.output_ids == tokens, f"{scheme}: engine {req.output_ids} vs transformers {tokens}"
+        diff = [abs(a - b) for a, b in zip(req.output_logprobs, logps, strict=True)]
+        if scheme in ("bf16", "w4a16"):
+            assert max(diff) < 1e-4, diff
+        else:  # W8A8: a 1-ulp accumulation difference may flip one activation code (round to nearest):
+            # most positions agree to fp32 noise, a flipped code moves a log-prob by ~1e-3 at most
+            assert sorted(diff)[len(diff) // 2] < 1e-4 and max(diff) < 5e-3, diff
+    kernel = {"w4a16": "aten::_weight_int4pack_mm_for_cpu", "w8a8_int8": "aten::_weight_int8pack_mm"}.get(scheme)
+    if kernel:  # the profiler saw the low-bit kernel run
+        assert kernel in ops, sorted(o for o in ops if "pack" in o)
+
+
+def test_w4a16_experts_held_only_int4(model_dirs):
+    """No bf16/fp32 copy of an expert weight exists: the kernel operand is torch's packed uint8 int4."""
+    engine = Engine(EngineConfig(model_path=model_dirs["w4a16"], dtype="float32", max_batch_size=2))
+    try:
+        model = engine.model
+        for layer in model.layers:
+            assert isinstance(layer.qkv, DenseLinear)  # attention stays in the compute dtype
+            for lin in layer.gate_up + layer.down:
+                assert isinstance(lin, Int4Linear)
+                n, k = sum(lin.splits), lin.k
+                assert lin.packed.dtype == torch.uint8 and tuple(lin.packed.shape) == (n, k // 2)
+                floats = [v for v in vars(lin).values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+                assert all(v.numel() <= 2 * n * k // lin.group for v in floats)  # scales and zeros only
+        expert = {n: t for n, t in model.store.items() if ".experts." in n}
+        assert expert and all(t.numel() * t.element_size() <= t.shape[0] * 64 for n, t in expert.items()
+                              if n.endswith("weight_packed"))
+        assert {t.dtype for t in expert.values()} == {torch.int32, torch.bfloat16}
+        bf16_entries = [n for n, t in expert.items() if t.dtype == torch.bfloat16]
+        assert all(n.endswith("weight_scale") for n in bf16_entries)
+    finally:
+        engine.shutdown()
+
+
+def test_w8a8_layers_use_their_kernels(model_dirs):
+    for scheme, cls in (("w8a8_int8", Int8Linear), ("w8a8_fp8", Fp8Linear)):
+        engine = Engine(EngineConfig(model_path=model_dirs[scheme], dtype="bfloat16", max_batch_size=2))
+        try:
+            layer = engine.model.layers[0]
+            assert all(isinstance(lin, cls) for lin in layer.linears())
+            if cls is Int8Linear:  # the kernel reads the checkpoint's int8 codes in place
+                name = "model.layers.0.mlp.experts.0.up_proj.weight"
+                assert engine.model.store[name].dtype == torch.int8
+                assert engine.model.store[name].untyped_storage().data_ptr() == \
+                    layer.gate_up[0].codes_NK.untyped_storage().data_ptr()
+            reqs = run(engine, prompt_ids(model_dirs[scheme]), temperature=0.0, max_new_tokens=4)
+            assert all(r.finish_reason["type"] in ("stop", "length") for r in reqs)
+        finally:
+            engine.shutdown()
+
+
+def test_seed_reproduces_and_batching_does_not_change_fp32_greedy(model_dirs):
+    engine = Engine(EngineConfig(model_path=model_dirs["w4a16"], dtype="float32", max_batch_size=4))
+    try:
+        prompts = prompt_ids(model_dirs["w4a16"])
+        a = run(engine, prompts[:1], temperature=1.0, sampling_seed=7, max_new_tokens=10, ignore_eos=True)
+        b = run(engine, prompts[:1], temperature=1.0, sampling_seed=7, max_new_tokens=10, ignore_eos=True)
+        c = run(engine, prompts[:1], temperature=1.0, sampling_seed=8, max_new_tokens=10, ignore_eos=True)
+        assert a[0].output_ids == b[0].output_ids and a[0].output_logprobs == b[0].output_logprobs
+        assert len(c[0].output_ids) == 10
+        alone = [run(engine, [p], temperature=0.0, max_new_tokens=8)[0].output_ids for p in prompts]
+        together = [r.output_ids for r in run(engine, prompts, temperature=0.0, max_new_tokens=8)]
+        assert alone == together
+    finally:
+        engine.shutdown()
+
+
+# ----------------------------------------------------------------------------------- weight update
+TRAINER = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from megatron_qarl.qat.export import iter_safetensors
+    from megatron_qarl.rollout.weight_sync import init_custom_process_group
+    port, model_dir = int(sys.argv[1]), sys.argv[2]
+    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "weight_update_group")
+    for name, t in sorted(iter_safetensors(model_dir)):
+        dist.broadcast(t.contiguous(), src=0, group=pg)
+    dist.destroy_process_group(pg)
+    print("sent")
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def perturbed_w4a16(base_dir: str, out: Path) -> Path:
+    """A different policy: experts scaled by 0.7, lm_head rows rolled by one token, re-quantized."""
+    out.mkdir()
+    src = out / "bf16"
+    src.mkdir()
+    tensors = {n: (t * 0.7 if ".experts." in n else torch.roll(t, 1, 0) if n == "lm_head.weight" else t)
+               for n, t in iter_safetensors(base_dir)}
+    tensors = {n: t.contiguous() for n, t in tensors.items()}
+    save_file(tensors, str(src / "model.safetensors"))
+    for f in Path(base_dir).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (src / f.name).write_bytes(f.read_bytes())
+    return quantize_checkpoint(src, "w4a16", out / "w4a16")
+
+
+def test_update_weights_from_distributed(model_dirs, tmp_path):
+    """A trainer process (rank 0, gloo) broadcasts a new w4a16 checkpoint; the server's checksums then
+    equal the sent bytes and its greedy output equals a server started from that checkpoint."""
+    from fastapi.testclient import TestClient
+
+    from megatron_qarl.rollout.server import ServerConfig, build_app
+
+    new_dir = perturbed_w4a16(model_dirs["bf16"], tmp_path / "new")
+    sent = dict(sorted(iter_safetensors(new_dir)))
+    engine = Engine(EngineConfig(model_path=model_dirs["w4a16"], dtype="float32", max_batch_size=2))
+    fresh = Engine(EngineConfig(model_path=str(new_dir), dtype="float32", max_batch_size=2))
+    trainer = None
+    try:
+        client = TestClient(build_app(engine, ServerConfig()))
+        gen = {"input_ids": prompt_ids(model_dirs["bf16"]), "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+        before = [r["output_ids"] for r in client.post("/generate", json=gen).json()]
+        port = free_port()
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(new_dir)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        r = client.post("/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "weight_update_group", "backend": "gloo"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        r = client.post("/update_weights_from_distributed", json={
+            "names": list(sent), "dtypes": [str(t.dtype).removeprefix("torch.") for t in sent.values()],
+            "shapes": [list(t.shape) for t in sent.values()], "weight_version": "v2"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        out, err = trainer.communicate(timeout=60)
+        assert trainer.returncode == 0 and "sent" in out, err
+        assert client.post("/destroy_weights_update_group", json={}).json()["success"]
+        sums = client.get("/weights_checksum").json()
+        assert sums["weight_version"] == "v2"
+        expected = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                    for n, t in sent.items()}
+        assert sums["checksums"] == expected
+        after = client.post("/generate", json=gen).json()
+        assert all(r["meta_info"]["weight_version"] == "v2" for r in after)
+        want = [r.output_ids for r in run(fresh, gen["input_ids"], temperature=0.0, max_new_tokens=8)]
+        assert [r["output_ids"] for r in after] == want
+        assert want != before, "the perturbed policy should generate differently"
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            trainer.kill()
+        engine.shutdown()
+        fresh.shutdown()

@@ -1,0 +1,359 @@
+"""Protocol suite for ``qarl serve``: SGLang's field names and response shapes over real HTTP (uvicorn on
+127.0.0.1), the admin endpoints, auth off loopback, and 4xx (never 5xx) for bad input."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from megatron_qarl.errors import UserError
+from megatron_qarl.rollout.engine import Engine, EngineConfig
+from megatron_qarl.rollout.server import ServerConfig, build_app
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "checkpoints" / "tiny-qwen3-moe"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("served")
+    if (TINY / "model.safetensors").is_file():
+        for f in TINY.iterdir():
+            if f.is_file():
+                shutil.copy(f, out / f.name)
+        return str(out)
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=128, intermediate_size=256, max_position_embeddings=128,
+                         tie_word_embeddings=False, norm_topk_prob=True, rope_theta=10000.0, eos_token_id=1)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """(base URL, engine) of a real uvicorn server on a free loopback port."""
+    import uvicorn
+
+    engine = Engine(EngineConfig(model_path=model_dir, dtype="float32", max_batch_size=4))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, ServerConfig(port=port)), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server[0], timeout=60) as client:
+        yield client
+
+
+PROMPT = [2, 19, 20, 6, 15, 16, 18, 4, 11]  # arbitrary in-vocabulary ids
+
+
+def gen(http, **body) -> httpx.Response:
+    body.setdefault("input_ids", PROMPT)
+    return http.post("/generate", json=body)
+
+
+def test_health_and_model_info(http):
+    assert http.get("/health").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"] and info["weight_version"] == "default"
+
+
+def test_generate_response_has_sglang_shape(http):
+    r = gen(http, sampling_params={"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}, return_logprob=True)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == 5
+    assert isinstance(meta["id"], str) and meta["weight_version"] == "default"
+    triples = meta["output_token_logprobs"]
+    assert [t[1] for t in triples] == out["output_ids"] and all(t[2] is None for t in triples)
+    assert all(isinstance(t[0], float) and t[0] <= 0.0 for t in triples)
+    assert meta["input_token_logprobs"] == []  # logprob_start_len -1: output tokens only
+    assert "output_token_logprobs" not in gen(http, sampling_params={"max_new_tokens": 1}).json()["meta_info"]
+
+
+def test_batched_input_and_per_prompt_params(http):
+    prompts = [PROMPT, PROMPT[:4], [2, 5]]
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (1, 2, 3)]
+    out = gen(http, input_ids=prompts, sampling_params=params).json()
+    assert isinstance(out, list) and [o["meta_info"]["completion_tokens"] for o in out] == [1, 2, 3]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [9, 4, 2]
+    single = gen(http, input_ids=PROMPT[:4], sampling_params=params[1]).json()
+    assert out[1]["output_ids"] == single["output_ids"]  # fp32 greedy: batching changes nothing
+
+
+def test_stop_token_ids_and_eos(http):
+    free = gen(http, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}).json()
+    stop = free["output_ids"][2]
+    first = free["output_ids"].index(stop)
+    out = gen(http, sampling_params={"temperature": 0, "max_new_tokens": 8, "stop_token_ids": [stop],
+                                     "ignore_eos": True}).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == free["output_ids"][: first + 1]  # the matched token is part of the output
+
+
+def test_sampling_seed_reproduces(http):
+    params = {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": 12, "sampling_seed": 1234,
+              "ignore_eos": True}
+    a, b = (gen(http, sampling_params=params, return_logprob=True).json() for _ in range(2))
+    assert a["output_ids"] == b["output_ids"]
+    assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+    others = {tuple(gen(http, sampling_params={**params, "sampling_seed": s}).json()["output_ids"]) for s in range(6)}
+    assert len(others) > 1  # different seeds give different samples
+
+
+def test_logprobs_are_of_the_temperature_scaled_distribution(server, http):
+    """SGLang's default: log_softmax(logits / T) of the sampled token, before top-k / top-p."""
+    _, engine = server
+    t = 0.7
+    out = gen(http, sampling_params={"temperature": t, "max_new_tokens": 6, "sampling_seed": 5, "ignore_eos": True,
+                                     "top_k": 5}, return_logprob=True, logprob_start_len=0).json()
+    seq = PROMPT + out["output_ids"]
+    with engine.lock:
+        logits = engine.model.forward(torch.tensor([seq]), torch.tensor([3]), torch.arange(len(seq))[None],
+                                      all_logits=True)[0]
+    logp = torch.log_softmax(logits / t, dim=-1)
+    n = len(PROMPT)
+    want = [float(logp[n - 1 + i, tok]) for i, tok in enumerate(out["output_ids"])]
+    got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+    assert got == pytest.approx(want, abs=1e-5)
+    inputs = out["meta_info"]["input_token_logprobs"]  # logprob_start_len 0: every prompt token, first None
+    assert [x[1] for x in inputs] == PROMPT and inputs[0][0] is None
+    assert [x[0] for x in inputs[1:]] == pytest.approx([float(logp[i, PROMPT[i + 1]]) for i in range(n - 1)],
+                                                        abs=1e-5)
+
+
+def _background(http_base: str, body: dict) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def call():
+        result["response"] = httpx.post(f"{http_base}/generate", json=body, timeout=60).json()
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread, result
+
+
+def _wait_pending(engine, n: int = 1) -> None:
+    deadline = time.monotonic() + 20
+    while engine.num_pending() < n:
+        assert time.monotonic() < deadline, "request never became pending"
+        time.sleep(0.01)
+
+
+def test_pause_in_place_flush_continue(server, http):
+    base, engine = server
+    assert http.post("/flush_cache").status_code == 200
+    assert http.post("/pause_generation", json={"mode": "in_place"}).json()["success"]
+    thread, result = _background(base, {"input_ids": PROMPT, "sampling_params": {"temperature": 0,
+                                                                                 "max_new_tokens": 4}})
+    _wait_pending(engine)
+    time.sleep(0.2)
+    assert engine.num_pending() == 1  # paused: it waits
+    assert http.post("/flush_cache").status_code == 400  # requests pending: trainers retry
+    assert http.post("/continue_generation").json()["success"]
+    thread.join(timeout=60)
+    assert result["response"]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    assert http.post("/flush_cache").status_code == 200
+
+
+def test_pause_abort_returns_partial_requests(server, http):
+    base, engine = server
+    thread, result = _background(base, {"input_ids": PROMPT, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 100, "ignore_eos": True}})
+    _wait_pending(engine)
+    paused = http.post("/pause_generation", json={"mode": "abort"}).json()
+    thread.join(timeout=60)
+    assert paused["num_paused_requests"] == 1
+    assert result["response"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert http.post("/continue_generation").status_code == 200
+    assert gen(http, sampling_params={"max_new_tokens": 2}).status_code == 200
+
+
+def test_pause_retract_resumes_identically(server, http):
+    """retract drops the KV cache; on continue the request is re-prefilled and ends as if never paused."""
+    base, engine = server
+    body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 100, "ignore_eos": True}}
+    straight = http.post("/generate", json=body).json()["output_ids"]
+    thread, result = _background(base, body)
+    _wait_pending(engine)
+    while not any(r.output_ids for r in list(engine._active.values())):
+        time.sleep(0.005)
+    paused = http.post("/pause_generation", json={"mode": "retract"}).json()
+    assert paused["num_paused_requests"] == 1
+    time.sleep(0.1)
+    assert engine.num_pending() == 1 and thread.is_alive()
+    http.post("/continue_generation")
+    thread.join(timeout=60)
+    assert result["response"]["output_ids"] == straight
+
+
+def test_update_weights_from_disk(server, http, model_dir, tmp_path):
+    r = http.post("/update_weights_from_disk", json={"model_path": model_dir, "weight_version": "disk-1"})
+    assert r.status_code == 200 and r.json()["success"] and r.json()["num_paused_requests"] == 0
+    assert gen(http, sampling_params={"max_new_tokens": 1}).json()["meta_info"]["weight_version"] == "disk-1"
+    from megatron_qarl.qat.export import quantize_checkpoint
+
+    other = quantize_checkpoint(model_dir, "w4a16", tmp_path / "w4")  # another format: refused, nothing loaded
+    r = http.post("/update_weights_from_disk", json={"model_path": str(other), "weight_version": "bad"})
+    assert r.status_code == 400 and not r.json()["success"] and "not a tensor" in r.json()["message"]
+    assert http.get("/get_model_info").json()["weight_version"] == "disk-1"
+
+
+def test_text_input(http):
+    out = http.post("/generate", json={"text": "Q: 5+5= A:", "sampling_params": {"temperature": 0,
+                                                                                  "max_new_tokens": 3}})
+    assert out.status_code == 200 and isinstance(out.json()["text"], str)
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"input_ids": [2, 999]}, 400),  # out of vocabulary
+    ({"input_ids": [2, -1]}, 400),
+    ({"input_ids": [2, 5], "sampling_params": {"max_new_tokens": 10_000}}, 400),  # beyond the context
+    ({"input_ids": []}, 400),
+    ({"input_ids": [[]]}, 400),
+    ({"input_ids": [2], "text": "Q"}, 400),
+    ({}, 400),
+    ({"input_ids": [2], "sampling_params": {"temperature": -1}}, 422),
+    ({"input_ids": [2], "sampling_params": {"stop_token_ids": [77]}}, 400),
+    ({"input_ids": [2], "sampling_params": {"unknown_knob": 1}}, 422),
+    ({"input_ids": [[2], [3]], "sampling_params": [{}]}, 400),
+    ({"input_ids": "abc"}, 422),
+])
+def test_bad_input_is_4xx(http, body, status):
+    r = http.post("/generate", json=body)
+    assert r.status_code == status, r.text
+    assert r.text  # with a message
+
+
+def test_malformed_json_is_4xx(http):
+    r = http.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "json" in r.text.lower()
+
+
+def test_non_loopback_needs_api_key(server):
+    from fastapi.testclient import TestClient
+
+    _, engine = server
+    with pytest.raises(UserError, match="api-key"):
+        build_app(engine, ServerConfig(host="0.0.0.0"))
+    client = TestClient(build_app(engine, ServerConfig(host="0.0.0.0", api_key="s3cret")))
+    assert client.get("/health").status_code == 200
+    for method, path, body in [("post", "/update_weights_from_disk", {"model_path": "/x"}),
+                               ("post", "/init_weights_update_group", {}), ("post", "/flush_cache", None),
+                               ("post", "/pause_generation", None), ("get", "/weights_checksum", None),
+                               ("post", "/generate", {"input_ids": [2]})]:
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            r = client.request(method.upper(), path, json=body, headers=headers)
+            assert r.status_code == 401, path
+    ok = {"Authorization": "Bearer s3cret"}
+    assert client.post("/flush_cache", headers=ok).status_code == 200
+    assert client.post("/generate", json={"input_ids": [2], "sampling_params": {"max_new_tokens": 1}},
+                       headers=ok).status_code == 200
+
+
+def test_openapi_fuzz_never_500(model_dir):
+    """schemathesis over the OpenAPI schema (bounded): no input makes the server answer 5xx."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    engine = Engine(EngineConfig(model_path=model_dir, dtype="bfloat16", max_batch_size=4, max_seq_len=24))
+    app = build_app(engine, ServerConfig())
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    skip = {"/init_weights_update_group", "/update_weights_from_distributed", "/pause_generation"}
+    calls: dict[str, int] = {}
+    try:
+        ops = [op.ok() for op in schema.get_all_operations() if op.ok().path not in skip]
+        assert any(op.path == "/generate" for op in ops)
+        for op in ops:
+            @settings(max_examples=40 if op.path == "/generate" else 8, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy())
+            def check(case):
+                response = case.call()
+                calls[case.path] = calls.get(case.path, 0) + 1
+                assert response.status_code < 500, (case.path, case.body, response.text)
+
+            check()
+        assert calls["/generate"] >= 20
+    finally:
+        engine.shutdown()
+
+
+def _serve_parser():
+    import argparse
+
+    from megatron_qarl.rollout import server as server_mod
+
+    parser = argparse.ArgumentParser(prog="qarl")
+    server_mod.register(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_cli_refuses_open_host_without_key(model_dir):
+    args = _serve_parser().parse_args(["serve", "--model", model_dir, "--host", "0.0.0.0"])
+    with pytest.raises(UserError, match="api-key"):
+        args.func(args)
+    args = _serve_parser().parse_args(["serve", "--model", "/nonexistent"])
+    with pytest.raises(UserError, match="config.json"):
+        args.func(args)
+
+
+def test_cli_serves_over_http(model_dir):
+    """`qarl serve` end to end: a subprocess on a free port answers /health and /generate."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import argparse, sys\n"  # cli.py lists `serve` once the lead adds it to SUBCOMMANDS
+            "from megatron_qarl.rollout import server\n"
+            "p = argparse.ArgumentParser(); server.register(p.add_subparsers(dest='command'))\n"
+            "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", model_dir, "--port", str(port),
+                             "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "qarl serve did not come up"
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [[2, 5], [2, 6, 7]],
+                       "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}, timeout=30)
+        assert r.status_code == 200 and [o["meta_info"]["completion_tokens"] for o in r.json()] == [3, 3]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
