@@ -15,6 +15,7 @@ from megatron_qarl.errors import UserError
 
 # module path of each subcommand provider, in the order `qarl --help` shows them
 SUBCOMMANDS: list[str] = [
+    "megatron_qarl.train_cli",  # qarl train
     "megatron_qarl.moe.verify",  # qarl convert verify
     "megatron_qarl.data.evaluate",  # qarl eval
     "megatron_qarl.qat.cli",  # qarl quantize

@@ -11,6 +11,7 @@ root for configs/*.yaml).
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -28,8 +29,11 @@ from pydantic import (
 
 from megatron_qarl.algo.advantages import AdvantageConfig
 from megatron_qarl.algo.policy_loss import PolicyLossConfig
+from megatron_qarl.data.prompts import PromptDataConfig
+from megatron_qarl.data.reward import RewardConfig
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.qat.config import QuantConfig
+from megatron_qarl.rollout.manager import SamplingConfig
 
 
 class _Loader(yaml.SafeLoader):
@@ -111,15 +115,126 @@ class AlgoConfig(_Section):
     loss: PolicyLossConfig = PolicyLossConfig()
 
 
+class LearnerConfig(_Section):
+    """How the learner uses the quantizer.
+
+    aligned: true (QaRL) runs the learner's forward on the very low-bit weights the rollout servers hold
+        (fake quant with a straight-through backward); false keeps a full-precision forward and quantizes
+        only what is sent to the servers (quantized-rollout training; pair it with algo.loss.mismatch=tis).
+    """
+
+    aligned: bool = True
+
+
+class SyncConfig(_Section):
+    """Weight sync from the learner to the rollout servers after every step."""
+
+    bucket_mb: int = Field(default=512, ge=1)
+    verify: bool = False  # servers report checksums of what they received; a difference fails the run
+    timeout_s: float = Field(default=300.0, gt=0)
+
+
+class RolloutConfig(_Section):
+    """The rollout servers and how they sample. They serve ``quant.scheme``'s weights (bf16: full precision).
+
+    backend: ``embedded`` (``qarl serve``, CPU kernels) or ``sglang`` (``python -m sglang.launch_server``, GPUs).
+    servers: how many; gpus_per_server is SGLang's --tp-size (0 on CPU).
+    """
+
+    backend: Literal["embedded", "sglang"] = "embedded"
+    servers: int = Field(default=1, ge=1)
+    gpus_per_server: int = Field(default=0, ge=0)
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    max_batch_size: int = Field(default=128, ge=1)  # concurrent sequences per server (SGLang: --max-running-requests)
+    threads: int | None = Field(default=None, ge=1)  # torch threads of an embedded server (None: all cores)
+    mem_fraction_static: float = Field(default=0.8, gt=0, le=1)  # SGLang only
+    sampling: SamplingConfig = SamplingConfig()
+    timeout_s: float = Field(default=600.0, gt=0)
+    retries: int = Field(default=2, ge=0)
+    max_concurrency: int = Field(default=256, ge=1)
+    restart_dead: bool = True  # restart a server that died (before the next sync); false: drop it
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    api_key: str | None = None
+    sync: SyncConfig = SyncConfig()
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation through the rollout servers: greedy accuracy, and sampled accuracy (mean over
+    ``sampled_n`` samples per prompt). ``data`` None: the synthetic task's held-out problems."""
+
+    every: int = Field(default=25, ge=0)  # steps; 0 = never (the start and the end are always evaluated)
+    n: int = Field(default=200, ge=1)
+    data: PromptDataConfig | None = None
+    sampled_n: int = Field(default=2, ge=0)
+    temperature: float = Field(default=1.0, gt=0)
+    max_new_tokens: int = Field(default=48, ge=1)
+
+
+class CheckpointConfig(_Section):
+    """Megatron dist-checkpointing of model, optimizer, RNG, data position, step and weight version."""
+
+    every: int = Field(default=20, ge=0)  # steps; 0 = only at the end
+    keep: int = Field(default=2, ge=1)
+
+
+class TrainConfig(_Section):
+    """The loop: steps, batch, where outputs go, fault limits."""
+
+    steps: int = Field(default=100, ge=1)
+    prompts_per_step: int = Field(default=16, ge=1)
+    output_dir: str = "runs/cpu_default"
+    max_nonfinite_in_row: int = Field(default=3, ge=1)  # a run of this many skipped steps ends the run
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    learner_threads: int | None = Field(default=None, ge=1)  # torch threads per learner rank (None: cores/ranks)
+    # fault drill: these steps' loss is multiplied by NaN, so the step must be skipped and counted
+    inject_nonfinite_steps: list[int] = []
+
+
+class LaunchConfig(_Section):
+    """Where the parts run. ``ray``: learner ranks and rollout servers are Ray actors in a placement group
+    (``ray_address`` None starts a local Ray; ``auto`` joins the cluster the Slurm script started).
+    ``local``: learner in this process (world size 1), servers as child processes."""
+
+    backend: Literal["ray", "local"] = "ray"
+    ray_address: str | None = None
+    num_cpus: int | None = Field(default=None, ge=1)  # local Ray only (None: all cores)
+    gpus_per_learner_rank: int = Field(default=0, ge=0)
+    master_addr: str = "127.0.0.1"  # learner rank 0's address for its process group and the weight-update
+    # group; "auto": rank 0's host address (multi-node)
+    server_host: str = "127.0.0.1"  # where servers listen; not loopback: URLs use the node's address and the
+    # admin endpoints require rollout.api_key
+
+
 class QarlConfig(_Section):
     """A whole run."""
 
     model: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
     quant: QuantConfig = QuantConfig()
+    learner: LearnerConfig = LearnerConfig()
     optim: OptimConfig = OptimConfig()
     algo: AlgoConfig = AlgoConfig()
+    data: PromptDataConfig = PromptDataConfig()
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    launch: LaunchConfig = LaunchConfig()
     seed: int = 1234
+
+    @property
+    def world_size(self) -> int:
+        """Learner ranks: tensor x expert parallel (one data-parallel replica per lcm(tp, ep) ranks)."""
+        return self.parallel.tp * self.parallel.ep // math.gcd(self.parallel.tp, self.parallel.ep)
+
+    @model_validator(mode="after")
+    def _check_run(self) -> QarlConfig:
+        if self.launch.backend == "local" and self.world_size > 1:
+            raise ConfigError(f"launch.backend: 'local' runs one learner rank; parallel.tp={self.parallel.tp}, "
+                              f"parallel.ep={self.parallel.ep} need {self.world_size} (use 'ray')")
+        if self.rollout.backend == "sglang" and self.rollout.gpus_per_server < 1:
+            raise ConfigError("rollout.gpus_per_server: sglang servers need at least 1 GPU")
+        return self
 
     @model_validator(mode="after")
     def _check_layout(self) -> QarlConfig:

@@ -119,6 +119,21 @@ def fix_clip_grads() -> None:
     opt.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
+def fix_checkpoint_preload() -> None:
+    """dist_checkpointing's torch_dist writer copies every tensor to the host with non_blocking=True
+    and then calls torch.cuda.synchronize(), which raises "Torch not compiled with CUDA enabled", so
+    no checkpoint can be saved. On CPU the copy is already synchronous: preload with
+    non_blocking=False, which skips the synchronize."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    preload = fa.FileSystemWriterAsync.preload_tensors
+
+    def preload_tensors(write_buckets, non_blocking=True):
+        return preload(write_buckets, non_blocking=False)
+
+    fa.FileSystemWriterAsync.preload_tensors = staticmethod(preload_tensors)
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """Fix by replacement (used in megatron_qarl.moe.model.layer_spec, on CPU and on GPUs without
     Transformer Engine): Megatron's WrappedTorchNorm, the only norm without TE or apex, asserts
@@ -141,7 +156,8 @@ class RMSNorm(torch.nn.RMSNorm):
         return self.weight * xf.to(dtype)
 
 
-FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_optimizer_device, fix_clip_grads)
+FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_optimizer_device, fix_clip_grads,
+         fix_checkpoint_preload)
 
 
 def apply() -> list[str]:

@@ -53,6 +53,12 @@ PROBE = textwrap.dedent('''
         learner = Learner(arch, ParallelConfig(), OptimConfig(clip_grad=1.0 if scenario == "clip" else 0.0))
         batch = Batch(torch.randint(0, arch.vocab_size, (2, 8)), torch.ones(2, 7))
         learner.train_step(batch, lambda logp, b: token_mean_nll(logp, b, 14))
+        if scenario == "checkpoint":
+            import tempfile
+            from megatron.core import dist_checkpointing
+            msd = learner.module.sharded_state_dict(prefix="model.")
+            with tempfile.TemporaryDirectory() as d:
+                dist_checkpointing.save({"model": msd, "optimizer": learner.optimizer.sharded_state_dict(msd)}, d)
 
 
     if __name__ == "__main__":
@@ -78,7 +84,7 @@ def _probe(probe_file, skip: str, scenario: str, model_dir: str) -> subprocess.C
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-@pytest.mark.parametrize("scenario", ["clip", "forward_ep2"])
+@pytest.mark.parametrize("scenario", ["clip", "forward_ep2", "checkpoint"])
 def test_all_fixes_together_run(scenario, random_model_dir, probe_file):
     res = _probe(probe_file, "none", scenario, random_model_dir)
     assert "PROBE-OK" in res.stdout, res.stderr[-3000:]
@@ -91,6 +97,7 @@ def test_all_fixes_together_run(scenario, random_model_dir, probe_file):
     ("fix_te_general_gemm", "forward", "NameError: name 'te_general_gemm' is not defined"),
     ("fix_optimizer_device", "step", "Torch not compiled with CUDA enabled"),
     ("fix_clip_grads", "clip", "assert param.grad.type() == 'torch.cuda.FloatTensor'"),
+    ("fix_checkpoint_preload", "checkpoint", "Torch not compiled with CUDA enabled"),
 ])
 def test_fix_is_still_needed(fix, scenario, upstream_error, random_model_dir, probe_file):
     assert fix.split(":")[0] in [f.__name__ for f in megatron_cpu.FIXES]

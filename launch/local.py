@@ -1,0 +1,58 @@
+"""Local launch: one learner rank in this process, rollout servers as child processes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from launch.fleet import log_dir, server_command, server_env
+from megatron_qarl.config import QarlConfig
+from megatron_qarl.learner_worker import LearnerWorker
+from megatron_qarl.moe.parallelize import free_port
+from megatron_qarl.rollout.process import ServerProcess
+
+
+class LocalLearnerGroup:
+    def __init__(self, cfg: QarlConfig):
+        if cfg.world_size != 1:
+            raise ValueError(f"local launch runs one learner rank, the config needs {cfg.world_size}")
+        self.world = 1
+        self.worker = LearnerWorker(cfg, 0, 1, cfg.train.learner_threads or os.cpu_count())
+        self.worker.setup(*self.worker.address())
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class LocalServers:
+    def __init__(self, cfg: QarlConfig, model_dir: str):
+        host = cfg.launch.server_host
+        self.procs = []
+        for i in range(cfg.rollout.servers):
+            port = free_port()
+            url_host = "127.0.0.1" if host in ("0.0.0.0", "127.0.0.1", "localhost") else host
+            self.procs.append(ServerProcess(server_command(cfg, model_dir, host, port), f"http://{url_host}:{port}",
+                                            log_dir(cfg) / f"server{i}.log", env=server_env(cfg),
+                                            startup_timeout_s=cfg.rollout.startup_timeout_s))
+        try:
+            self.urls = [p.start() for p in self.procs]
+        except BaseException:
+            self.close()
+            raise
+
+    def alive(self) -> list[bool]:
+        return [p.alive() for p in self.procs]
+
+    def restart(self, i: int) -> str:
+        self.urls[i] = self.procs[i].restart()
+        return self.urls[i]
+
+    def pids(self) -> list[int | None]:
+        return [p.pid() for p in self.procs]
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.stop()

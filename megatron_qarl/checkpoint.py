@@ -1,0 +1,119 @@
+"""Training checkpoints: Megatron-Core dist-checkpointing for the sharded model and optimizer, per-rank
+RNG states, and the trainer's own state (step, data position, weight version, counters) as JSON.
+
+Layout of ``<output_dir>/checkpoints``::
+
+    step_000020/            one checkpoint (dist-checkpointing files, rng_rank{r}.pt, trainer_state.json)
+    step_000040/
+    latest                  the name of the newest complete checkpoint
+
+Atomic: everything is written into ``step_000040.tmp`` and renamed when complete, then ``latest`` is
+replaced (write + os.replace). A crash at any moment leaves the previous checkpoint intact and
+``latest`` pointing at a complete one. Only the newest ``keep`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_qarl.errors import UserError
+
+STATE_FILE = "trainer_state.json"
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def tmp_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}.tmp"
+
+
+# ---------------------------------------------------------------------------------- learner side
+def rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
+
+
+def save_learner(path: str | Path, module, optimizer) -> None:
+    """Collective over the learner ranks: model + optimizer shards (dist-checkpointing) and RNG."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    model_sd = module.sharded_state_dict()
+    dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, str(path))
+    torch.save(rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
+    dist.barrier()
+
+
+def load_learner(path: str | Path, module, optimizer) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    model_sd = module.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)},
+                                     str(path))
+    module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    rng_file = path / f"rng_rank{dist.get_rank()}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+
+
+# ----------------------------------------------------------------------------------- driver side
+def commit(root: str | Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Write the trainer state into the temporary directory, rename it into place, point ``latest`` at
+    it and drop all but the newest ``keep`` checkpoints."""
+    root = Path(root)
+    tmp, final = tmp_dir(root, step), step_dir(root, step)
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+    if final.exists():  # the same step saved by an earlier, interrupted attempt
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = root / "latest.tmp"
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, root / "latest")
+    for old in sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob("step_*.tmp"):  # left by a crash in the middle of a save
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    pointer = Path(root) / "latest"
+    if not pointer.is_file():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    if not (path / STATE_FILE).is_file():
+        raise UserError(f"{pointer}: points at {path}, which is not a complete checkpoint ({STATE_FILE} missing)")
+    return path
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / STATE_FILE).read_text())

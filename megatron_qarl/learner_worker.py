@@ -1,0 +1,123 @@
+"""One learner rank as the trainer drives it: the sharded policy and optimizer (Learner), the weight
+broadcaster to the rollout servers, and checkpoints.
+
+The launchers create one LearnerWorker per rank (in the driver process for a single rank, as a Ray
+actor per rank otherwise) and call the same method on every rank in lockstep; methods are
+collectives, and only rank 0's return value is meaningful.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_qarl.config import QarlConfig
+
+
+class LearnerWorker:
+    def __init__(self, cfg: QarlConfig, rank: int, world: int, threads: int | None = None):
+        self.cfg, self.rank, self.world, self.threads = cfg, rank, world, threads
+        self.learner = None
+        self.broadcaster = None
+        self.weight_version = 0
+        self.master_addr = "127.0.0.1"
+
+    def address(self) -> tuple[str, int]:
+        """(an address of this rank's host that the other ranks and the servers reach, a free port there)."""
+        from megatron_qarl.moe.parallelize import free_port
+
+        addr = self.cfg.launch.master_addr
+        if addr == "auto":
+            import socket
+
+            addr = socket.gethostbyname(socket.gethostname())
+        return addr, free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the learner's process group, build the sharded model and load the checkpoint."""
+        from megatron_qarl.learner import Learner
+        from megatron_qarl.moe.model import Qwen3MoeArch
+        from megatron_qarl.moe.parallelize import init_parallel
+
+        cfg = self.cfg
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world), LOCAL_RANK=str(int(os.environ.get("LOCAL_RANK", 0))))
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        self.master_addr = master_addr
+        init_parallel(tp=cfg.parallel.tp, ep=cfg.parallel.ep, seed=cfg.seed)
+        arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.learner = Learner(arch, cfg.parallel, cfg.optim, dtype=dtype, quant=cfg.quant,
+                               aligned=cfg.learner.aligned)
+        self.learner.load_hf(cfg.model.path)
+
+    # ------------------------------------------------------------------------------- compute
+    def logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
+        """The aligned forward log-probs [B, S-1] (the fake-quant weights when quantization is aligned)."""
+        out = self.learner.forward_logprobs(tokens_BS)
+        return out if self.rank == 0 else None
+
+    def train(self, batch, loss_cfg, poison: bool = False) -> dict | None:
+        """One optimizer step with algo/'s policy loss; ``poison`` multiplies the loss by NaN (fault drills)."""
+        from megatron_qarl.learner import policy_loss_fn
+
+        loss_fn = policy_loss_fn(loss_cfg, batch)
+        if poison:
+            inner = loss_fn
+
+            def loss_fn(logp_BT, b):
+                loss, metrics = inner(logp_BT, b)
+                return loss * float("nan"), metrics
+
+        metrics = self.learner.train_step(batch, loss_fn)
+        if self.rank != 0:
+            return None
+        return {k: float(v) for k, v in metrics.items()}
+
+    # ------------------------------------------------------------------------------ weight sync
+    def set_engines(self, urls: list[str], ranks_per_engine: int = 1, api_key: str | None = None) -> None:
+        """(Re)create the broadcaster for these servers; an old weight-update group is closed first."""
+        from megatron_qarl.sync.broadcaster import DistributedBroadcaster, Engine
+
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+        sync = self.cfg.rollout.sync
+        dtype = torch.bfloat16 if self.cfg.rollout.dtype == "bfloat16" else torch.float32
+        self.broadcaster = DistributedBroadcaster(
+            [Engine(u, ranks_per_engine, api_key) for u in urls], master_addr=self.master_addr,
+            bucket_bytes=sync.bucket_mb << 20, dtype=dtype, timeout_s=sync.timeout_s, verify=sync.verify)
+        self.broadcaster.version = self.weight_version
+
+    def sync(self) -> dict | None:
+        report = self.broadcaster.sync(self.learner)
+        self.weight_version = self.broadcaster.version
+        if report is None:
+            return None
+        return {"weight_version": report.weight_version, "bytes": report.bytes, "tensors": report.tensors,
+                "buckets": report.buckets, "seconds": report.seconds}
+
+    # ------------------------------------------------------------------------------- checkpoints
+    def save(self, path: str) -> None:
+        from megatron_qarl.checkpoint import save_learner
+
+        save_learner(path, self.learner.module, self.learner.optimizer)
+
+    def load(self, path: str, weight_version: int) -> None:
+        from megatron_qarl.checkpoint import load_learner
+
+        load_learner(path, self.learner.module, self.learner.optimizer)
+        if self.learner.fake_quant:
+            self.learner.fake_quant.invalidate()
+        self.weight_version = weight_version
+        if self.broadcaster is not None:
+            self.broadcaster.version = weight_version
+
+    def close(self) -> None:
+        from megatron_qarl.moe.parallelize import destroy_parallel
+
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+            self.broadcaster = None
+        destroy_parallel()

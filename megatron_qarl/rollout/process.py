@@ -1,0 +1,100 @@
+"""One rollout server as a supervised child process: the embedded ``qarl serve`` or SGLang's launcher.
+
+``ServerProcess`` starts the command, waits for ``/health``, says whether it is still alive and
+restarts it on the same port. The launchers (launch/local.py directly, launch/ray_launcher.py inside
+a Ray actor) own one per server; the trainer only sees URLs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from megatron_qarl.errors import UserError
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGKILL when the process that started it dies (kill -9 of a trainer must not
+    leave servers holding ports and memory)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def embedded_command(model_dir: str, port: int, *, host: str = "127.0.0.1", dtype: str = "bfloat16",
+                     max_batch_size: int = 128, api_key: str | None = None) -> list[str]:
+    """``qarl serve`` for a Hugging Face directory (BF16 or a qat/ export)."""
+    cmd = [sys.executable, "-m", "megatron_qarl.cli", "serve", "--model", model_dir, "--host", host,
+           "--port", str(port), "--dtype", dtype, "--max-batch-size", str(max_batch_size)]
+    return cmd + (["--api-key", api_key] if api_key else [])
+
+
+class ServerProcess:
+    """A rollout server command, its log file and its URL."""
+
+    def __init__(self, command: list[str], url: str, log_path: str | Path, *, env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 300.0):
+        self.command, self.url, self.log_path = list(command), url, Path(log_path)
+        self.env = dict(os.environ, **(env or {}))
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    def start(self) -> str:
+        """Start (or restart) the server and wait until /health answers 200; return its URL."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise UserError(f"rollout server {self.url} exited with code {self.proc.returncode} while starting; "
+                                f"last lines of {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise UserError(f"rollout server {self.url} not healthy after {self.startup_timeout_s:.0f} s; "
+                        f"see {self.log_path}:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def restart(self) -> str:
+        self.stop()
+        self.restarts += 1
+        return self.start()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

@@ -1,0 +1,119 @@
+"""``qarl train --config C [--resume] [key.sub=value ...]``: the QaRL training job.
+
+Validates the whole config first, writes it to ``<train.output_dir>/config.yaml``, prepares the rollout
+servers' starting checkpoint (the policy exported in ``quant.scheme``'s SGLang format, or the policy
+itself for bf16), launches learner ranks and servers (launch.backend: ray or local) and runs the loop.
+Ends with a summary: start and final held-out accuracy and the mean time of each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from megatron_qarl.config import QarlConfig, load_config
+
+
+def rollout_model_dir(cfg: QarlConfig) -> str:
+    """The directory the servers load at start: the quantized export (made once per run) or the policy."""
+    if not cfg.quant.enabled:
+        return cfg.model.path
+    from megatron_qarl.qat.export import quantize_checkpoint
+
+    out = Path(cfg.train.output_dir) / "rollout_init" / cfg.quant.scheme
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        quantize_checkpoint(cfg.model.path, cfg.quant.scheme, tmp, group_size=cfg.quant.group_size,
+                            symmetric=cfg.quant.symmetric)
+        os.replace(tmp, out)
+    return str(out)
+
+
+def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    from megatron_qarl.data.prompts import PromptStream
+    from megatron_qarl.trainer import Trainer, write_summary
+
+    out = Path(cfg.train.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
+    stream = PromptStream(cfg.data, tokenizer)  # a bad dataset fails here, naming file:line, before any launch
+    if stream.skipped.count:
+        print(f"data: skipped {stream.skipped.count} rows {stream.skipped.by_reason}, "
+              f"e.g. {stream.skipped.examples[:3]}")
+    model_dir = rollout_model_dir(cfg)
+    started = time.perf_counter()
+    if cfg.launch.backend == "ray":
+        from launch.ray_launcher import RayCluster
+
+        cluster = RayCluster(cfg, model_dir)
+        learners, servers, closers = cluster.learners, cluster.servers, [cluster.learners.close, cluster.close]
+    else:
+        from launch.local import LocalLearnerGroup, LocalServers
+
+        servers = LocalServers(cfg, model_dir)
+        try:
+            learners = LocalLearnerGroup(cfg)
+        except BaseException:
+            servers.close()
+            raise
+        closers = [learners.close, servers.close]
+    trainer = None
+    try:
+        trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, resume=resume, progress=progress,
+                          stream=stream)
+        summary = trainer.run()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        for close in closers:
+            close()
+    summary["time/total_s"] = time.perf_counter() - started
+    write_summary(out / "summary.json", summary)
+    return summary
+
+
+def _report(summary: dict[str, float], out: Path) -> str:
+    rows = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else summary
+    from megatron_qarl.tracking import read_metrics
+
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "time/step_s" in r]
+    lines = [f"output: {out}"]
+    for key in ("start/eval/greedy_accuracy", "eval/greedy_accuracy", "start/eval/sampled_accuracy",
+                "eval/sampled_accuracy"):
+        if key in rows:
+            lines.append(f"{key}: {rows[key]:.3f}")
+    if steps:
+        for phase in ("rollout", "reward", "logp", "update", "sync", "step"):
+            vals = [r[f"time/{phase}_s"] for r in steps]
+            lines.append(f"mean time/{phase}_s: {sum(vals) / len(vals):.3f}")
+    lines.append(f"total: {rows.get('time/total_s', 0):.1f} s")
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    summary = run(cfg, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty())
+    print(_report(summary, Path(cfg.train.output_dir)))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("train", help="run QaRL training (learner + rollout servers)",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML run config (configs/cpu_default.yaml)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the output dir")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    parser.set_defaults(func=_run)
+    return parser

@@ -1,0 +1,313 @@
+"""The QaRL loop. One on-policy step:
+
+    prompts -> G samples each from the rollout servers (with the sampler's log-probs)
+            -> rewards (math-verify, with timeouts) -> group advantages
+            -> the learner's aligned forward: logp_old
+            -> policy update (TBPO or the configured baseline) -> weight sync -> next step
+
+The trainer is the driver: it holds the data stream, the reward workers and the metrics, and calls
+the learner ranks and rollout servers through launch/'s LearnerGroup and ServerFleet, so the same loop
+runs in one process on a laptop and on a Ray cluster started by Slurm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_qarl import checkpoint as ckpt
+from megatron_qarl.algo.advantages import group_advantages
+from megatron_qarl.algo.error_tokens import error_token_metrics, error_token_stats
+from megatron_qarl.algo.mismatch import mismatch_metrics
+from megatron_qarl.config import QarlConfig
+from megatron_qarl.data.math_task import heldout_problems
+from megatron_qarl.data.prompts import PromptStream, render_prompt, tokenize, uses_chat_template
+from megatron_qarl.data.reward import RewardScorer
+from megatron_qarl.errors import UserError
+from megatron_qarl.learner import Batch
+from megatron_qarl.rollout.client import ClientConfig, SGLangClient
+from megatron_qarl.rollout.manager import RolloutManager, Sample, SamplingConfig
+from megatron_qarl.tracking import Tracker
+
+EVAL_SEED_OFFSET = 1 << 20  # eval sampling seeds never collide with training ones
+
+
+class TrainingAborted(UserError):
+    """The run cannot go on (too many non-finite steps in a row, every rollout server gone, ...)."""
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """Everything besides learner shards that a resumed run needs (saved as JSON in each checkpoint)."""
+
+    step: int = 0  # steps completed
+    weight_version: int = 0
+    data: dict[str, int] = dataclasses.field(default_factory=dict)
+    nonfinite_in_row: int = 0
+    nonfinite_total: int = 0
+    server_failures: int = 0
+    resent: int = 0
+    reward_timeouts: int = 0
+
+
+def build_batch(groups: list[list[Sample]], pad_id: int) -> tuple[Batch, torch.Tensor]:
+    """Right-padded prompt+response tokens [B, S] and, aligned with the learner's log-probs [B, S-1],
+    the response-token mask and the sampler's log-probs. Returns (batch without extras, logp_sampler_BT)."""
+    samples = [s for g in groups for s in g]
+    seq = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    seq = max(seq, 2)
+    B = len(samples)
+    tokens = torch.full((B, seq), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, seq - 1)
+    logp_sampler = torch.zeros(B, seq - 1)
+    for i, s in enumerate(samples):
+        ids = s.prompt_ids + s.response_ids
+        tokens[i, : len(ids)] = torch.tensor(ids)
+        start, n = len(s.prompt_ids) - 1, len(s.response_ids)  # logp[t] scores token t+1
+        mask[i, start : start + n] = 1.0
+        logp_sampler[i, start : start + n] = torch.tensor(s.logp_sampler, dtype=torch.float32)
+    return Batch(tokens, mask), logp_sampler
+
+
+def _scalar(v: Any) -> float:
+    return float(v.item() if torch.is_tensor(v) else v)
+
+
+class Trainer:
+    def __init__(self, cfg: QarlConfig, learners, servers, *, tokenizer, resume: bool = False,
+                 progress: bool = True, stream: PromptStream | None = None):
+        self.cfg, self.learners, self.servers = cfg, learners, servers
+        self.tokenizer = tokenizer
+        self.out = Path(cfg.train.output_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        self.stream = stream or PromptStream(cfg.data, tokenizer)
+        self.state = TrainerState()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        if resume:
+            path = ckpt.latest(self.ckpt_root)
+            if path is None:
+                raise UserError(f"--resume: no checkpoint in {self.ckpt_root}")
+            saved = ckpt.read_state(path)
+            self.state = TrainerState(**saved["trainer"])
+            self.stream.load_state_dict(self.state.data)
+            # the start sync re-sends the checkpoint's weights: under the checkpoint's version, not a new one
+            learners.call("load", str(path), self.state.weight_version - 1)
+        self.progress = progress
+        self.tracker: Tracker | None = None
+        self.scorer = RewardScorer(cfg.reward)
+        self._eval_set = None
+
+    # ---------------------------------------------------------------------------------- plumbing
+    def _clients(self) -> list[SGLangClient]:
+        r = self.cfg.rollout
+        conf = ClientConfig(timeout_s=r.timeout_s, retries=r.retries, max_concurrency=r.max_concurrency)
+        return [SGLangClient(u, api_key=r.api_key, config=conf) for u in self.servers.urls]
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed_step: int,
+                  live: list[int]) -> tuple[list[list[Sample]], RolloutManager]:
+        async def run():
+            clients = self._clients()
+            manager = RolloutManager([clients[i] for i in live], sampling, self.stop_ids, seed=self.cfg.seed)
+            try:
+                return await manager.generate(prompts, seed_step), manager
+            finally:
+                for c in clients:
+                    await c.close()
+
+        return asyncio.run(run())
+
+    def _connect(self) -> None:
+        """(Re)create the weight-update group with every live server and push the current weights."""
+        self.learners.call("set_engines", list(self.servers.urls), max(1, self.cfg.rollout.gpus_per_server),
+                           self.cfg.rollout.api_key)
+
+    def _heal_servers(self) -> bool:
+        """Restart (or drop) dead servers; True when the weight group must be rebuilt."""
+        alive = self.servers.alive()
+        if all(alive):
+            return False
+        if not self.cfg.rollout.restart_dead:
+            dead = [u for u, a in zip(self.servers.urls, alive, strict=True) if not a]
+            raise TrainingAborted(f"rollout servers {dead} died and rollout.restart_dead is false")
+        for i, ok in enumerate(alive):
+            if not ok:
+                self.tracker.console(f"restarting rollout server {i} ({self.servers.urls[i]})")
+                self.servers.restart(i)
+        return True
+
+    def _sync(self) -> dict:
+        report = self.learners.call("sync")[0]
+        self.state.weight_version = int(report["weight_version"].lstrip("v"))
+        return report
+
+    # --------------------------------------------------------------------------------------- eval
+    def _eval_prompts(self) -> tuple[list[list[int]], list[str]]:
+        if self._eval_set is None:
+            ev = self.cfg.train.eval
+            if ev.data is None:
+                task = self.cfg.data.synthetic
+                problems = heldout_problems(task, min(ev.n, task.heldout_size))
+                templated = uses_chat_template(self.tokenizer, self.cfg.data)
+                texts = [render_prompt([{"role": "user", "content": p.prompt}], self.tokenizer, self.cfg.data,
+                                       templated) for p in problems]
+                self._eval_set = (tokenize(texts, self.tokenizer, templated), [p.answer for p in problems])
+            else:
+                rows = PromptStream(ev.data.model_copy(update={"shuffle": False}), self.tokenizer)
+                n = min(ev.n, rows.num_prompts or ev.n)
+                batch = rows.next_batch(n)
+                self._eval_set = ([p.prompt_ids for p in batch], [p.answer for p in batch])
+        return self._eval_set
+
+    def evaluate(self) -> dict[str, float]:
+        ev = self.cfg.train.eval
+        prompts, answers = self._eval_prompts()
+        live = [i for i, a in enumerate(self.servers.alive()) if a]
+        out = {}
+        start = time.perf_counter()
+        greedy = SamplingConfig(n_samples=1, temperature=0.0, max_new_tokens=ev.max_new_tokens)
+        groups, _ = self._generate(prompts, greedy, EVAL_SEED_OFFSET + self.state.step, live)
+        rewards, _ = self.scorer.score(self._texts(groups), answers)
+        out["eval/greedy_accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
+        if ev.sampled_n:
+            sampled = SamplingConfig(n_samples=ev.sampled_n, temperature=ev.temperature,
+                                     max_new_tokens=ev.max_new_tokens)
+            groups, _ = self._generate(prompts, sampled, EVAL_SEED_OFFSET + self.state.step, live)
+            rewards, _ = self.scorer.score(self._texts(groups), [a for a in answers for _ in range(ev.sampled_n)])
+            out["eval/sampled_accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
+        out["time/eval_s"] = time.perf_counter() - start
+        return out
+
+    def _texts(self, groups: list[list[Sample]]) -> list[str]:
+        return self.tokenizer.batch_decode([s.response_ids for g in groups for s in g], skip_special_tokens=True)
+
+    # --------------------------------------------------------------------------------------- step
+    def step(self) -> dict[str, float]:
+        cfg, st = self.cfg, self.state
+        step = st.step + 1
+        m: dict[str, float] = {}
+        t0 = time.perf_counter()
+        prompts = self.stream.next_batch(cfg.train.prompts_per_step)
+        live = [i for i, a in enumerate(self.servers.alive()) if a]
+        if not live:
+            raise TrainingAborted("every rollout server is down")
+        groups, manager = self._generate([p.prompt_ids for p in prompts], cfg.rollout.sampling, step, live)
+        t_rollout = time.perf_counter()
+        G = cfg.rollout.sampling.n_samples
+        texts = self._texts(groups)
+        rewards, rstats = self.scorer.score(texts, [p.answer for p in prompts for _ in range(G)])
+        t_reward = time.perf_counter()
+
+        batch, logp_sampler_BT = build_batch(groups, self.pad_id)
+        logp_old_BT = self.learners.call("logprobs", batch.tokens_BS)[0]
+        t_logp = time.perf_counter()
+        adv_B = group_advantages(rewards, G, cfg.algo.advantage).float()
+        batch.extra.update(adv_B=adv_B, logp_old_BT=logp_old_BT, logp_sampler_BT=logp_sampler_BT)
+        poison = step in cfg.train.inject_nonfinite_steps
+        loss_metrics = self.learners.call("train", batch, cfg.algo.loss, poison)[0]
+        t_update = time.perf_counter()
+
+        skipped = loss_metrics.get("skipped", 0.0) > 0
+        st.nonfinite_total += int(skipped)
+        st.nonfinite_in_row = st.nonfinite_in_row + 1 if skipped else 0
+        if st.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
+            raise TrainingAborted(f"step {step}: {st.nonfinite_in_row} steps in a row had a non-finite loss or "
+                                  f"gradient (limit train.max_nonfinite_in_row={cfg.train.max_nonfinite_in_row}); "
+                                  "lower optim.lr or check the data")
+
+        st.server_failures += manager.server_failures
+        st.resent += manager.resent
+        if self._heal_servers() or manager.server_failures:
+            self._connect()
+        report = self._sync()
+        t_sync = time.perf_counter()
+
+        # ------------------------------------------------------------------------------- metrics
+        mask = batch.loss_mask_BT
+        lengths = mask.sum(-1)
+        n_tokens = float(mask.sum())
+        m.update({f"loss/{k}": v for k, v in loss_metrics.items()})
+        m.update({f"mismatch/{k}": _scalar(v) for k, v in mismatch_metrics(logp_old_BT, logp_sampler_BT,
+                                                                            mask).items()})
+        stats = error_token_stats([s.response_ids for g in groups for s in g],
+                                  [s.logp_sampler for g in groups for s in g],
+                                  finish_reasons=[s.finish_reason for g in groups for s in g], texts=texts)
+        m.update({f"error_tokens/{k}": v for k, v in error_token_metrics(stats, rewards).items()})
+        m["reward/mean"] = sum(rewards) / len(rewards)
+        m["reward/accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
+        m["reward/timeouts"] = float(rstats.get("timeouts", 0))
+        st.reward_timeouts += int(rstats.get("timeouts", 0))
+        m["length/response_mean"] = float(lengths.mean())
+        m["length/response_max"] = float(lengths.max())
+        m["length/truncated_frac"] = sum(s.finish_reason == "length" for g in groups for s in g) / len(lengths)
+        m["time/rollout_s"] = t_rollout - t0
+        m["time/reward_s"] = t_reward - t_rollout
+        m["time/logp_s"] = t_logp - t_reward
+        m["time/update_s"] = t_update - t_logp
+        m["time/sync_s"] = t_sync - t_update
+        m["time/step_s"] = t_sync - t0
+        m["throughput/rollout_tokens_per_s"] = n_tokens / max(t_rollout - t0, 1e-9)
+        m["throughput/tokens_per_s"] = n_tokens / max(t_sync - t0, 1e-9)
+        m["sync/bytes"] = float(report["bytes"])
+        m["sync/seconds"] = float(report["seconds"])
+        m["sync/weight_version"] = float(st.weight_version)
+        m["faults/nonfinite_total"] = float(st.nonfinite_total)
+        m["faults/server_failures"] = float(st.server_failures)
+        m["faults/resent_requests"] = float(st.resent)
+        m["faults/prompts_lost"] = float(len(prompts) * G - sum(len(g) for g in groups))
+        st.step = step
+        st.data = self.stream.state_dict()
+        return m
+
+    def save(self) -> Path:
+        tmp = ckpt.tmp_dir(self.ckpt_root, self.state.step)
+        self.learners.call("save", str(tmp))
+        return ckpt.commit(self.ckpt_root, self.state.step,
+                           {"trainer": dataclasses.asdict(self.state), "config": self.cfg.model_dump(mode="json")},
+                           self.cfg.train.checkpoint.keep)
+
+    def run(self) -> dict[str, float]:
+        """Train to ``train.steps``; returns the last step's metrics plus the first and last evaluation."""
+        cfg = self.cfg
+        tc = cfg.train
+        self.tracker = Tracker(self.out, start_step=self.state.step, total=tc.steps, progress=self.progress)
+        self._connect()
+        self._sync()  # servers start from the initial checkpoint: push the learner's (possibly resumed) weights
+        summary: dict[str, float] = {}
+        ev = tc.eval
+        if self.state.step == 0:
+            first = self.evaluate()
+            self.tracker.log(0, first)
+            summary.update({f"start/{k}": v for k, v in first.items()})
+        try:
+            while self.state.step < tc.steps:
+                metrics = self.step()
+                step = self.state.step
+                if (ev.every and step % ev.every == 0) or step == tc.steps:
+                    metrics.update(self.evaluate())
+                self.tracker.log(step, metrics)
+                summary.update(metrics)
+                ck = tc.checkpoint
+                if (ck.every and step % ck.every == 0) or step == tc.steps:
+                    t = time.perf_counter()
+                    self.save()
+                    self.tracker.log(step, {"time/checkpoint_s": time.perf_counter() - t})
+        finally:
+            self.tracker.close()
+        return summary
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def write_summary(path: Path, summary: dict[str, float]) -> None:
+    path.write_text(json.dumps({k: (v if math.isfinite(v) else str(v)) for k, v in summary.items()}, indent=1,
+                               sort_keys=True))

@@ -1,0 +1,181 @@
+"""`qarl train` end to end on the tiny model, with real rollout servers, reward workers and a Megatron learner:
+resume after kill -9 is exact, a rollout server killed mid-rollout loses no prompt, non-finite steps are
+skipped and counted, a bad dataset line is named, and TensorBoard holds every scalar we promise."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_qarl.config import load_config
+from megatron_qarl.tracking import read_metrics
+
+pytestmark = pytest.mark.e2e
+
+CPU_DEFAULT = "configs/cpu_default.yaml"
+# small steps: 4 prompts x 4 samples, a short held-out set, a checkpoint every step
+SMALL = ["launch.backend=local", "train.prompts_per_step=4", "rollout.sampling.n_samples=4", "train.eval.n=8",
+         "train.eval.sampled_n=1", "train.eval.every=0", "rollout.max_batch_size=32", "train.checkpoint.every=1",
+         "train.checkpoint.keep=2", "rollout.sampling.max_new_tokens=40"]
+# what changes between two runs of the same config: wall-clock figures
+VOLATILE = ("time/", "throughput/", "sync/seconds")
+
+
+def _qarl_train(out: Path, extra: list[str], resume: bool = False) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "megatron_qarl.cli", "train", "--config", CPU_DEFAULT, "--no-progress",
+           *(["--resume"] if resume else []), f"train.output_dir={out}", *SMALL, *extra]
+    log = open(out.parent / f"{out.name}.log", "ab")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1])
+
+
+def _finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> None:
+    rc = proc.wait(timeout=timeout)
+    assert rc == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
+
+
+def _stable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
+
+
+def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    steps = ["train.steps=3"]
+    ref = _qarl_train(full, steps)
+    _finish(ref, full)
+    proc = _qarl_train(killed, steps)
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while not (latest.is_file() and latest.read_text().strip() == "step_000002"):
+        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # after step 2's checkpoint: step 3 is lost or half done
+    proc.wait()
+    _finish(_qarl_train(killed, steps, resume=True), killed)
+
+    want = {r["step"]: r for r in read_metrics(full / "metrics.jsonl") if "loss/loss" in r}
+    got = {r["step"]: r for r in read_metrics(killed / "metrics.jsonl") if "loss/loss" in r}
+    assert sorted(got) == [1, 2, 3]  # no duplicate of a step the crash interrupted
+    for step in (1, 2, 3):
+        a, b = _stable(want[step]), _stable(got[step])
+        assert a.keys() == b.keys()
+        # the same samples: rewards and lengths are equal exactly
+        for key in ("reward/mean", "reward/accuracy", "length/response_mean", "length/response_max", "loss/num_tokens"):
+            assert a[key] == b[key], (step, key)
+        # log-prob figures: the server's fp32 batched kernels round differently with the batch's make-up
+        # (~1e-7 on a log-prob, seen between two uninterrupted runs too), so compare at 1e-5
+        diff = {k: (a[k], b[k]) for k in a if not a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5)}
+        assert not diff, f"step {step} differs after resume: {diff}"
+
+
+def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipped(tmp_path, tiny_model_dir):
+    """In process: two servers; server 1 gets SIGKILL while step 2's rollout is in flight. Step 2's loss is
+    poisoned with NaN: the update is skipped and counted. Then three poisoned steps in a row end the run."""
+    from transformers import AutoTokenizer
+
+    from launch.local import LocalLearnerGroup, LocalServers
+    from megatron_qarl.data.prompts import PromptStream
+    from megatron_qarl.train_cli import rollout_model_dir
+    from megatron_qarl.trainer import Trainer, TrainingAborted
+
+    cfg = load_config(CPU_DEFAULT, [f"train.output_dir={tmp_path / 'run'}", *SMALL, "train.steps=3",
+                                    "rollout.servers=2", "train.prompts_per_step=8", "train.inject_nonfinite_steps=[2]",
+                                    "train.max_nonfinite_in_row=2", "train.checkpoint.every=0"])
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    servers = LocalServers(cfg, rollout_model_dir(cfg))
+    learners = LocalLearnerGroup(cfg)
+    trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, progress=False,
+                      stream=PromptStream(cfg.data, tokenizer))
+    killed = {}
+    generate = trainer._generate
+
+    def generate_and_kill(prompts, sampling, seed_step, live):
+        if seed_step == 2 and not killed:  # step 2's rollout: kill server 1 once requests are in flight
+            pid = servers.pids()[1]
+
+            def kill():
+                time.sleep(0.3)
+                killed["pid"] = pid
+                os.kill(pid, signal.SIGKILL)
+
+            threading.Thread(target=kill, daemon=True).start()
+        return generate(prompts, sampling, seed_step, live)
+
+    trainer._generate = generate_and_kill
+    try:
+        trainer.run()
+        rows = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss/loss" in r}
+        assert killed and servers.pids()[1] != killed["pid"]  # restarted after the step
+        s2 = rows[2]
+        assert s2["faults/server_failures"] >= 1 and s2["faults/resent_requests"] > 0
+        assert s2["faults/prompts_lost"] == 0
+        assert s2["loss/num_responses"] == 8 * 4  # every prompt's G samples trained on
+        assert s2["loss/skipped"] == 1.0 and s2["faults/nonfinite_total"] == 1
+        assert rows[3]["loss/skipped"] == 0.0 and rows[3]["faults/nonfinite_total"] == 1
+        assert rows[3]["mismatch/mismatch_tok_abs_mean"] < 1e-4  # the restarted server got the weights
+        print(f"\nserver kill: failures={s2['faults/server_failures']}, re-sent requests="
+              f"{s2['faults/resent_requests']}, prompts lost={s2['faults/prompts_lost']}, "
+              f"responses trained={s2['loss/num_responses']:.0f}")
+
+        # several non-finite steps in a row end the run with a clear message
+        trainer.cfg = cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"steps": 6, "inject_nonfinite_steps": [4, 5, 6]})})
+        with pytest.raises(TrainingAborted, match=r"step 5: 2 steps in a row had a non-finite loss"):
+            trainer.run()
+    finally:
+        trainer.close()
+        learners.close()
+        servers.close()
+
+
+def test_malformed_dataset_line_is_named_before_anything_starts(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    good = json.dumps({"prompt": "Q: 1+2= A:", "reward_model": {"ground_truth": "3"}})
+    data.write_text(f"{good}\n{good}\n{{not json\n")
+    res = subprocess.run([sys.executable, "-m", "megatron_qarl.cli", "train", "--config", CPU_DEFAULT,
+                          f"data.source={data}", f"train.output_dir={tmp_path / 'out'}", "launch.backend=local"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert res.returncode == 2
+    assert f"{data}:3" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "out" / "logs").exists()  # no server was started
+
+
+TB_SCALARS = [
+    "reward/mean", "reward/accuracy", "reward/timeouts", "eval/greedy_accuracy", "eval/sampled_accuracy",
+    "length/response_mean", "length/response_max", "length/truncated_frac",
+    "loss/loss", "loss/clip_frac", "loss/grad_norm", "loss/skipped",
+    "mismatch/mismatch_tok_abs_mean", "mismatch/mismatch_tok_abs_p99", "mismatch/mismatch_tok_kl",
+    "mismatch/mismatch_seq_kl", "mismatch/mismatch_seq_weight_mean",
+    "error_tokens/err_repeat_rate", "error_tokens/err_low_prob_frac", "error_tokens/err_truncated_no_answer_rate",
+    "throughput/tokens_per_s", "throughput/rollout_tokens_per_s",
+    "time/rollout_s", "time/reward_s", "time/logp_s", "time/update_s", "time/sync_s", "time/step_s", "time/eval_s",
+    "time/checkpoint_s", "sync/bytes", "sync/seconds", "sync/weight_version", "faults/nonfinite_total",
+]
+
+
+def test_ray_launch_trains_and_tensorboard_holds_every_scalar(tmp_path):
+    """The default launcher (Ray: learner rank and server as actors in a placement group), then the event
+    files are read back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "ray"
+    proc = _qarl_train(out, ["launch.backend=ray", "train.steps=2"])
+    _finish(proc, out)
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    have = set(acc.Tags()["scalars"])
+    missing = [k for k in TB_SCALARS if k not in have]
+    assert not missing, f"missing TensorBoard scalars: {missing}"
+    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
+    assert [e.step for e in acc.Scalars("eval/greedy_accuracy")] == [0, 2]
+    assert acc.Scalars("sync/bytes")[-1].value > 0
+    assert (out / "plots.png").is_file() and (out / "summary.json").is_file()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"

@@ -1,0 +1,89 @@
+"""The training loop's parts that need no servers: batch layout, checkpoint atomicity, the run config's
+new sections, and the TensorBoard/JSONL tracker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_qarl import checkpoint as ckpt
+from megatron_qarl.config import load_config
+from megatron_qarl.errors import ConfigError
+from megatron_qarl.rollout.manager import Sample
+from megatron_qarl.tracking import Tracker, read_metrics
+from megatron_qarl.trainer import build_batch
+
+CPU_DEFAULT = "configs/cpu_default.yaml"
+
+
+def _sample(prompt, response, logps):
+    return Sample(0, 0, prompt, response, logps, "stop", "v1", "http://x")
+
+
+def test_build_batch_aligns_sampler_logprobs_with_learner_positions():
+    groups = [[_sample([1, 2, 3], [7, 8], [-0.1, -0.2]), _sample([1, 2], [9, 10, 11], [-1.0, -2.0, -3.0])]]
+    batch, logp_sampler = build_batch(groups, pad_id=0)
+    assert batch.tokens_BS.tolist() == [[1, 2, 3, 7, 8], [1, 2, 9, 10, 11]]
+    # learner logp[t] scores token t+1: response tokens of row 0 sit at t = 2, 3; of row 1 at t = 1, 2, 3
+    assert batch.loss_mask_BT.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+    assert torch.allclose(logp_sampler, torch.tensor([[0, 0, -0.1, -0.2], [0, -1.0, -2.0, -3.0]]))
+
+
+def test_checkpoint_commit_is_atomic_and_keeps_the_newest(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        tmp = ckpt.tmp_dir(root, step)
+        tmp.mkdir(parents=True)
+        (tmp / "shard").write_text(str(step))
+        ckpt.commit(root, step, {"trainer": {"step": step}}, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert ckpt.latest(root).name == "step_000003"
+    assert ckpt.read_state(ckpt.latest(root))["trainer"]["step"] == 3
+    # a save that died half-way leaves a .tmp directory: latest still names the last complete one
+    ckpt.tmp_dir(root, 4).mkdir()
+    assert ckpt.latest(root).name == "step_000003"
+    (root / "latest").write_text("step_000004.tmp\n")
+    with pytest.raises(Exception, match="not a complete checkpoint"):
+        ckpt.latest(root)
+
+
+def test_run_config_sections_validate(tiny_model_dir):
+    cfg = load_config(CPU_DEFAULT)
+    assert cfg.rollout.sampling.n_samples >= 8 and cfg.train.prompts_per_step >= 16
+    assert cfg.quant.scheme == "w4a16" and cfg.learner.aligned and cfg.algo.loss.mode == "tbpo"
+    with pytest.raises(ConfigError, match=r"^launch.backend: 'local' runs one learner rank"):
+        load_config(CPU_DEFAULT, ["launch.backend=local", "parallel.tp=2"])
+    with pytest.raises(ConfigError, match=r"^rollout.sampling.n_sample: unknown key"):
+        load_config(CPU_DEFAULT, ["rollout.sampling.n_sample=4"])
+    with pytest.raises(ConfigError, match=r"^train.steps: "):
+        load_config(CPU_DEFAULT, ["train.steps=0"])
+    with pytest.raises(ConfigError, match=r"^algo.loss: mismatch='tis_token' with mode='tbpo'"):
+        load_config(CPU_DEFAULT, ["algo.loss.mismatch=tis_token"])
+
+
+@pytest.mark.parametrize("path", ["configs/cpu_bf16_rollout.yaml", "configs/cpu_unaligned_tis.yaml",
+                                  "configs/cpu_w8a8_fp8.yaml", "configs/cpu_w8a8_int8.yaml", "configs/cpu_grpo.yaml"])
+def test_cpu_config_variants_load(path):
+    cfg = load_config(path)
+    assert cfg.train.output_dir.startswith("runs/")
+
+
+def test_tracker_writes_tensorboard_and_truncates_on_resume(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = Tracker(tmp_path, total=3, progress=False)
+    for step in (1, 2, 3):
+        t.log(step, {"reward/mean": 0.1 * step, "time/step_s": 1.0})
+    t.close()
+    assert (tmp_path / "plots.png").is_file()
+    t = Tracker(tmp_path, start_step=2, total=3, progress=False)  # resumed from step 2's checkpoint
+    t.log(3, {"reward/mean": 0.9, "time/step_s": 1.0})
+    t.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["reward/mean"] == 0.9
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    events = acc.Scalars("reward/mean")
+    assert [(e.step, round(e.value, 3)) for e in events] == [(1, 0.1), (2, 0.2), (3, 0.9)]
