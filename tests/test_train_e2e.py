@@ -162,12 +162,13 @@ TB_SCALARS = [
 
 
 def test_ray_launch_trains_and_tensorboard_holds_every_scalar(tmp_path):
-    """The default launcher (Ray: learner rank and server as actors in a placement group), then the event
-    files are read back with TensorBoard's own reader."""
+    """The default launcher (Ray: learner ranks and the server as actors in a placement group) with a
+    TP2 x EP2 learner (2 ranks, sharded checkpoints), then the event files are read back with
+    TensorBoard's own reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "ray"
-    proc = _qarl_train(out, ["launch.backend=ray", "train.steps=2"])
+    proc = _qarl_train(out, ["launch.backend=ray", "train.steps=2", "parallel.tp=2", "parallel.ep=2"])
     _finish(proc, out)
     acc = EventAccumulator(str(out / "tb"))
     acc.Reload()
