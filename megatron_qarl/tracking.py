@@ -34,10 +34,13 @@ class Tracker:
         self.bar = tqdm(total=total, initial=start_step, desc="qarl train", unit="step", disable=not progress,
                         dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], jsonl: bool = True) -> None:
+        """Scalars to TensorBoard and (``jsonl``) one line of metrics.jsonl for the step."""
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
         self.writer.flush()
+        if not jsonl:
+            return
         with open(self.jsonl, "a") as f:
             f.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v))
                                                  for k, v in metrics.items()}}) + "\n")

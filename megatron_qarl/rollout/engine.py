@@ -260,6 +260,7 @@ class Engine:
 
     def _step(self) -> None:
         done: list[Request] = []
+        admitted: list[Request] = []
         while True:
             with self._cv:
                 if not (self._waiting and self._free_slots):
@@ -267,8 +268,17 @@ class Engine:
                 req = self._waiting.popleft()
                 req.slot = self._free_slots.pop(0)
                 self._active[req.slot] = req
-            if self._prefill(req):
-                done.append(req)
+            admitted.append(req)
+        # prefill: requests whose sequences have the same length share one forward (an RL batch sends G
+        # samples of each prompt at once); those that want prompt log-probs go alone
+        batches: dict[int, list[Request]] = {}
+        for req in admitted:
+            if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+                done += [req] if self._prefill(req) else []
+            else:
+                batches.setdefault(len(req.prompt_ids) + len(req.output_ids), []).append(req)
+        for reqs in batches.values():
+            done += self._prefill_batch(reqs)
         with self._cv:
             running = [r for r in self._active.values() if r not in done]
         if running:
@@ -288,6 +298,13 @@ class Engine:
             self._input_logprobs(req, logits_TV)
             logits = logits_TV[-1:]
         return self._append(req, logits[0])
+
+    def _prefill_batch(self, reqs: list[Request]) -> list[Request]:
+        """Prefill requests of equal sequence length in one forward; sample each one's next token."""
+        seqs = torch.tensor([r.prompt_ids + r.output_ids for r in reqs])
+        pos = torch.arange(seqs.shape[1])[None].expand_as(seqs)
+        logits_BV = self.model.forward(seqs, torch.tensor([r.slot for r in reqs]), pos)
+        return [r for r, lg in zip(reqs, logits_BV, strict=True) if self._append(r, lg)]
 
     def _input_logprobs(self, req: Request, logits_TV: torch.Tensor) -> None:
         t = req.params.temperature
