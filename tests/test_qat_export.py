@@ -107,15 +107,16 @@ def test_qarl_quantize_equals_fake_quant_on_tiny_model(tiny_model, tiny_state, t
         assert raw[f"{expert}.weight"].dtype == torch.int8 and raw[f"{expert}.weight_scale"].shape[-1] == 1
 
 
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_compressed_tensors_decompresses_to_fake_quant(tiny_model, tiny_state, tmp_path, symmetric):
+@pytest.mark.parametrize(("symmetric", "num_bits"), [(True, 4), (False, 4), (True, 3), (False, 2)])
+def test_compressed_tensors_decompresses_to_fake_quant(tiny_model, tiny_state, tmp_path, symmetric, num_bits):
+    """Also for 2/3-bit codes, which the checkpoint stores as int4 (its config says num_bits 4)."""
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
 
-    out = quantize_checkpoint(tiny_model, "w4a16", tmp_path / "ct", symmetric=symmetric)
+    out = quantize_checkpoint(tiny_model, "w4a16", tmp_path / "ct", symmetric=symmetric, num_bits=num_bits)
     decompressed = CompressedTensorsDequantizer(out, dtype=torch.bfloat16).validate(
         load_file(out / "model.safetensors")
     )
-    cfg = QuantConfig(scheme="w4a16", symmetric=symmetric)
+    cfg = QuantConfig(scheme="w4a16", symmetric=symmetric, num_bits=num_bits)
     assert decompressed.keys() == tiny_state.keys()
     checked = 0
     for name, w in tiny_state.items():

@@ -199,7 +199,7 @@ def test_unknown_scheme_lists_valid_ones():
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"group_size": 0}, "group_size"), ({"group_size": 100}, "group_size"), ({"num_bits": 3}, "num_bits"),
+    [({"group_size": 0}, "group_size"), ({"group_size": 100}, "group_size"), ({"num_bits": 5}, "num_bits"),
      ({"scheme": "w8a8_fp8", "symmetric": False}, "symmetric"), ({"ignore": ["re:("]}, "ignore"),
      ({"bogus": 1}, "bogus")],
 )  # fmt: skip

@@ -1,6 +1,7 @@
 """``qarl quantize``: write a BF16 Hugging Face checkpoint in the low-bit format SGLang serves.
 
     qarl quantize --model DIR --scheme {w4a16,w8a8_fp8,w8a8_int8} --out DIR [--group-size N] [--asymmetric]
+                  [--num-bits {2,3,4}]
 
 The codes and scales come from ``quantizer.quantize_weight``, the function the learner's fake-quant
 forward uses, so the served weights equal the learner's fake-quant weights element for element.
@@ -29,6 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--group-size", type=int, default=128, help="w4a16 group along K / w8a8_fp8 block edge (128)"
     )
     parser.add_argument("--asymmetric", action="store_true", help="w4a16 with zero points (not for MoE)")
+    parser.add_argument("--num-bits", type=int, default=4,
+                        help="w4a16 code width: 4, or 3 / 2 (stored as int4 values, served by the 4-bit kernel)")
     parser.set_defaults(func=run)
     return parser
 
@@ -45,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--model: {args.model} is not a directory")
     try:
         out = quantize_checkpoint(
-            args.model, args.scheme, args.out, group_size=args.group_size, symmetric=not args.asymmetric
+            args.model, args.scheme, args.out, group_size=args.group_size, symmetric=not args.asymmetric,
+            num_bits=args.num_bits,
         )
     except ValidationError as err:
         first = err.errors()[0]

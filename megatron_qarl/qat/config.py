@@ -62,7 +62,10 @@ class QuantConfig(BaseModel):
         group_size: w4a16 group along K; w8a8_fp8 weight block edge and activation group. Unused for int8.
         symmetric: w4a16 only may be asymmetric (a zero point per group); SGLang's MoE Marlin path loads
             symmetric checkpoints only.
-        num_bits: weight bits for w4a16 (4; 2 and 3 are planned for a study).
+        num_bits: weight bits of the integer weight-only scheme w4a16: 4 (default), or 3 / 2 for a bit-width
+            study (same scale rules with b-bit codes, ``quantizer.quantize_w4a16``). The export stays 4-bit:
+            b-bit codes are stored as int4 values with their scales, so a 4-bit kernel computes exactly the
+            b-bit weights. w8a8 schemes have 8-bit weights: num_bits must stay 4 (unused) there.
         targets, ignore: module selection (see the module docstring). ``ignore=None`` takes the scheme's
             default list (``DEFAULT_IGNORE``).
     """
@@ -74,9 +77,10 @@ class QuantConfig(BaseModel):
     symmetric: bool = True
     num_bits: int = 4
     # w4a16 symmetric: significant bits kept in the bf16 scale. 5 makes every (q * s) exact in bf16
-    # (|q| <= 8 has 4 bits), so Marlin's bf16 rounding, an fp32 CPU kernel and the learner all get the
-    # same weight values ("kernel-invariant"); None keeps all 8 bits of bf16 (then only kernels that
-    # round the product to bf16, like Marlin, match exactly).
+    # (a code |q| <= 8 has at most 3 significant bits; 5 + 3 = 8, bf16's precision), so Marlin's bf16
+    # rounding, an fp32 CPU kernel and the learner all get the same weight values ("kernel-invariant");
+    # None keeps all 8 bits of bf16 (then only kernels that round the product to bf16, like Marlin, match
+    # exactly). At num_bits 3 / 2 the codes have at most 2 / 1 significant bits: 5 stays exact.
     scale_bits: int | None = 5
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] | None = Field(default=None)
@@ -98,8 +102,8 @@ class QuantConfig(BaseModel):
     @field_validator("num_bits")
     @classmethod
     def _check_num_bits(cls, value: int) -> int:
-        if value != 4:
-            raise ValueError(f"num_bits: only 4 is implemented (2 and 3 are planned), got {value}")
+        if value not in (2, 3, 4):
+            raise ValueError(f"num_bits must be 2, 3 or 4 (integer codes stored as int4), got {value}")
         return value
 
     @field_validator("targets", "ignore")
@@ -119,6 +123,9 @@ class QuantConfig(BaseModel):
     def _check_scheme_options(self) -> QuantConfig:
         if self.scheme in ("w8a8_fp8", "w8a8_int8") and not self.symmetric:
             raise ValueError(f"symmetric: {self.scheme} is symmetric only (SGLang has no zero points there)")
+        if self.scheme in ("w8a8_fp8", "w8a8_int8") and self.num_bits != 4:
+            raise ValueError(f"num_bits: applies to w4a16 only ({self.scheme} weights are 8-bit), "
+                             f"got {self.num_bits}")
         if self.scheme != "bf16" and not self.targets:
             raise ValueError("targets: empty, nothing would be quantized")
         return self

@@ -3,7 +3,8 @@
 Per quantized linear ``P`` (HF module name; its weight is ``P.weight``):
     w4a16      P.weight_packed int32 [N, K/8], P.weight_scale bf16 [N, K/G], P.weight_shape int32 [2],
                (P.weight_zero_point int32 [ceil(N/8), K/G], packed along N, when asymmetric)
-               config: compressed-tensors, format pack-quantized, group strategy
+               config: compressed-tensors, format pack-quantized, group strategy, num_bits 4 (2/3-bit
+               codes are int4 values; ``qarl_code_bits`` records their width)
     w8a8_fp8   P.weight float8_e4m3fn [N, K], P.weight_scale_inv fp32 [ceil(N/B), ceil(K/B)]
                config: quant_method fp8, weight_block_size [B, B], activation_scheme dynamic
     w8a8_int8  P.weight int8 [N, K], P.weight_scale fp32 [N, 1]
@@ -86,8 +87,10 @@ def quantization_config(cfg: QuantConfig, ignored_modules: list[str]) -> dict:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     if cfg.scheme == "w4a16":
+        # num_bits 4 whatever cfg.num_bits is: 2/3-bit codes are stored as int4 values (same scales), and
+        # SGLang's 4-bit kernel computes exactly the 2/3-bit weights; qarl_code_bits records the width
         weights = QuantizationArgs(
-            num_bits=cfg.num_bits, type="int", symmetric=cfg.symmetric, strategy="group",
+            num_bits=4, type="int", symmetric=cfg.symmetric, strategy="group",
             group_size=cfg.group_size, dynamic=False,
         )  # fmt: skip
         scheme = QuantizationScheme(targets=["Linear"], weights=weights, format="pack-quantized")
@@ -95,7 +98,10 @@ def quantization_config(cfg: QuantConfig, ignored_modules: list[str]) -> dict:
             config_groups={"group_0": scheme}, quant_method="compressed-tensors", format="pack-quantized",
             quantization_status="compressed", ignore=ignore_for_config_json(cfg),
         )  # fmt: skip
-        return qc.model_dump(mode="json")
+        out = qc.model_dump(mode="json")
+        if cfg.num_bits != 4:  # an extra key: compressed-tensors and SGLang ignore it
+            out["qarl_code_bits"] = cfg.num_bits
+        return out
     if cfg.scheme == "w8a8_fp8":
         return {
             "quant_method": "fp8",
@@ -259,8 +265,12 @@ def quantize_checkpoint(
     group_size: int = 128,
     symmetric: bool = True,
     max_shard_bytes: int = 5 * 2**30,
+    num_bits: int = 4,
+    scale_bits: int | None = QuantConfig.model_fields["scale_bits"].default,
 ) -> Path:
     """Quantize a BF16 HF checkpoint into the SGLang format of ``scheme``; returns ``out_dir``.
+
+    ``num_bits`` / ``scale_bits``: see ``QuantConfig`` (w4a16 only; 2/3-bit codes are written as int4).
 
     Writes config.json (the source's, plus ``quantization_config``), model.safetensors (sharded with an
     index above ``max_shard_bytes``) and copies every other file (tokenizer, generation config, ...).
@@ -270,7 +280,8 @@ def quantize_checkpoint(
         raise ValueError(f"{src}: not a Hugging Face model directory (no config.json)")
     if dst.resolve() == src.resolve():
         raise ValueError(f"--out {dst} must differ from --model")
-    cfg = QuantConfig(scheme=scheme, group_size=group_size, symmetric=symmetric)
+    cfg = QuantConfig(scheme=scheme, group_size=group_size, symmetric=symmetric, num_bits=num_bits,
+                      scale_bits=scale_bits)
     if not cfg.enabled:
         raise ValueError("scheme bf16 means quantization is off; choose w4a16, w8a8_fp8 or w8a8_int8")
     config = json.loads((src / "config.json").read_text())

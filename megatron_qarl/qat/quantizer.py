@@ -23,6 +23,7 @@ from megatron_qarl.qat.config import QuantConfig, check_scheme
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT4_MIN, INT4_MAX = -8, 7
+W4A16_BITS: tuple[int, ...] = (2, 3, 4)  # integer weight-only code widths; all stored in int4 containers
 ACT_EPS = 1e-10  # SGLang's floor on a token (group) amax
 
 
@@ -30,10 +31,11 @@ ACT_EPS = 1e-10  # SGLang's floor on a token (group) amax
 class QuantizedWeight:
     """Integer codes and scales of one linear weight ``w_NK``, exactly as exported to SGLang.
 
-    codes:  w4a16 int8 [N, K] in [-8, 7];  w8a8_fp8 float8_e4m3fn [N, K];  w8a8_int8 int8 [N, K]
+    codes:  w4a16 int8 [N, K] in [-8, 7] (num_bits b: [-2^(b-1), 2^(b-1) - 1]);  w8a8_fp8 float8_e4m3fn [N, K];
+            w8a8_int8 int8 [N, K]
     scales: w4a16 bf16 [N, K/G] (weight_scale);  w8a8_fp8 fp32 [ceil(N/B), ceil(K/B)] (weight_scale_inv,
             a dequant multiplier);  w8a8_int8 fp32 [N, 1] (weight_scale)
-    zero_points: w4a16 asymmetric only: int8 [N, K/G] in [-8, 7]; else None
+    zero_points: w4a16 asymmetric only: int8 [N, K/G] in the codes' range; else None
     group_size: w4a16 group along K; w8a8_fp8 block edge B; None for w8a8_int8
     """
 
@@ -73,8 +75,16 @@ def round_significant_bits(x: Tensor, bits: int) -> Tensor:
     return torch.ldexp(torch.round(m * (1 << bits)) / (1 << bits), e)
 
 
+def int_code_range(num_bits: int) -> tuple[int, int]:
+    """(qmin, qmax) = (-2^(b-1), 2^(b-1) - 1) of ``num_bits``-bit signed integer codes (b in 2, 3, 4)."""
+    if num_bits not in W4A16_BITS:
+        raise ValueError(f"num_bits must be one of {W4A16_BITS} (codes stored as int4), got {num_bits}")
+    return -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
+
+
 def quantize_w4a16(
-    w: Tensor, group_size: int = 128, symmetric: bool = True, name: str = "weight", scale_bits: int | None = None
+    w: Tensor, group_size: int = 128, symmetric: bool = True, name: str = "weight", scale_bits: int | None = None,
+    num_bits: int = 4,
 ) -> QuantizedWeight:
     """INT4 per group of ``group_size`` along K, scale in bf16, for SGLang's Marlin (compressed-tensors).
 
@@ -97,28 +107,37 @@ def quantize_w4a16(
     (scale = max(|min|, |max|) / 7.5, codes in [-8, 7]); it uses all 16 levels, its step is 6.7% finer
     than amax/7, and its worst-case error stays half a step (the +amax element lands on 7.5, is clamped
     to 7: error s/2), so the mean squared error is lower (measured in docs/quantization.md).
+
+    ``num_bits`` 3 or 2 (a bit-width study): the same rules with b-bit codes, qmin = -2^(b-1),
+    qmax = 2^(b-1) - 1 and the divisors 7.5 -> (2^b - 1) / 2 (3.5, 1.5) symmetric, 15 -> 2^b - 1 (7, 3)
+    asymmetric; zero points in [qmin, qmax] too. The codes stay int8 in [-8, 7], so they are exported
+    as int4 (weight_packed) with the same scales, and a 4-bit kernel (Marlin, torch's CPU int4 mm)
+    computes exactly the b-bit weights. A code |q| <= 2^(b-1) has at most b - 1 significant bits, so the
+    5-bit scale keeps every q * s_b exact in bf16 at every width (5 + 3 = 8 bits at b = 4).
     """
     check_weight(w, name)
     n, k = w.shape
     if group_size <= 0 or k % group_size:
         raise ValueError(f"{name}: group_size {group_size} does not divide K={k} (weight shape [{n}, {k}])")
+    qmin, qmax = int_code_range(num_bits)
+    levels = float(qmax - qmin)  # 15, 7, 3
     w_ngg = w.detach().float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
     if symmetric:
         amax_ng = w_ngg.abs().amax(dim=-1)
-        scale_ng = amax_ng / _const(7.5, w)
+        scale_ng = amax_ng / _const(levels / 2, w)  # 7.5, 3.5, 1.5: exact in fp32
         if scale_bits is not None:
             scale_ng = round_significant_bits(scale_ng, scale_bits)
         scale_ng = scale_ng.to(torch.bfloat16)
         scale_ng = torch.where(scale_ng == 0, torch.ones_like(scale_ng), scale_ng)
-        q = torch.round(w_ngg / scale_ng.float()[..., None]).clamp_(INT4_MIN, INT4_MAX)
+        q = torch.round(w_ngg / scale_ng.float()[..., None]).clamp_(qmin, qmax)
         zero_ng = None
     else:
         lo_ng = w_ngg.amin(dim=-1).clamp(max=0.0)
         hi_ng = w_ngg.amax(dim=-1).clamp(min=0.0)
-        scale_ng = ((hi_ng - lo_ng) / _const(15.0, w)).to(torch.bfloat16)
+        scale_ng = ((hi_ng - lo_ng) / _const(levels, w)).to(torch.bfloat16)
         scale_ng = torch.where(scale_ng == 0, torch.ones_like(scale_ng), scale_ng)
-        zero_f = torch.round(_const(INT4_MIN, w) - lo_ng / scale_ng.float()).clamp_(INT4_MIN, INT4_MAX)
-        q = (torch.round(w_ngg / scale_ng.float()[..., None]) + zero_f[..., None]).clamp_(INT4_MIN, INT4_MAX)
+        zero_f = torch.round(_const(qmin, w) - lo_ng / scale_ng.float()).clamp_(qmin, qmax)
+        q = (torch.round(w_ngg / scale_ng.float()[..., None]) + zero_f[..., None]).clamp_(qmin, qmax)
         zero_ng = zero_f.to(torch.int8)
     codes = q.to(torch.int8).reshape(n, k)
     return QuantizedWeight(codes, scale_ng, zero_ng, (n, k), "w4a16", group_size)
@@ -198,7 +217,8 @@ def quantize_weight(w: Tensor, cfg: QuantConfig, name: str = "weight") -> Quanti
     """Quantize ``w`` with the scheme of ``cfg`` (the single entry point of the learner and the exporter)."""
     scheme = check_scheme(cfg.scheme)
     if scheme == "w4a16":
-        return quantize_w4a16(w, cfg.group_size, cfg.symmetric, name, cfg.scale_bits if cfg.symmetric else None)
+        return quantize_w4a16(w, cfg.group_size, cfg.symmetric, name, cfg.scale_bits if cfg.symmetric else None,
+                              cfg.num_bits)
     if scheme == "w8a8_fp8":
         return quantize_fp8_block(w, cfg.group_size, name)
     if scheme == "w8a8_int8":
