@@ -69,6 +69,18 @@ def _init_ray(cfg: QarlConfig) -> None:
              log_to_driver=False, configure_logging=False)
 
 
+def placement_summary(pg, learner_ranks: int) -> str:
+    """Which node (address) holds each learner rank and each server of the placement group."""
+    import ray
+    from ray.util import placement_group_table
+
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    where = [ips.get(nodes[i], "?") for i in range(len(nodes))]
+    return (f"learner ranks on {', '.join(where[:learner_ranks])}; rollout servers on "
+            f"{', '.join(where[learner_ranks:])}")
+
+
 class RayCluster:
     """The placement group and both kinds of actors; ``learners`` and ``servers`` are what the trainer uses."""
 
@@ -101,6 +113,8 @@ class RayCluster:
         server_cls = ray.remote(_ServerActor)
         self.server_actors = [server_cls.options(num_cpus=1, num_gpus=gs, scheduling_strategy=strategy(world + i))
                               .remote(cfg, rollout_model_dir, i) for i in range(servers)]
+        if not single_node:
+            print(f"ray: {placement_summary(self.pg, world)}", flush=True)
         self.learners = _RayLearners(self.actors)
         self.servers = _RayServers(self.server_actors)
         try:

@@ -79,10 +79,13 @@ class ModelConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Learner layout: tensor (TP), expert (EP) parallel sizes; sequence parallel follows TP > 1."""
+    """Learner layout: tensor (TP), expert (EP) parallel sizes; sequence parallel follows TP > 1.
+    ``world_size``: learner ranks (one GPU each on GPU nodes); None = lcm(tp, ep), one expert replica.
+    More ranks add data parallelism: dense DP = world_size / tp, expert DP = world_size / (ep * etp)."""
 
     tp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
+    world_size: int | None = Field(default=None, ge=1)
     sequence_parallel: bool | None = None  # None: on when tp > 1 (Megatron requires it for MoE + TP)
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
 
@@ -204,6 +207,11 @@ class LaunchConfig(_Section):
     # group; "auto": rank 0's host address (multi-node)
     server_host: str = "127.0.0.1"  # where servers listen; not loopback: URLs use the node's address and the
     # admin endpoints require rollout.api_key
+    # the cluster a GPU run is laid out for (slurm/qarl.sbatch asks Slurm for it); gpus_per_node 0: CPU nodes,
+    # no GPU accounting. With GPUs: learner ranks * gpus_per_learner_rank + servers * rollout.gpus_per_server
+    # must use every GPU of nodes * gpus_per_node, and a server must fit in one node.
+    nodes: int = Field(default=1, ge=1)
+    gpus_per_node: int = Field(default=0, ge=0)
 
 
 class QarlConfig(_Section):
@@ -224,8 +232,9 @@ class QarlConfig(_Section):
 
     @property
     def world_size(self) -> int:
-        """Learner ranks: tensor x expert parallel (one data-parallel replica per lcm(tp, ep) ranks)."""
-        return self.parallel.tp * self.parallel.ep // math.gcd(self.parallel.tp, self.parallel.ep)
+        """Learner ranks: parallel.world_size, else lcm(tp, ep) (one data-parallel replica of the experts)."""
+        return self.parallel.world_size or self.parallel.tp * self.parallel.ep // math.gcd(self.parallel.tp,
+                                                                                            self.parallel.ep)
 
     @model_validator(mode="after")
     def _check_run(self) -> QarlConfig:
@@ -235,6 +244,37 @@ class QarlConfig(_Section):
         if self.rollout.backend == "sglang" and self.rollout.gpus_per_server < 1:
             raise ConfigError("rollout.gpus_per_server: sglang servers need at least 1 GPU")
         return self
+
+    def _check_sizes(self) -> None:
+        """world_size against TP/EP, the batch against data parallelism, and GPU accounting."""
+        tp, ep, ws = self.parallel.tp, self.parallel.ep, self.parallel.world_size
+        unit = tp * ep // math.gcd(tp, ep)
+        if ws is not None and ws % unit:
+            raise ConfigError(f"parallel.world_size: {ws} is not a multiple of lcm(tp={tp}, ep={ep}) = {unit}")
+        dp, batch = self.world_size // tp, self.train.prompts_per_step * self.rollout.sampling.n_samples
+        if batch % dp:
+            raise ConfigError(f"train.prompts_per_step: {self.train.prompts_per_step} prompts x "
+                              f"{self.rollout.sampling.n_samples} samples = {batch} responses do not split over the "
+                              f"learner's {dp} data-parallel ranks (world_size {self.world_size} / tp {tp})")
+        self._check_gpus()
+
+    def _check_gpus(self) -> None:
+        """On GPU nodes (launch.gpus_per_node > 0) the learner and the servers use exactly the cluster's GPUs."""
+        la, ro = self.launch, self.rollout
+        if not la.gpus_per_node:
+            return
+        if la.gpus_per_learner_rank != 1:
+            raise ConfigError(f"launch.gpus_per_learner_rank: must be 1 on GPU nodes (one Megatron rank per GPU), "
+                              f"got {la.gpus_per_learner_rank}")
+        if ro.gpus_per_server < 1 or la.gpus_per_node % ro.gpus_per_server:
+            raise ConfigError(f"rollout.gpus_per_server: {ro.gpus_per_server} does not divide "
+                              f"launch.gpus_per_node={la.gpus_per_node} (a server runs inside one node)")
+        learner, servers = self.world_size, ro.servers * ro.gpus_per_server
+        if learner + servers != la.nodes * la.gpus_per_node:
+            raise ConfigError(f"launch.nodes: {la.nodes} nodes x {la.gpus_per_node} GPUs = "
+                              f"{la.nodes * la.gpus_per_node}, but the learner uses {learner} (parallel.world_size)"
+                              f" and the servers {servers} (rollout.servers={ro.servers} x gpus_per_server="
+                              f"{ro.gpus_per_server}) = {learner + servers}")
 
     @model_validator(mode="after")
     def _check_layout(self) -> QarlConfig:
@@ -249,6 +289,15 @@ class QarlConfig(_Section):
         if arch.num_experts % ep:
             raise ConfigError(f"parallel.ep: {ep} does not divide the model's num_experts "
                               f"({arch.num_experts}, {self.model.path}/config.json)")
+        self._check_sizes()
+        if self.rollout.backend == "sglang":
+            from megatron_qarl.plan import LayoutError, ServerLayout, check_server_layout
+
+            try:
+                check_server_layout(arch, self.quant, ServerLayout(tp=self.rollout.gpus_per_server))
+            except LayoutError as err:
+                raise ConfigError(f"rollout.gpus_per_server: SGLang cannot serve this model with "
+                                  f"--tp-size {self.rollout.gpus_per_server}: {err}") from None
         return self
 
 

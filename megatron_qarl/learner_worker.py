@@ -28,10 +28,16 @@ class LearnerWorker:
         from megatron_qarl.moe.parallelize import free_port
 
         addr = self.cfg.launch.master_addr
-        if addr == "auto":
+        if addr == "auto":  # the address Ray knows this node by (the one other nodes reach), else the host's
             import socket
 
-            addr = socket.gethostbyname(socket.gethostname())
+            try:
+                import ray
+
+                addr = ray.util.get_node_ip_address() if ray.is_initialized() else None
+            except ImportError:
+                addr = None
+            addr = addr or socket.gethostbyname(socket.gethostname())
         return addr, free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:

@@ -1,6 +1,11 @@
 """``qarl plan``: per-GPU memory of the learner and the rollout servers, and which layouts fit a GPU.
 
     qarl plan --model DIR [--scheme S] [--nodes 2 4] [--gpus-per-node 8] [--gpu-gib 79.65] [--json]
+    qarl plan --config C [key.sub=value ...] [--gpu-gib 79.65] [--json]
+
+With ``--config`` it plans that run: its learner layout (parallel.*, world_size ranks), its rollout servers
+(rollout.servers x gpus_per_server, SGLang --tp-size), the step's shapes (prompts x samples, prompt + response
+tokens), whether each fits the GPU, and which other layouts of its launch.nodes x gpus_per_node GPUs fit.
 
 For every cluster of ``nodes`` x ``gpus_per_node`` GPUs it tries each placement (learner and rollout
 colocated on all GPUs, or split: learner on a nodes, rollout servers on the others), every learner layout
@@ -217,11 +222,127 @@ def render_text(plan: dict, model: str) -> str:
     return "\n".join(out)
 
 
+# ------------------------------------------------------------------------------------------ --config
+# The learner (learner.py) builds Megatron DDP with use_distributed_optimizer=False and no recompute, and runs a
+# data-parallel rank's whole share of the step's responses in one forward/backward (no micro-batching).
+LEARNER_DISTRIBUTED_OPTIMIZER = False
+
+
+def config_plan(cfg, *, gpu_gib: float, reserve_gib: float = 2.0, micro_batch_tokens: int | None = None,
+                distributed_optimizer: bool = LEARNER_DISTRIBUTED_OPTIMIZER, recompute: bool = False) -> dict:
+    """Per-GPU memory of one run config (a ``QarlConfig``): its learner layout (parallel.*, world_size ranks)
+    and its rollout servers (rollout.servers x gpus_per_server), whether each fits a ``gpu_gib`` GPU, and
+    which other layouts of ``launch.nodes`` x ``launch.gpus_per_node`` GPUs fit (``make_plan``)."""
+    arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
+    quant, r, s = cfg.quant, cfg.rollout, cfg.rollout.sampling
+    seq_len = cfg.data.max_prompt_tokens + s.max_new_tokens
+    sequences = cfg.train.prompts_per_step * s.n_samples
+    lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
+    tokens = micro_batch_tokens or seq_len
+    mem = learner_memory(arch, quant, lay, micro_batch_tokens=tokens, distributed_optimizer=distributed_optimizer,
+                         recompute=recompute)
+    usable = (gpu_gib - reserve_gib) * GIB
+    learner = {"gpus": lay.gpus, "tp": lay.tp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp, "edp": lay.edp,
+               "sp": lay.sp, "micro_batch_tokens": tokens, "sequences_per_dp_rank": sequences // lay.dp,
+               **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": mem["total"] <= usable}
+    srv = ServerLayout(tp=max(r.gpus_per_server, 1))
+    seqs = min(r.max_batch_size, math.ceil(sequences / r.servers))
+    rm = rollout_memory(arch, quant, srv, gpu_bytes=int(gpu_gib * GIB), mem_fraction_static=r.mem_fraction_static,
+                        concurrent_seqs=seqs, seq_len=seq_len)
+    rollout = {"servers": r.servers, "gpus_per_server": r.gpus_per_server, "tp": srv.tp, "seqs_per_server": seqs,
+               "weights_gib": _gib(rm.weights), "overhead_gib": _gib(rm.overhead),
+               "kv_pool_gib": _gib(max(rm.kv_pool, 0)), "kv_needed_gib": _gib(rm.kv_needed),
+               "kv_tokens": rm.kv_tokens, "seqs_at_full_length": rm.seqs_at_full_length, "fits": rm.fits,
+               "fits_all": rm.fits_all}
+    la = cfg.launch
+    gpn = la.gpus_per_node or 8
+    others = make_plan(arch, quant, PlanConfig(
+        workload=WorkloadConfig(prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=s.n_samples,
+                                prompt_len=cfg.data.max_prompt_tokens, max_response_len=s.max_new_tokens,
+                                micro_batch_tokens=micro_batch_tokens),
+        cluster=ClusterConfig(nodes=(la.nodes,), gpus_per_node=gpn, gpu_gib=gpu_gib, reserve_gib=reserve_gib,
+                              mem_fraction_static=r.mem_fraction_static),
+        learner=LearnerOptions(distributed_optimizer=distributed_optimizer, recompute=recompute)))
+    return {
+        "scheme": quant.scheme,
+        "params": param_counts(arch),
+        "rollout_checkpoint_gib": others["rollout_checkpoint_gib"],
+        "gpu_gib": round(gpu_gib, 2), "reserve_gib": reserve_gib,
+        "cluster": {"nodes": la.nodes, "gpus_per_node": la.gpus_per_node,
+                    "gpus_used": lay.gpus + r.servers * r.gpus_per_server},
+        "workload": {"sequences": sequences, "seq_len": seq_len},
+        "learner_options": {"distributed_optimizer": distributed_optimizer, "recompute": recompute},
+        "learner": learner,
+        "rollout": rollout,
+        "fits": learner["fits"] and rollout["fits"],
+        "alternatives": [{"placement": pl["placement"], "learner_gpus": pl["learner_gpus"],
+                          "rollout_gpus": pl["rollout_gpus"], "fits": pl["fits"],
+                          "learner_fit": [f"tp{x['tp']}/ep{x['ep']}" for x in pl["learner"] if x["fits"]],
+                          "rollout_fit": [f"tp{x['tp']}/ep{x['ep']}" for x in pl["rollout"] if x["fits"]]}
+                         for pl in others["clusters"][0]["placements"]],
+    }
+
+
+def render_config_text(plan: dict, config: str) -> str:
+    p, le, ro, cl = plan["params"], plan["learner"], plan["rollout"], plan["cluster"]
+    ckpt = ", ".join(f"{k} {v} GiB" for k, v in plan["rollout_checkpoint_gib"].items())
+    gpus = f"{cl['nodes']} x {cl['gpus_per_node']} GPUs" if cl["gpus_per_node"] else "CPU nodes"
+    lo = plan["learner_options"]
+    out = [
+        f"config {config}: {p['total'] / 1e9:.2f}B params, scheme {plan['scheme']}, {gpus}; per GPU of "
+        f"{plan['gpu_gib']} GiB",
+        f"rollout checkpoint: {ckpt}",
+        f"\nlearner: {le['gpus']} ranks, tp{le['tp']} (sequence parallel {'on' if le['sp'] else 'off'}) ep{le['ep']} "
+        f"etp{le['etp']}, dense DP {le['dp']}, expert DP {le['edp']}; distributed optimizer "
+        f"{lo['distributed_optimizer']}, recompute {lo['recompute']}; activations of a {le['micro_batch_tokens']}-"
+        f"token micro-batch",
+        f"  weights {le['weights_gib']} + gradients {le['gradients_gib']} + optimizer {le['optimizer_gib']} + "
+        f"activations {le['activations_gib']} + qat cache {le['qat_cache_gib']} = {le['total_gib']} GiB "
+        f"(usable {plan['gpu_gib'] - plan['reserve_gib']:.2f}) -> {'FITS' if le['fits'] else 'DOES NOT FIT'}",
+        f"\nrollout: {ro['servers']} servers x {ro['gpus_per_server']} GPU (SGLang --tp-size {ro['tp']}), "
+        f"{ro['seqs_per_server']} sequences of up to {plan['workload']['seq_len']} tokens each",
+        f"  weights {ro['weights_gib']} GiB, KV pool {ro['kv_pool_gib']} GiB ({ro['kv_tokens']} tokens, "
+        f"{ro['seqs_at_full_length']} full-length sequences; all {ro['seqs_per_server']} need "
+        f"{ro['kv_needed_gib']} GiB), overhead {ro['overhead_gib']} GiB -> "
+        f"{'FITS' if ro['fits'] else 'DOES NOT FIT'}"
+        f"{'' if ro['fits_all'] or not ro['fits'] else ' (some requests queue)'}",
+        f"\n=> {'FITS' if plan['fits'] else 'DOES NOT FIT'} on {plan['gpu_gib']} GiB GPUs",
+        f"note: the learner today runs a data-parallel rank's whole share ({le['sequences_per_dp_rank']} sequences) "
+        "in one forward/backward; the activations above assume micro-batches of "
+        f"{le['micro_batch_tokens']} tokens",
+        f"\nlayouts of {cl['nodes']} x {cl['gpus_per_node'] or 8} GPUs that fit (qarl plan --model for the tables):",
+    ]
+    for alt in plan["alternatives"]:
+        out.append(f"  {alt['placement']}: learner on {alt['learner_gpus']}, rollout on {alt['rollout_gpus']} -> "
+                   f"{'FITS' if alt['fits'] else 'does not fit'}; learner {', '.join(alt['learner_fit']) or 'none'}"
+                   f"; rollout {', '.join(alt['rollout_fit']) or 'none'}")
+    return "\n".join(out)
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    from megatron_qarl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    plan = config_plan(cfg, gpu_gib=args.gpu_gib, micro_batch_tokens=args.micro_batch_tokens,
+                       distributed_optimizer=args.distributed_optimizer or LEARNER_DISTRIBUTED_OPTIMIZER,
+                       recompute=args.recompute)
+    if args.json:
+        print(json.dumps({"config": str(args.config), **plan}, indent=2))
+    else:
+        print(render_config_text(plan, str(args.config)))
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to the ``qarl`` parser."""
     parser = subparsers.add_parser("plan", help="per-GPU memory of learner and rollout layouts, and what fits",
                                    description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, type=Path, help="Hugging Face model directory (config.json)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="Hugging Face model directory (config.json): every layout")
+    source.add_argument("--config", type=Path, help="a run config: its learner and rollout layout")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (--config)")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="--config: Adam states sharded over DP (the learner does not shard them today)")
     parser.add_argument("--scheme", default="w4a16", help=f"rollout / QAT scheme: {', '.join(SCHEMES)} (w4a16)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="cluster sizes in nodes (2 4)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (8)")
@@ -238,6 +359,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``qarl plan``; bad input becomes a UserError (exit code 2)."""
+    if args.config is not None:
+        return _run_config(args)
+    if args.overrides:
+        raise UserError(f"key=value overrides ({' '.join(args.overrides)}) need --config")
     if args.scheme not in SCHEMES:
         raise UserError(f"--scheme: unknown scheme {args.scheme!r}; valid: {', '.join(SCHEMES)}")
     if not args.model.is_dir():

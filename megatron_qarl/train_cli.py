@@ -12,7 +12,9 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,19 +29,45 @@ def rollout_model_dir(cfg: QarlConfig) -> str:
         return cfg.model.path
     from megatron_qarl.qat.export import quantize_checkpoint
 
-    q = cfg.quant
-    out = Path(cfg.train.output_dir) / "rollout_init" / (q.scheme if q.num_bits == 4 else f"{q.scheme}_{q.num_bits}bit")
+    out = Path(cfg.train.output_dir) / "rollout_init" / cfg.quant.scheme
     if not (out / "config.json").is_file():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         quantize_checkpoint(cfg.model.path, cfg.quant.scheme, tmp, group_size=cfg.quant.group_size,
-                            symmetric=cfg.quant.symmetric, num_bits=cfg.quant.num_bits,
-                            scale_bits=cfg.quant.scale_bits)
+                            symmetric=cfg.quant.symmetric)
         os.replace(tmp, out)
     return str(out)
 
 
-def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True) -> dict[str, float]:
+EXIT_STOPPED = 75  # stopped early on SIGUSR1/SIGTERM with a checkpoint saved (EX_TEMPFAIL); --resume continues
+
+
+class StopRequested(Exception):
+    """A stop signal arrived: the trainer saved a checkpoint at a step boundary and ended the run."""
+
+
+def _stoppable(trainer_cls, stop: threading.Event):
+    """``trainer_cls`` whose loop ends at the next step boundary once ``stop`` is set, after checkpointing
+    the last finished step (unless it has one): Slurm's USR1 before the time limit or a preemption SIGTERM
+    costs no finished step. The previous step is complete then, its metrics logged."""
+
+    class Stoppable(trainer_cls):
+        def step(self):
+            if stop.is_set():
+                from megatron_qarl import checkpoint as ckpt
+
+                latest = ckpt.latest(self.ckpt_root)
+                if self.state.step and (latest is None or latest != ckpt.step_dir(self.ckpt_root, self.state.step)):
+                    self.save()
+                raise StopRequested(f"stopped on a signal after step {self.state.step} (checkpoint saved; "
+                                    f"--resume continues)")
+            return super().step()
+
+    return Stoppable
+
+
+def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
+        stop: threading.Event | None = None) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from megatron_qarl.data.prompts import PromptStream
@@ -72,8 +100,9 @@ def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True) -> dict
         closers = [learners.close, servers.close]
     trainer = None
     try:
-        trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, resume=resume, progress=progress,
-                          stream=stream)
+        trainer_cls = _stoppable(Trainer, stop) if stop is not None else Trainer
+        trainer = trainer_cls(cfg, learners, servers, tokenizer=tokenizer, resume=resume, progress=progress,
+                              stream=stream)
         summary = trainer.run()
     finally:
         if trainer is not None:
@@ -105,7 +134,21 @@ def _report(summary: dict[str, float], out: Path) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    summary = run(cfg, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty())
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        if stop.is_set():  # a second signal: stop now (cleanup still runs)
+            raise SystemExit(128 + signum)
+        print(f"qarl train: {signal.Signals(signum).name}: stopping after the current step (again: now)", flush=True)
+        stop.set()
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        summary = run(cfg, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty(), stop=stop)
+    except StopRequested as err:
+        print(f"qarl train: {err}", flush=True)
+        return EXIT_STOPPED
     print(_report(summary, Path(cfg.train.output_dir)))
     return 0
 

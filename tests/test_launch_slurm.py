@@ -1,0 +1,192 @@
+"""launch/slurm.py, the Python side of slurm/qarl.sbatch, without Slurm: node lists, node addresses, the Ray
+start command of each node, the interface variables, the job's environment and `qarl train` command (with
+--resume when the run has a checkpoint), the sbatch command of `submit`, and the train_cli stop hook."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from launch import slurm
+from megatron_qarl import train_cli
+from megatron_qarl.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(("nodelist", "names"), [
+    ("n1", ["n1"]),
+    ("q[1-2]", ["q1", "q2"]),
+    ("gpu[01-03,07],cpu5", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]),
+    ("rack[1-2]-n[8-9]", ["rack1-n8", "rack1-n9", "rack2-n8", "rack2-n9"]),
+    ("a[009-011]", ["a009", "a010", "a011"]),
+])
+def test_expand_nodelist(nodelist, names):
+    assert slurm.expand_nodelist(nodelist) == names
+
+
+def test_expand_nodelist_rejects_garbage():
+    with pytest.raises(ValueError, match="bad range"):
+        slurm.expand_nodelist("n[a-b]")
+    with pytest.raises(ValueError, match="backwards"):
+        slurm.expand_nodelist("n[5-2]")
+    with pytest.raises(UserError, match="SLURM_JOB_NODELIST is not set"):
+        slurm.job_nodes({})
+
+
+def test_node_address_reads_nodeaddr_and_resolves(monkeypatch):
+    line = ("NodeName=q2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 NodeAddr=127.0.0.3 NodeHostName=q2 "
+            "Version=22.05.8 State=IDLE")
+    assert slurm.parse_scontrol_node(line)["NodeAddr"] == "127.0.0.3"
+
+    def fake_run(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 0, stdout=line + "\n", stderr="")
+
+    monkeypatch.setattr(slurm.subprocess, "run", fake_run)
+    monkeypatch.setattr(slurm.shutil, "which", lambda name, path=None: "/usr/bin/scontrol")
+    assert slurm.node_address("q2") == "127.0.0.3"
+    monkeypatch.setattr(slurm.shutil, "which", lambda name, path=None: None)  # no scontrol: resolve the name
+    assert slurm.node_address("localhost") == "127.0.0.1"
+    with pytest.raises(UserError, match="cannot resolve"):
+        slurm.node_address("no-such-node.invalid")
+
+
+def test_socket_env_names_the_interface_unless_set():
+    assert slurm.interface_of("127.0.0.3") == "lo"
+    assert slurm.socket_env("127.0.0.2", {}) == {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+    assert slurm.socket_env("127.0.0.2", {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert slurm.interface_of("203.0.113.77") is None  # an address no interface here holds
+
+
+def test_resources_ports_and_tmpdir_from_the_slurm_environment():
+    assert slurm.node_gpus({"SLURM_GPUS_ON_NODE": "8"}) == 8
+    assert slurm.node_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == 4
+    assert slurm.node_gpus({}) == 0
+    assert slurm.node_cpus({"QARL_RAY_NUM_CPUS": "1", "SLURM_CPUS_ON_NODE": "64"}) == 1
+    assert slurm.node_cpus({"SLURM_CPUS_ON_NODE": "64"}) == 64
+    assert slurm.ray_port({"SLURM_JOB_ID": "123456"}) == 20000 + 123456 % 20000
+    assert slurm.ray_port({"QARL_RAY_PORT": "6390", "SLURM_JOB_ID": "7"}) == 6390
+    assert slurm.ray_tmpdir({"SLURM_JOB_ID": "42"}) == "/tmp/qarl-ray-42"
+
+
+def test_ray_start_commands():
+    head = slurm.ray_start_command(head=True, node_addr="10.0.0.1", head_addr="10.0.0.1", port=20042, num_cpus=96,
+                                   num_gpus=8, temp_dir="/tmp/qarl-ray-42")
+    assert head[:3] == ["ray", "start", "--block"]
+    assert {"--head", "--port=20042", "--ray-client-server-port=20043", "--node-ip-address=10.0.0.1",
+            "--num-gpus=8", "--num-cpus=96", "--temp-dir=/tmp/qarl-ray-42", "--include-dashboard=false"} <= set(head)
+    worker = slurm.ray_start_command(head=False, node_addr="10.0.0.2", head_addr="10.0.0.1", port=20042,
+                                     num_cpus=96, num_gpus=8, temp_dir="/tmp/qarl-ray-42")
+    assert "--address=10.0.0.1:20042" in worker and "--head" not in worker and "--node-ip-address=10.0.0.2" in worker
+
+
+def test_train_command_and_resume(tmp_path):
+    cmd = slurm.train_command("configs/x.yaml", ["train.steps=5"], nodes=2, python="py", api_key="k")
+    assert cmd[:7] == ["py", "-m", "megatron_qarl.cli", "train", "--config", "configs/x.yaml", "--no-progress"]
+    assert "--resume" not in cmd
+    assert cmd[7:] == ["launch.backend=ray", "launch.ray_address=auto", "launch.master_addr=auto",
+                       "launch.server_host=0.0.0.0", "launch.nodes=2", "rollout.api_key=k", "train.steps=5"]
+    assert "--resume" in slurm.train_command("c.yaml", [], nodes=1, resume=True)
+    assert not slurm.has_checkpoint(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_000010\n")
+    assert slurm.has_checkpoint(tmp_path)
+
+
+def test_job_env_for_a_two_node_job(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(slurm, "node_address", lambda node, **kw: {"q1": "127.0.0.2", "q2": "127.0.0.3"}[node])
+    out = tmp_path / "run"
+    env = {"SLURM_JOB_NODELIST": "q[1-2]", "SLURM_JOB_ID": "17"}
+    vals = slurm.job_env("configs/cpu_default.yaml", [f"train.output_dir={out}"], env, python="py")
+    assert vals["QARL_NODES"] == "q1 q2" and vals["QARL_HEAD_NODE"] == "q1" and vals["QARL_NNODES"] == "2"
+    assert vals["RAY_ADDRESS"] == f"127.0.0.2:{20017}" and vals["QARL_RAY_TMPDIR"] == "/tmp/qarl-ray-17"
+    assert vals["QARL_LOG_DIR"] == str(out / "slurm" / "job-17") and vals["QARL_RESUME"] == "0"
+    assert vals["GLOO_SOCKET_IFNAME"] == vals["NCCL_SOCKET_IFNAME"] == "lo"
+    train = vals["QARL_TRAIN"]
+    assert "--resume" not in train and "launch.nodes=2" in train
+    assert any(a.startswith("rollout.api_key=") and len(a) > 30 for a in train)  # servers listen on 0.0.0.0
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step_000001")
+    again = slurm.job_env("configs/cpu_default.yaml", [f"train.output_dir={out}", "rollout.api_key=mine"], env)
+    assert again["QARL_RESUME"] == "1" and "--resume" in again["QARL_TRAIN"]
+    assert not any(a.startswith("rollout.api_key=") and a != "rollout.api_key=mine" for a in again["QARL_TRAIN"])
+
+
+def test_gpu_config_must_match_the_allocation(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = "configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml"
+    with pytest.raises(UserError, match=r"launch\.nodes: the config is laid out for 2 nodes, this Slurm job has 1"):
+        slurm.job_env(cfg, [], {"SLURM_JOB_NODELIST": "gpu1", "SLURM_GPUS_ON_NODE": "8"})
+    with pytest.raises(UserError, match=r"launch\.gpus_per_node: the config wants 8 GPUs per node, Slurm gave 4"):
+        slurm.check_job_layout(slurm.run_settings(cfg, []), 2, 4)
+    slurm.check_job_layout(slurm.run_settings(cfg, []), 2, 8)
+    slurm.check_job_layout(slurm.run_settings("configs/cpu_default.yaml", []), 3, 0)  # CPU: any node count
+
+
+def test_shell_assignments_eval_in_bash():
+    text = slurm.shell_assignments({"A": "x y'z", "ARR": ["p q", "--flag", "k=v;rm"]})
+    out = subprocess.run(["bash", "-c", text + '\nprintf "%s|" "$A" "${ARR[@]}" "${#ARR[@]}"'],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == "x y'z|p q|--flag|k=v;rm|3|"
+
+
+def test_submit_command(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(REPO)
+    cmd, log_dir = slurm.sbatch_command("configs/qwen3-30b-a3b/w4a16_tbpo_4x8.yaml", [f"train.output_dir={tmp_path}"],
+                                        extra=["--time=48:00:00"])
+    assert cmd[:2] == ["sbatch", "--parsable"]
+    assert {"--job-name=qarl-w4a16_tbpo_4x8", "--nodes=4", "--gpus-per-node=8", "--time=48:00:00",
+            f"--output={tmp_path}/slurm/%x-%j.out"} <= set(cmd)
+    assert cmd[-3:] == [str(REPO / "slurm" / "qarl.sbatch"), "configs/qwen3-30b-a3b/w4a16_tbpo_4x8.yaml",
+                        f"train.output_dir={tmp_path}"]
+    assert log_dir == tmp_path / "slurm"
+    cpu, _ = slurm.sbatch_command("configs/cpu_default.yaml", ["launch.nodes=2"])
+    assert "--nodes=2" in cpu and not any(a.startswith("--gpus-per-node") for a in cpu)
+    assert slurm.main(["submit", "--dry-run", "configs/cpu_default.yaml"]) == 0
+    assert capsys.readouterr().out.startswith("sbatch --parsable --job-name=qarl-cpu_default --nodes=1")
+
+
+def test_sbatch_script_header_and_syntax():
+    script = (REPO / "slurm" / "qarl.sbatch").read_text()
+    for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@300", "#SBATCH --open-mode=append"):
+        assert line in script
+    assert "ray stop" not in script.replace("(no `ray stop`", "")  # it would stop every Ray on the host
+    subprocess.run(["bash", "-n", str(REPO / "slurm" / "qarl.sbatch")], check=True)
+
+
+class _FakeTrainer:
+    """The piece of Trainer the stop hook uses: step(), save(), state.step, ckpt_root."""
+
+    def __init__(self, root):
+        self.ckpt_root = root
+        self.state = type("S", (), {"step": 0})()
+        self.saved = []
+
+    def step(self):
+        self.state.step += 1
+        return {}
+
+    def save(self):
+        self.saved.append(self.state.step)
+
+
+def test_stop_hook_checkpoints_at_the_step_boundary(tmp_path):
+    stop = threading.Event()
+    trainer = train_cli._stoppable(_FakeTrainer, stop)(tmp_path)
+    trainer.step()
+    trainer.step()
+    stop.set()
+    with pytest.raises(train_cli.StopRequested, match="after step 2"):
+        trainer.step()
+    assert trainer.saved == [2] and trainer.state.step == 2
+    (tmp_path / "step_000002").mkdir()  # a checkpoint of step 2 exists already: nothing to save
+    (tmp_path / "step_000002" / "trainer_state.json").write_text("{}")
+    (tmp_path / "latest").write_text("step_000002")
+    trainer.saved = []
+    with pytest.raises(train_cli.StopRequested):
+        trainer.step()
+    assert trainer.saved == []

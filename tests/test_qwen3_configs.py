@@ -1,0 +1,131 @@
+"""configs/qwen3-30b-a3b/*.yaml: every one loads and validates, its parallel sizes add up (EP divides the 128
+experts, TP the heads, learner + server GPUs = nodes x 8), it matches its generator, and layouts that cannot work
+fail naming the key; the run-config fields they need (parallel.world_size, launch.nodes / gpus_per_node) are
+validated; ``qarl plan --config`` plans them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_qarl import cli
+from megatron_qarl.config import load_config
+from megatron_qarl.errors import ConfigError
+from megatron_qarl.moe.model import Qwen3MoeArch
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs" / "qwen3-30b-a3b").glob("*.yaml"))
+SCHEMES = ("bf16", "w8a8_fp8", "w8a8_int8", "w4a16")
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+def test_every_scheme_algo_and_cluster_has_a_config():
+    names = {p.stem for p in CONFIGS}
+    assert names == {f"{s}_{a}_{n}x8" for s in SCHEMES for a in ("tbpo", "grpo") for n in (2, 4)}
+
+
+def test_configs_match_their_generator():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "scripts/make_qwen3_30b_configs.py", "--check"], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_validates_and_its_layout_adds_up(path):
+    cfg = load_config(path)
+    scheme, algo, cluster = path.stem.rsplit("_", 2)
+    arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
+    assert (arch.num_experts, arch.num_attention_heads, arch.num_key_value_heads) == (128, 32, 4)
+    p, r, la = cfg.parallel, cfg.rollout, cfg.launch
+    assert cfg.quant.scheme == scheme
+    assert cfg.algo.loss.mode == {"tbpo": "tbpo", "grpo": "token_ppo"}[algo]
+    assert (p.tp, p.sp) == (4, True) and arch.num_experts % p.ep == 0 and arch.num_key_value_heads % p.tp == 0
+    assert cfg.world_size % p.ep == 0 and cfg.world_size % p.tp == 0
+    assert la.nodes == int(cluster[0]) and la.gpus_per_node == 8 and la.gpus_per_learner_rank == 1
+    assert cfg.world_size + r.servers * r.gpus_per_server == la.nodes * la.gpus_per_node
+    assert cfg.world_size % la.gpus_per_node == 0  # the learner owns whole nodes, the servers the others
+    assert r.backend == "sglang" and la.gpus_per_node % r.gpus_per_server == 0
+    # the public recipe's shapes
+    assert (cfg.train.prompts_per_step, r.sampling.n_samples, r.sampling.max_new_tokens) == (32, 8, 8192)
+    assert cfg.data.source.endswith(".parquet") and cfg.data.answer_key == "reward_model.ground_truth"
+    ev = cfg.train.eval
+    assert ev.data is not None and "aime" in ev.data.source and ev.sampled_n >= 16 and ev.max_new_tokens == 8192
+    assert (la.ray_address, la.master_addr, la.server_host) == ("auto", "auto", "0.0.0.0")
+
+
+def test_ep_not_dividing_the_experts_fails_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^parallel\.ep: 3 does not divide the model's num_experts \(128"):
+        load_config(CONFIGS[0], ["parallel.ep=3", "parallel.world_size=12"])
+    with pytest.raises(ConfigError, match=r"^parallel\.tp: 8 does not divide the model's num_key_value_heads \(4"):
+        load_config(CONFIGS[0], ["parallel.tp=8"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.world_size=12"], r"^parallel\.world_size: 12 is not a multiple of lcm\(tp=4, ep=8\) = 8"),
+    (["rollout.servers=3"], r"^launch\.nodes: 2 nodes x 8 GPUs = 16, but the learner uses 8 .* servers 6"),
+    (["launch.nodes=4"], r"^launch\.nodes: 4 nodes x 8 GPUs = 32"),
+    (["rollout.gpus_per_server=3", "rollout.servers=2"], r"^rollout\.gpus_per_server: 3 does not divide"),
+    (["launch.gpus_per_learner_rank=2"], r"^launch\.gpus_per_learner_rank: must be 1 on GPU nodes"),
+    (["train.prompts_per_step=3", "rollout.sampling.n_samples=1"],
+     r"^train\.prompts_per_step: 3 prompts x 1 samples = 3 responses do not split over the learner's 2 data-par"),
+])
+def test_bad_cluster_layouts_fail_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(REPO / "configs/qwen3-30b-a3b/bf16_tbpo_2x8.yaml", overrides)
+
+
+def test_sglang_server_width_must_suit_the_quantized_experts():
+    # W4A16 with SGLang --tp-size 4 splits each expert's 768 columns into 192: not whole groups of 128
+    with pytest.raises(ConfigError, match=r"^rollout\.gpus_per_server: SGLang cannot serve .* --tp-size 4: "
+                                          r".*768/4 is not a multiple of the w4a16 group"):
+        load_config(REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml",
+                    ["rollout.servers=2", "rollout.gpus_per_server=4"])
+
+
+def test_cpu_config_has_no_gpu_accounting_and_world_size_defaults_to_lcm():
+    cfg = load_config(REPO / "configs/cpu_default.yaml")
+    assert (cfg.launch.nodes, cfg.launch.gpus_per_node, cfg.parallel.world_size, cfg.world_size) == (1, 0, None, 1)
+    cfg = load_config(REPO / "configs/cpu_default.yaml", ["parallel.tp=2", "parallel.ep=2", "parallel.world_size=4"])
+    assert cfg.world_size == 4
+
+
+def test_plan_config_reports_both_parts_and_the_published_weights(capsys):
+    assert cli.main(["plan", "--config", str(REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_4x8.yaml"), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    ckpt = plan["rollout_checkpoint_gib"]
+    assert abs(ckpt["bf16"] - 56.88) / 56.88 < 0.02 and abs(ckpt["w4a16"] - 16.89) / 16.89 < 0.02
+    le, ro = plan["learner"], plan["rollout"]
+    assert (le["gpus"], le["tp"], le["ep"], le["dp"], le["edp"], le["sp"]) == (16, 4, 16, 4, 1, True)
+    for key in ("weights_gib", "gradients_gib", "optimizer_gib", "activations_gib", "qat_cache_gib"):
+        assert le[key] > 0
+    assert le["total_gib"] == pytest.approx(sum(le[k] for k in ("weights_gib", "gradients_gib", "optimizer_gib",
+                                                                 "activations_gib", "qat_cache_gib")), abs=0.05)
+    assert (ro["servers"], ro["gpus_per_server"], ro["seqs_per_server"]) == (16, 1, 16)
+    assert ro["weights_gib"] == ckpt["w4a16"] and ro["kv_pool_gib"] > 0
+    assert plan["cluster"] == {"nodes": 4, "gpus_per_node": 8, "gpus_used": 32}
+    assert plan["fits"] and {a["placement"] for a in plan["alternatives"]} >= {"colocated", "split 2+2"}
+
+
+def test_plan_config_text_says_whether_it_fits(capsys):
+    path = str(REPO / "configs/qwen3-30b-a3b/bf16_tbpo_2x8.yaml")
+    assert cli.main(["plan", "--config", path]) == 0
+    text = capsys.readouterr().out
+    assert "rollout checkpoint: bf16 56.87 GiB" in text
+    assert "learner: 8 ranks, tp4 (sequence parallel on) ep8" in text and "-> DOES NOT FIT" in text
+    assert "rollout: 4 servers x 2 GPU (SGLang --tp-size 2)" in text
+    assert "layouts of 2 x 8 GPUs that fit" in text and "split 1+1: learner on 8, rollout on 8" in text
+    assert cli.main(["plan", "--config", path, "--gpu-gib", "140"]) == 0  # H200: the 8-GPU learner fits
+    assert "=> FITS on 140.0 GiB GPUs" in capsys.readouterr().out
+    assert cli.main(["plan", "--config", path, "parallel.ep=3"]) == 2
+    assert "parallel.ep: 3 does not divide" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "configs/models/qwen3-30b-a3b", "parallel.ep=3"]) == 2
+    assert "need --config" in capsys.readouterr().err

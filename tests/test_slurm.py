@@ -1,0 +1,121 @@
+"""slurm/qarl.sbatch on a REAL Slurm (slurmctld + two slurmd on this host, auth/none; Debian's packages, which
+.ci/run installs): a two-node job starts Ray across both nodes, places the learner and the rollout server on
+different nodes, trains and COMPLETES; a job told USR1 (what --signal sends before the time limit) checkpoints,
+requeues itself and resumes to the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.local_slurm import FINAL_STATES, LocalSlurm, missing_binaries
+from megatron_qarl.moe.parallelize import free_port
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+MISSING = missing_binaries()
+if MISSING:
+    pytest.skip(f"Slurm is not installed here (missing {', '.join(MISSING)}); .ci/run installs it with apt-get "
+                f"(slurmctld slurmd slurm-client)", allow_module_level=True)
+
+# the CPU config, small: 4 prompts x 4 samples, a short held-out set, a checkpoint every step
+SMALL = ["train.prompts_per_step=4", "rollout.sampling.n_samples=4", "train.eval.n=8", "train.eval.sampled_n=1",
+         "train.eval.every=0", "rollout.max_batch_size=32", "train.checkpoint.every=1",
+         "rollout.sampling.max_new_tokens=40", "rollout.startup_timeout_s=180"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=2)
+    cluster.start(timeout_s=120)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def ray_tmp():
+    path = tempfile.mkdtemp(prefix="qr", dir="/tmp")  # short: Ray's socket paths live under it
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _submit(slurm: LocalSlurm, config: str, overrides: list[str], ray_tmp: str,
+            env: dict[str, str] | None = None) -> str:
+    """``python -m launch.slurm submit`` as a user would; returns the job id."""
+    job_env = {**slurm.env, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+               "QARL_PYTHON": sys.executable, "QARL_RAY_PORT": str(free_port()), "QARL_RAY_TMPDIR": ray_tmp,
+               "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", config, *overrides], env=job_env,
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.split()[2].rstrip(";")
+
+
+def _log(out: Path, job: str) -> str:
+    (log,) = (out / "slurm").glob(f"*-{job}.out")
+    return log.read_text(errors="replace")
+
+
+def _steps(out: Path) -> list[int]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["step"] for r in rows if "loss/loss" in r]
+
+
+def test_two_node_job_runs_ray_across_nodes_and_completes(slurm, tmp_path, ray_tmp):
+    out = tmp_path / "run"
+    # one Ray CPU per node: the learner rank and the rollout server cannot share a node
+    job = _submit(slurm, "configs/cpu_default.yaml",
+                  [f"train.output_dir={out}", "launch.nodes=2", "train.steps=2", *SMALL], ray_tmp,
+                  env={"QARL_RAY_NUM_CPUS": "1"})
+    info = slurm.wait(job, timeout_s=900)
+    log = _log(out, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-6000:]}"
+    assert f"job {job} restart 0 on q[1-2] (2 nodes)" in log
+    assert "ray: 2 nodes up: " in log and "127.0.0.2" in log and "127.0.0.3" in log
+    placed = next(line for line in log.splitlines() if line.startswith("ray: learner ranks on "))
+    learner, servers = placed.removeprefix("ray: learner ranks on ").split("; rollout servers on ")
+    assert {learner, servers} == {"127.0.0.2", "127.0.0.3"}, placed
+    assert "step 1/2 reward=" in log and "step 2/2 reward=" in log, log[-4000:]
+    assert "qarl train exited with 0" in log
+    assert _steps(out) == [1, 2]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert sorted(p.name for p in (out / "slurm" / f"job-{job}").glob("ray-node*.log")) == \
+        ["ray-node0.log", "ray-node1.log"]
+
+
+def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path, ray_tmp):
+    out = tmp_path / "run"
+    job = _submit(slurm, "configs/cpu_default.yaml", [f"train.output_dir={out}", "train.steps=3", *SMALL], ray_tmp)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 900
+    while not (latest.is_file() and latest.read_text().strip() == "step_000001"):
+        assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING"), _log(out, job)[-6000:]
+        assert time.monotonic() < deadline, "no checkpoint after 900 s"
+        time.sleep(0.2)
+    # what `#SBATCH --signal=B:USR1@300` sends to the batch shell before the time limit
+    slurm.run(["scancel", "--signal=USR1", "--batch", job])
+    while (info := slurm.job(job)).get("Restarts", "0") == "0":  # the job requeues itself
+        assert info.get("JobState") not in FINAL_STATES, f"{info}\n{_log(out, job)[-6000:]}"
+        assert time.monotonic() < deadline, "not requeued"
+        time.sleep(0.5)
+    # Slurm holds a requeued job back for two minutes (EligibleTime); let it start now
+    slurm.run(["scontrol", "update", f"JobId={job}", "BeginTime=now"], check=False)
+    info = slurm.wait(job, timeout_s=900)
+    log = _log(out, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-6000:]}"
+    assert info["Restarts"] == "1", info
+    assert "got SIGUSR1" in log and "qarl train: stopped on a signal after step" in log
+    assert "qarl train exited with 75" in log and f"requeueing job {job}" in log
+    assert f"job {job} restart 1 on q1" in log and "resume: 1" in log
+    assert "--resume" in log.split(f"job {job} restart 1")[1]
+    assert "step 3/3 reward=" in log
+    assert _steps(out) == [1, 2, 3]  # each step once: the resumed run continued after the checkpoint
