@@ -1,0 +1,231 @@
+"""GPU adapters: what changes when the learner and the rollout servers run on CUDA. Thin, and every GPU-only
+package (Transformer Engine, SGLang) is imported lazily, so this module imports on CPU machines.
+
+- Megatron with Transformer Engine layers: ``te_layer_spec`` (Megatron's TE spec for Qwen3-MoE: fused TE
+  linears with the RMSNorm folded into linear_qkv / linear_fc1, qk-norm, TE grouped-GEMM experts) and
+  ``te_transformer_config`` (the CPU-safe ``transformer_config`` with CUDA fusions back on and, for w8a8_fp8,
+  TE's FP8 recipe from ``qat.te``).
+- NCCL: ``dist_backend`` (what ``init_parallel`` and the weight broadcaster pick: nccl with CUDA, else gloo)
+  and ``nccl_env`` (the socket interface variables slurm/qarl.sbatch exports).
+- SGLang servers: ``launch.fleet.server_command`` builds ``python -m sglang.launch_server`` for a run config
+  (``rollout/sglang_launcher.py``); ``sglang_available`` says whether it can start here.
+
+``python -m megatron_qarl.gpu smoke`` (what scripts/gpu_smoke.sh runs) checks them on a GPU machine: one CUDA
+Megatron train step of the tiny model (local spec, then TE spec and FP8 when TE is installed) and an NCCL
+broadcast over the visible GPUs; on a machine without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from megatron_qarl.qat.config import QuantConfig
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = REPO / "checkpoints" / "tiny-qwen3-moe"
+
+
+def dist_backend() -> str:
+    """torch.distributed backend of the learner and of the weight-update group: nccl with CUDA, else gloo."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def nccl_env(ifname: str | None) -> dict[str, str]:
+    """Socket interface variables for NCCL and gloo (bootstrap and TCP fallback) on interface ``ifname``."""
+    return {"NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname} if ifname else {}
+
+
+def te_layer_spec(arch, *, grouped_gemm: bool = True):
+    """Megatron's Transformer Engine layer spec for Qwen3-MoE (RMSNorm via the config, qk-norm, MoE experts
+    as TE grouped GEMMs). ImportError naming the package when TE is absent (CPU machines)."""
+    from megatron_qarl.qat.te import require_transformer_engine
+
+    require_transformer_engine()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts, moe_grouped_gemm=grouped_gemm,
+                                                      qk_layernorm=True)
+
+
+# TransformerConfig fields that moe/model.py turns off for CPU-only torch and that CUDA runs want on
+CUDA_FUSIONS = {"apply_rope_fusion": True, "masked_softmax_fusion": True, "bias_activation_fusion": True,
+                "bias_dropout_fusion": True, "gradient_accumulation_fusion": False, "moe_permute_fusion": True,
+                "moe_grouped_gemm": True}
+
+
+def te_config_overrides(quant: QuantConfig, *, fused: bool = True) -> dict[str, Any]:
+    """TransformerConfig fields the TE path changes: CUDA fusions (``CUDA_FUSIONS``) and, for w8a8_fp8, TE's
+    blockwise FP8 recipe (``qat.te.te_fp8_settings``). Pure: testable without TE."""
+    from megatron_qarl.qat.te import te_fp8_settings
+
+    fp8 = te_fp8_settings(quant)
+    # FP8 grouped GEMMs need each expert's token count padded to a multiple of 16: the router pads
+    return {**(CUDA_FUSIONS if fused else {}), **fp8, **({"moe_router_padding_for_fp8": True} if fp8 else {})}
+
+
+def te_transformer_config(arch, quant: QuantConfig, **kwargs):
+    """``moe.model.transformer_config`` for the TE spec on CUDA (requires TE when FP8 is on)."""
+    import dataclasses
+
+    from megatron_qarl.moe.model import transformer_config
+    from megatron_qarl.qat.te import apply_te_fp8
+
+    base = transformer_config(arch, **kwargs)
+    return dataclasses.replace(base, **apply_te_fp8(te_config_overrides(quant, fused=True), quant))
+
+
+def sglang_available() -> bool:
+    from megatron_qarl.rollout.sglang_launcher import sglang_available as available
+
+    return available()
+
+
+def report() -> dict[str, Any]:
+    """What this machine offers: CUDA devices, NCCL, Transformer Engine, SGLang."""
+    import torch
+
+    from megatron_qarl.qat.te import transformer_engine_available
+
+    cuda = torch.cuda.is_available()
+    return {
+        "cuda": cuda,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "nccl": bool(cuda and torch.distributed.is_nccl_available()),
+        "transformer_engine": transformer_engine_available(),
+        "sglang": sglang_available(),
+        "backend": dist_backend(),
+    }
+
+
+# --------------------------------------------------------------------------------------------- smoke
+def _megatron_step(te: bool, fp8: bool) -> dict[str, float]:
+    """One Adam step of the tiny Qwen3-MoE as a Megatron GPTModel on GPU 0 (world size 1, NCCL)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
+    from megatron_qarl.moe.parallelize import destroy_parallel, free_port, init_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    init_parallel(tp=1, ep=1)
+    try:
+        arch = Qwen3MoeArch.from_model_dir(TINY_MODEL)
+        quant = QuantConfig(scheme="w8a8_fp8" if fp8 else "bf16")
+        if te:
+            config = te_transformer_config(arch, quant, dtype=torch.bfloat16)
+            model = GPTModel(config=config, transformer_layer_spec=te_layer_spec(arch), vocab_size=arch.vocab_size,
+                             max_sequence_length=arch.max_position_embeddings,
+                             share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                             rotary_base=int(arch.rope_theta))
+        else:
+            model = build_model(arch, dtype=torch.bfloat16)  # the local spec, as on CPU
+        model = model.cuda()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        torch.manual_seed(0)
+        seq = 128  # FP8 GEMMs want dimensions that are multiples of 16
+        tokens = torch.randint(0, arch.vocab_size, (2, seq), device="cuda")
+        pos = torch.arange(seq, device="cuda").unsqueeze(0).expand_as(tokens)
+        mask = causal_mask(seq).cuda()
+        losses = []
+        for _ in range(2):
+            logits = model(tokens, pos, mask)
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        torch.cuda.synchronize()
+        if not all(x == x and abs(x) < 1e4 for x in losses):
+            raise RuntimeError(f"non-finite loss {losses}")
+        return {"loss_first": losses[0], "loss_second": losses[1]}
+    finally:
+        destroy_parallel()
+
+
+def _broadcast_rank(rank: int, world: int, port: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        t = torch.full((1 << 20,), float(rank == 0) * 3.0, device="cuda")
+        dist.broadcast(t, src=0)
+        torch.cuda.synchronize()
+        q.put((rank, float(t.min()), float(t.max())))
+    finally:
+        dist.destroy_process_group()
+
+
+def _nccl_broadcast() -> dict[str, Any]:
+    """A 4 MiB NCCL broadcast from GPU 0 to every visible GPU (one process each; 1 GPU: a group of one)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from megatron_qarl.moe.parallelize import free_port
+
+    world = torch.cuda.device_count()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    results = sorted(q.get(timeout=5) for _ in range(world))
+    if any(p.exitcode != 0 for p in procs) or any((lo, hi) != (3.0, 3.0) for _, lo, hi in results):
+        raise RuntimeError(f"NCCL broadcast failed: exit codes {[p.exitcode for p in procs]}, got {results}")
+    return {"ranks": world, "bytes": 4 << 20}
+
+
+def smoke() -> dict[str, Any]:
+    """Run every check this machine can; each result is "ok: ...", "skipped: why" or "FAILED: error"."""
+    info = report()
+    out: dict[str, Any] = {"machine": info}
+    if not info["cuda"]:
+        out["checks"] = {"all": "skipped: no CUDA device"}
+        return out
+    checks = {}
+
+    def run(name, fn, *args):
+        try:
+            checks[name] = f"ok: {fn(*args)}"
+        except Exception as err:  # noqa: BLE001 - report every check, then fail at the end
+            checks[name] = f"FAILED: {type(err).__name__}: {err}"
+
+    run("megatron_cuda_step", _megatron_step, False, False)
+    run("nccl_broadcast", _nccl_broadcast)
+    if info["transformer_engine"]:
+        run("megatron_te_step", _megatron_step, True, False)
+        run("megatron_te_fp8_step", _megatron_step, True, True)
+    else:
+        checks["megatron_te_step"] = "skipped: transformer_engine not installed"
+    checks["sglang"] = "ok: importable" if info["sglang"] else "skipped: sglang not installed"
+    out["checks"] = checks
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_qarl.gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["report", "smoke"])
+    args = parser.parse_args(argv)
+    if args.command == "report":
+        print(json.dumps(report(), indent=2))
+        return 0
+    result = smoke()
+    print(json.dumps(result, indent=2))
+    return 1 if any(str(v).startswith("FAILED") for v in result["checks"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
