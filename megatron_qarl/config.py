@@ -192,6 +192,9 @@ class TrainConfig(_Section):
     learner_threads: int | None = Field(default=None, ge=1)  # torch threads per learner rank (None: cores/ranks)
     # fault drill: these steps' loss is multiplied by NaN, so the step must be skipped and counted
     inject_nonfinite_steps: list[int] = []
+    # write every response token's logp_old - logp_sampler to log_ratios/step_NNNNNN.npy (float32) at each
+    # evaluation, covering the steps since the previous one (mismatch histograms; benchmarks/repro_mini.py)
+    save_log_ratios: bool = False
 
 
 class LaunchConfig(_Section):

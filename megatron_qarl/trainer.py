@@ -29,7 +29,7 @@ from megatron_qarl.algo.mismatch import mismatch_metrics
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.data.math_task import heldout_problems
 from megatron_qarl.data.prompts import PromptStream, render_prompt, tokenize, uses_chat_template
-from megatron_qarl.data.reward import RewardScorer
+from megatron_qarl.data.reward import RewardScorer, shuffle_rewards_in_groups
 from megatron_qarl.errors import UserError
 from megatron_qarl.learner import Batch
 from megatron_qarl.rollout.client import ClientConfig, SGLangClient
@@ -105,6 +105,7 @@ class Trainer:
         self.tracker: Tracker | None = None
         self.scorer = RewardScorer(cfg.reward)
         self._eval_set = None
+        self._log_ratios: list = []  # train.save_log_ratios: per-token logp_old - logp_sampler since the last eval
 
     # ---------------------------------------------------------------------------------- plumbing
     def _clients(self) -> list[SGLangClient]:
@@ -184,7 +185,20 @@ class Trainer:
             rewards, _ = self.scorer.score(self._texts(groups), [a for a in answers for _ in range(ev.sampled_n)])
             out["eval/sampled_accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
         out["time/eval_s"] = time.perf_counter() - start
+        self._write_log_ratios()
         return out
+
+    def _write_log_ratios(self) -> None:
+        """train.save_log_ratios: the response tokens' logp_old - logp_sampler of every step since the last
+        evaluation, as one float32 .npy: log_ratios/step_NNNNNN.npy (NNNNNN: this evaluation's step)."""
+        if not self._log_ratios:
+            return
+        import numpy as np
+
+        d = self.out / "log_ratios"
+        d.mkdir(exist_ok=True)
+        np.save(d / f"step_{self.state.step:06d}.npy", np.concatenate(self._log_ratios).astype(np.float32))
+        self._log_ratios = []
 
     def _texts(self, groups: list[list[Sample]]) -> list[str]:
         return self.tokenizer.batch_decode([s.response_ids for g in groups for s in g], skip_special_tokens=True)
@@ -204,12 +218,15 @@ class Trainer:
         G = cfg.rollout.sampling.n_samples
         texts = self._texts(groups)
         rewards, rstats = self.scorer.score(texts, [p.answer for p in prompts for _ in range(G)])
+        # reward.shuffle (control runs): the update sees each group's rewards in a random order; the
+        # reward/* metrics below stay the true ones
+        train_rewards = shuffle_rewards_in_groups(rewards, G, cfg.seed, step) if cfg.reward.shuffle else rewards
         t_reward = time.perf_counter()
 
         batch, logp_sampler_BT = build_batch(groups, self.pad_id)
         logp_old_BT = self.learners.call("logprobs", batch.tokens_BS)[0]
         t_logp = time.perf_counter()
-        adv_B = group_advantages(rewards, G, cfg.algo.advantage).float()
+        adv_B = group_advantages(train_rewards, G, cfg.algo.advantage).float()
         batch.extra.update(adv_B=adv_B, logp_old_BT=logp_old_BT, logp_sampler_BT=logp_sampler_BT)
         poison = step in cfg.train.inject_nonfinite_steps
         loss_metrics = self.learners.call("train", batch, cfg.algo.loss, poison)[0]
@@ -237,6 +254,8 @@ class Trainer:
         m.update({f"loss/{k}": v for k, v in loss_metrics.items()})
         m.update({f"mismatch/{k}": _scalar(v) for k, v in mismatch_metrics(logp_old_BT, logp_sampler_BT,
                                                                             mask).items()})
+        if cfg.train.save_log_ratios:
+            self._log_ratios.append((logp_old_BT - logp_sampler_BT)[mask > 0].float().numpy())
         stats = error_token_stats([s.response_ids for g in groups for s in g],
                                   [s.logp_sampler for g in groups for s in g],
                                   finish_reasons=[s.finish_reason for g in groups for s in g], texts=texts)

@@ -53,6 +53,9 @@ class RewardConfig(BaseModel):
     workers: int = Field(1, ge=1, le=64, description="verification worker processes (math_verify)")
     correct_reward: float = Field(1.0, description="reward of a correct boxed answer")
     incorrect_reward: float = Field(0.0, description="reward of a wrong, missing, timed-out or failed answer")
+    shuffle: bool = Field(False, description="control runs only: the update sees each group's rewards in a "
+                          "seeded random order (shuffle_rewards_in_groups); evaluation and reward/* metrics "
+                          "stay true")
 
     @model_validator(mode="after")
     def _check(self) -> RewardConfig:
@@ -60,6 +63,27 @@ class RewardConfig(BaseModel):
             raise ValueError(f"correct_reward ({self.correct_reward}) must exceed incorrect_reward "
                              f"({self.incorrect_reward})")
         return self
+
+
+def shuffle_rewards_in_groups(rewards: Sequence[float], group_size: int, seed: int, step: int) -> list[float]:
+    """The shuffled-reward control (``reward.shuffle``): each group of ``group_size`` consecutive rewards
+    (the G samples of one prompt) permuted by a generator seeded with (seed, step).
+
+    A group keeps its multiset of rewards, so the advantages have the same magnitudes and the same groups
+    are all-equal (A = 0) as with true rewards; only which response gets which reward is random. Training
+    on this measures what the update does without a reward signal (drift, or quantization adaptation).
+    """
+    import random
+
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
+    rng = random.Random(f"reward-shuffle:{seed}:{step}")
+    out: list[float] = []
+    for i in range(0, len(rewards), group_size):
+        group = list(rewards[i : i + group_size])
+        rng.shuffle(group)
+        out.extend(group)
+    return out
 
 
 class _QuietTimeoutWarning(logging.Filter):
