@@ -10,6 +10,7 @@ computes from views of the very same memory, so a weight update is an in-place `
 store followed by ``refresh()`` of the layers whose derived operands are not views:
 
     DenseLinear  w [N, K] in the compute dtype; the store entries are row views of the fused weight.
+                 In bf16 the GEMM runs on a oneDNN-prepacked copy of it (see ``PackedDense``).
     Int4Linear   W4A16 (compressed-tensors pack-quantized): the store holds weight_packed / weight_scale /
                  weight_shape as loaded; the kernel operand is torch's CPU int4 layout
                  (``_convert_weight_to_int4pack_for_cpu``, uint8 [N, K/2]) with qScaleAndZeros [K/G, N, 2]
@@ -104,15 +105,50 @@ def _fuse_rows(prefixes: list[str], suffix: str, parts: list[Tensor], store: Sto
     return fused
 
 
+def _mkldnn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class PackedDense:
+    """``x @ w.T`` for a dense weight in the compute dtype, on the fastest CPU path with the same result.
+
+    ``F.linear`` in bf16 calls oneDNN, which reorders the plain [N, K] weight into its blocked layout on
+    *every* call: at decode (a few rows of activations) that reorder is most of the work, and bf16 GEMVs
+    reach about 18 GB/s instead of the ~45 GB/s the machine can stream (benchmarks/decode.py measures
+    both). Reordering once at load (``mkldnn._reorder_linear_weight``, the op Inductor's CPU freezing pass
+    uses) and calling ``mkldnn._linear_pointwise`` gives bit-identical outputs (the same oneDNN kernel)
+    at 2-2.5x the speed. The packed copy is an opaque oneDNN tensor: the plain weight stays in the store
+    (checksums, in-place updates), so dense bf16 weights are held twice; ``refresh()`` re-packs.
+    fp32 (the exactness mode) keeps ``F.linear`` (MKL), which is what transformers runs.
+    """
+
+    def __init__(self, w_NK: Tensor):
+        self.w_NK = w_NK
+        self.use_packed = w_NK.dtype == torch.bfloat16 and _mkldnn_bf16()
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w_NK, None) if self.use_packed else None
+
+    def __call__(self, x_TK: Tensor) -> Tensor:
+        if self.packed is None or x_TK.dtype != torch.bfloat16 or x_TK.dim() != 2:
+            return F.linear(x_TK, self.w_NK)
+        return torch.ops.mkldnn._linear_pointwise(x_TK.contiguous(), self.packed, None, "none", [], "")
+
+
 class DenseLinear(Linear):
     def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype):
         parts = [_take(raw, f"{p}.weight").to(dtype) for p in prefixes]
         self.splits = [t.shape[0] for t in parts]
         self.w_NK = _fuse_rows(prefixes, "weight", parts, store)
         self.names = [f"{p}.weight" for p in prefixes]
+        self.gemm = PackedDense(self.w_NK)
+
+    def refresh(self) -> None:
+        self.gemm.refresh()
 
     def mm(self, x_TK: Tensor) -> Tensor:
-        return F.linear(x_TK, self.w_NK)
+        return self.gemm(x_TK)
 
 
 class Int8Linear(Linear):
@@ -156,13 +192,14 @@ class Fp8Linear(Linear):
                                  "w8a8_fp8", self.block)
             parts.append(dequantize_fp8_block(qw, self.dtype))
         self.w_NK = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.gemm = PackedDense(self.w_NK)
 
     def prepare(self, x_TK: Tensor) -> Tensor:
         codes_TK, s_TG = quant_act_fp8_per_token_group(x_TK, self.block)
         return dequant_act_fp8_per_token_group(codes_TK, s_TG, self.dtype)
 
     def mm(self, x_TK: Tensor) -> Tensor:
-        return F.linear(x_TK, self.w_NK)
+        return self.gemm(x_TK)
 
 
 class Int4Linear(Linear):

@@ -23,7 +23,7 @@ from torch import Tensor
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.export import iter_safetensors, scheme_of
-from megatron_qarl.rollout.kernels import Linear, Store, make_linear
+from megatron_qarl.rollout.kernels import DenseLinear, Linear, Store, make_linear
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -44,10 +44,10 @@ class Layer:
     def __init__(self, i: int, arch: Qwen3MoeArch, raw: Store, store: Store, dtype: torch.dtype,
                  fp8_block: int | None):
         p = f"model.layers.{i}"
-        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
-                     "mlp.gate"):  # plain tensors in the compute dtype
-            store[f"{p}.{name}.weight"] = raw.pop(f"{p}.{name}.weight").to(dtype)
-        self.prefix = p
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            store[f"{p}.{name}.weight"] = raw.pop(f"{p}.{name}.weight").to(dtype)  # plain, compute dtype
+        self.prefix, self.index = p, i
+        self.router = DenseLinear([f"{p}.mlp.gate"], raw, store, dtype)  # always in the compute dtype
         a = f"{p}.self_attn"
         self.qkv = make_linear([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], raw, store, dtype, fp8_block)
         self.o = make_linear([f"{a}.o_proj"], raw, store, dtype, fp8_block)
@@ -59,7 +59,7 @@ class Layer:
             self.down.append(make_linear([f"{e}.{j}.down_proj"], raw, store, dtype, fp8_block))
 
     def linears(self) -> list[Linear]:
-        return [self.qkv, self.o, *self.gate_up, *self.down]
+        return [self.router, self.qkv, self.o, *self.gate_up, *self.down]
 
 
 class Qwen3MoeEngineModel:
@@ -77,11 +77,14 @@ class Qwen3MoeEngineModel:
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             if name not in raw:
                 raise ConfigError(f"checkpoint: missing tensor {name!r}")
-            self.store[name] = raw.pop(name).to(dtype)
+            if name != "lm_head.weight":
+                self.store[name] = raw.pop(name).to(dtype)
+        self.lm_head = DenseLinear(["lm_head"], raw, self.store, dtype)
         self.layers = [Layer(i, arch, raw, self.store, dtype, fp8_block) for i in range(arch.num_hidden_layers)]
         if raw:
             raise ConfigError(f"checkpoint: {len(raw)} unexpected tensor(s), e.g. {sorted(raw)[:3]}")
-        self.owner: dict[str, Linear] = {n: lin for layer in self.layers for lin in layer.linears() for n in lin.names}
+        linears = [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]
+        self.owner: dict[str, Linear] = {n: lin for lin in linears for n in lin.names}
         self.slots, self.max_seq_len = slots, max_seq_len
         kv_shape = (arch.num_hidden_layers, slots, arch.num_key_value_heads, max_seq_len, arch.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=dtype)
@@ -139,20 +142,30 @@ class Qwen3MoeEngineModel:
         cos, sin = self.cos_SD[pos_BT][:, None], self.sin_SD[pos_BT][:, None]  # [B, 1, T, D]
         q_BHTD = q_BHTD * cos + rotate_half(q_BHTD) * sin
         k_BHTD = k_BHTD * cos + rotate_half(k_BHTD) * sin
-        li = int(p.rsplit(".", 1)[1])
-        kc, vc = self.k_cache[li], self.v_cache[li]  # [slots, Hkv, S, D]
-        bidx = slots_B[:, None].expand(b, t)
-        kc[bidx, :, pos_BT] = k_BHTD.transpose(1, 2)  # advanced indices first: [B, T, Hkv, D]
-        vc[bidx, :, pos_BT] = v_BHTD.transpose(1, 2)
-        keys, values = kc[slots_B, :, :kv_len], vc[slots_B, :, :kv_len]  # [B, Hkv, L, D]
-        mask_BTL = torch.arange(kv_len)[None, None, :] <= pos_BT[:, :, None]
-        o_BHTD = F.scaled_dot_product_attention(q_BHTD, keys, values, attn_mask=mask_BTL[:, None],
-                                                scale=a.head_dim**-0.5, enable_gqa=True)
+        kc, vc = self.k_cache[layer.index], self.v_cache[layer.index]  # [slots, Hkv, S, D]
+        scale = a.head_dim**-0.5
+        if b == 1 and (t == 1 or t == kv_len):
+            # one sequence (batch-1 decode, or a prefill from position 0): the cache rows are a view
+            # and need no mask (decode: every cached position is visible; prefill: plain causal)
+            slot, start = int(slots_B[0]), kv_len - t
+            kc[slot, :, start:kv_len] = k_BHTD[0]
+            vc[slot, :, start:kv_len] = v_BHTD[0]
+            keys, values = kc[slot : slot + 1, :, :kv_len], vc[slot : slot + 1, :, :kv_len]
+            o_BHTD = F.scaled_dot_product_attention(q_BHTD, keys, values, is_causal=t > 1, scale=scale,
+                                                    enable_gqa=True)
+        else:
+            bidx = slots_B[:, None].expand(b, t)
+            kc[bidx, :, pos_BT] = k_BHTD.transpose(1, 2)  # advanced indices first: [B, T, Hkv, D]
+            vc[bidx, :, pos_BT] = v_BHTD.transpose(1, 2)
+            keys, values = kc[slots_B, :, :kv_len], vc[slots_B, :, :kv_len]  # [B, Hkv, L, D]
+            mask_BTL = torch.arange(kv_len)[None, None, :] <= pos_BT[:, :, None]
+            o_BHTD = F.scaled_dot_product_attention(q_BHTD, keys, values, attn_mask=mask_BTL[:, None], scale=scale,
+                                                    enable_gqa=True)
         return layer.o(o_BHTD.transpose(1, 2).reshape(b * t, -1)).view(b, t, -1)
 
     def _moe(self, layer: Layer, x_TH: Tensor) -> Tensor:
         a = self.arch
-        logits_TE = F.linear(x_TH, self.store[f"{layer.prefix}.mlp.gate.weight"])
+        logits_TE = layer.router(x_TH)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
         top_TK, idx_TK = torch.topk(probs_TE, a.num_experts_per_tok, dim=-1)
         if a.norm_topk_prob:
@@ -206,5 +219,5 @@ class Qwen3MoeEngineModel:
             n = rms_norm(x, s[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
             x = x + self._moe(layer, n.reshape(b * t, -1)).view(b, t, -1)
         x = rms_norm(x if all_logits else x[:, -1:], s["model.norm.weight"], a.rms_norm_eps)
-        logits = F.linear(x, s["lm_head.weight"]).float()
-        return logits if all_logits else logits[:, -1]
+        logits = self.lm_head(x.reshape(-1, a.hidden_size)).float()
+        return logits.view(b, -1, a.vocab_size) if all_logits else logits
