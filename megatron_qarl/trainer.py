@@ -312,13 +312,13 @@ class Trainer:
                 step = self.state.step
                 if (ev.every and step % ev.every == 0) or step == tc.steps:
                     metrics.update(self.evaluate())
-                self.tracker.log(step, metrics)
+                self.tracker.log(step, metrics)  # before the checkpoint: a crash between the two redoes the step
                 summary.update(metrics)
                 ck = tc.checkpoint
                 if (ck.every and step % ck.every == 0) or step == tc.steps:
                     t = time.perf_counter()
                     self.save()
-                    self.tracker.log(step, {"time/checkpoint_s": time.perf_counter() - t})
+                    self.tracker.log(step, {"time/checkpoint_s": time.perf_counter() - t}, jsonl=False)
         finally:
             self.tracker.close()
         return summary
