@@ -127,6 +127,8 @@ class LearnerConfig(_Section):
     """
 
     aligned: bool = True
+    micro_batch_size: int | None = Field(default=None, ge=1)  # rows per forward/backward on a learner rank
+    # (gradients accumulate over micro-batches; None: the rank's whole share of the step at once)
 
 
 class SyncConfig(_Section):

@@ -36,6 +36,20 @@ class Batch:
     def rows(self, index: torch.Tensor | slice) -> Batch:
         return Batch(self.tokens_BS[index], self.loss_mask_BT[index], {k: v[index] for k, v in self.extra.items()})
 
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.tokens_BS.to(device), self.loss_mask_BT.to(device),
+                     {k: v.to(device) for k, v in self.extra.items()})
+
+    def micro_batches(self, size: int | None) -> list[Batch]:
+        """Consecutive slices of at most ``size`` rows (None: the whole batch)."""
+        n = self.tokens_BS.shape[0]
+        size = size or n
+        return [self.rows(slice(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+# per-call metrics that add up over micro-batches; every other metric is averaged over them
+SUMMED_METRICS = ("loss", "num_responses", "num_tokens")
+
 
 # loss_fn(logp_BT, batch_slice, normalizer) -> (loss, metrics); normalizer is the global one
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]
@@ -45,7 +59,8 @@ class Learner:
     """One rank's shard of the policy with its optimizer (parallel state must be initialised)."""
 
     def __init__(self, arch: Qwen3MoeArch, parallel: ParallelConfig, optim: OptimConfig,
-                 dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None, aligned: bool = True):
+                 dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None, aligned: bool = True,
+                 micro_batch_size: int | None = None):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -75,6 +90,8 @@ class Learner:
         self.dp_size = ps.get_data_parallel_world_size()
         self.tp = parallel.tp
         self.clip_grad = optim.clip_grad
+        self.micro_batch_size = micro_batch_size  # rows per forward/backward (None: this rank's whole share)
+        self.device = next(self.module.parameters()).device
 
     def load_hf(self, model_dir: str) -> None:
         from megatron_qarl.moe.convert import SafetensorsDir, load_hf_into_model
@@ -91,11 +108,11 @@ class Learner:
     def logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """log pi(tokens[:, t+1] | tokens[:, :t+1]) for t < S-1: [B, S-1], fp32, with autograd."""
         seq = tokens_BS.shape[1]
-        padded = self._pad_seq(tokens_BS)
+        padded = self._pad_seq(tokens_BS.to(self.device))
         labels = torch.roll(padded, -1, dims=1)
         s = padded.shape[1]
-        position_ids = torch.arange(s).unsqueeze(0).expand_as(padded)
-        ce_BS = self.model(padded, position_ids, causal_mask(s), labels=labels)
+        position_ids = torch.arange(s, device=self.device).unsqueeze(0).expand_as(padded)
+        ce_BS = self.model(padded, position_ids, causal_mask(s).to(self.device), labels=labels)
         return -ce_BS[:, : seq - 1].float()
 
     @torch.no_grad()
@@ -111,7 +128,9 @@ class Learner:
         pad = (-rows) % self.dp_size
         if pad:
             tokens_BS = torch.cat([tokens_BS, tokens_BS[-1:].expand(pad, -1)])
-        mine = self.logprobs(tokens_BS[self.my_rows(tokens_BS.shape[0])])
+        rows_BS = tokens_BS[self.my_rows(tokens_BS.shape[0])]
+        size = self.micro_batch_size or rows_BS.shape[0]
+        mine = torch.cat([self.logprobs(rows_BS[i:i + size]).cpu() for i in range(0, rows_BS.shape[0], size)])
         if self.dp_size == 1:
             return mine
         parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
@@ -140,11 +159,18 @@ class Learner:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         local = batch.rows(self.my_rows(batch.tokens_BS.shape[0]))
-        logp_BT = self.logprobs(local.tokens_BS)
-        loss, metrics = loss_fn(logp_BT, local)
-        (loss * self.dp_size).backward()
+        loss = torch.zeros((), device=self.device)
+        parts: list[dict] = []
+        for micro in local.micro_batches(self.micro_batch_size):  # gradients accumulate in DDP's buffers
+            micro = micro.to(self.device)
+            micro_loss, micro_metrics = loss_fn(self.logprobs(micro.tokens_BS), micro)
+            (micro_loss * self.dp_size).backward()
+            loss = loss + micro_loss.detach()
+            parts.append(micro_metrics)
+        metrics = {k: (sum(float(p[k]) for p in parts) if k in SUMMED_METRICS else
+                       sum(float(p[k]) for p in parts) / len(parts)) for k in parts[0]}
         finalize_model_grads([self.model])
-        global_loss = self._dp_sum(loss.detach())
+        global_loss = self._dp_sum(loss)
         found_inf = self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())  # over every model-parallel rank and expert group
         finite = not found_inf and math.isfinite(grad_norm) and math.isfinite(global_loss)

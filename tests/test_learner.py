@@ -12,10 +12,10 @@ from megatron_qarl.moe.parallelize import init_parallel, run_ranks
 from megatron_qarl.moe.verify import world_size
 
 
-def _train(model_dir: str, tp: int, ep: int, steps: int, poison_step: int = -1) -> list[dict]:
+def _train(model_dir: str, tp: int, ep: int, steps: int, poison_step: int = -1, micro: int | None = None) -> list[dict]:
     arch = Qwen3MoeArch.from_model_dir(model_dir)
     init_parallel(tp=tp, ep=ep, seed=7)
-    learner = Learner(arch, ParallelConfig(tp=tp, ep=ep), OptimConfig(lr=1e-3, clip_grad=1.0))
+    learner = Learner(arch, ParallelConfig(tp=tp, ep=ep), OptimConfig(lr=1e-3, clip_grad=1.0), micro_batch_size=micro)
     learner.load_hf(model_dir)
     gen = torch.Generator().manual_seed(0)
     out = []
@@ -45,6 +45,14 @@ def test_five_steps_match_tp1(tp, ep, tiny_model_dir):
     for rank_metrics in got:
         losses = [m["loss"] for m in rank_metrics]
         assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-5, (losses, ref_losses)
+
+
+def test_micro_batches_accumulate_to_the_whole_batch_step(random_model_dir):
+    whole = run_ranks(1, _train, random_model_dir, 1, 1, 3)[0]
+    micro = run_ranks(1, _train, random_model_dir, 1, 1, 3, -1, 1)[0]  # 4 micro-batches of one row
+    for a, b in zip(whole, micro, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
+        assert abs(a["param_sum"] - b["param_sum"]) <= 1e-6 * max(1.0, abs(a["param_sum"]))
 
 
 def test_non_finite_loss_skips_the_update(random_model_dir):
