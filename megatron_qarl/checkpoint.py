@@ -54,10 +54,47 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
 
 
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def results_queue_dies_with_trainer() -> None:
+    """dist-checkpointing's async writer gets its results queue from a multiprocessing Manager, a server
+    process started on the first save that outlives its parent: every ``kill -9`` of a trainer (or a
+    preempted job) would leave one behind (~260 MB each, seen here). Start that Manager with
+    PR_SET_PDEATHSIG instead, so it dies with the rank that started it (Linux; elsewhere unchanged)."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if getattr(fa._get_write_results_queue, "_qarl", False):
+        return
+
+    def get_write_results_queue():
+        if fa._results_queue is None:
+            manager = SyncManager(ctx=mp.get_context("spawn"))
+            manager.start(initializer=_die_with_parent)
+            fa._results_queue = manager.Queue()
+            fa._qarl_manager = manager  # kept alive with the queue (and its pid visible to tests)
+        return fa._results_queue
+
+    get_write_results_queue._qarl = True
+    fa._get_write_results_queue = get_write_results_queue
+
+
 def save_learner(path: str | Path, module, optimizer) -> None:
     """Collective over the learner ranks: model + optimizer shards (dist-checkpointing) and RNG."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
+
+    results_queue_dies_with_trainer()
 
     path = Path(path)
     if dist.get_rank() == 0:
