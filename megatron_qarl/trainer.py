@@ -108,20 +108,40 @@ class Trainer:
         self._log_ratios: list = []  # train.save_log_ratios: per-token logp_old - logp_sampler since the last eval
 
     # ---------------------------------------------------------------------------------- plumbing
-    def _clients(self) -> list[SGLangClient]:
+    def _client(self, url: str) -> SGLangClient:
         r = self.cfg.rollout
         conf = ClientConfig(timeout_s=r.timeout_s, retries=r.retries, max_concurrency=r.max_concurrency)
-        return [SGLangClient(u, api_key=r.api_key, config=conf) for u in self.servers.urls]
+        return SGLangClient(url, api_key=r.api_key, config=conf)
+
+    def _clients(self) -> list[SGLangClient]:
+        return [self._client(u) for u in self.servers.urls]
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed_step: int,
                   live: list[int]) -> tuple[list[list[Sample]], RolloutManager]:
+        manager: RolloutManager | None = None
+        extra: list[SGLangClient] = []  # clients of servers restarted during this rollout
+
+        async def restart(i: int) -> SGLangClient | None:
+            """The last live server died: restart it and push the current weights before re-sending
+            (with others alive it is dropped for this step and restarted after it)."""
+            others = [j for j, ok in enumerate(manager.alive) if ok and j != i]
+            if others or not self.cfg.rollout.restart_dead:
+                return None
+            self.tracker.console(f"restarting rollout server {live[i]} ({self.servers.urls[live[i]]}) mid-rollout")
+            await asyncio.get_running_loop().run_in_executor(None, self._restart_and_sync, live[i])
+            client = self._client(self.servers.urls[live[i]])
+            extra.append(client)
+            return client
+
         async def run():
+            nonlocal manager
             clients = self._clients()
-            manager = RolloutManager([clients[i] for i in live], sampling, self.stop_ids, seed=self.cfg.seed)
+            manager = RolloutManager([clients[i] for i in live], sampling, self.stop_ids, seed=self.cfg.seed,
+                                     restart=restart)
             try:
                 return await manager.generate(prompts, seed_step), manager
             finally:
-                for c in clients:
+                for c in clients + extra:
                     await c.close()
 
         return asyncio.run(run())
@@ -130,6 +150,11 @@ class Trainer:
         """(Re)create the weight-update group with every live server and push the current weights."""
         self.learners.call("set_engines", list(self.servers.urls), max(1, self.cfg.rollout.gpus_per_server),
                            self.cfg.rollout.api_key)
+
+    def _restart_and_sync(self, i: int) -> None:
+        self.servers.restart(i)
+        self._connect()
+        self._sync()
 
     def _heal_servers(self) -> bool:
         """Restart (or drop) dead servers; True when the weight group must be rebuilt."""

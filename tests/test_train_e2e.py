@@ -137,6 +137,44 @@ def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipp
         servers.close()
 
 
+def test_the_only_server_killed_mid_rollout_is_restarted_with_the_weights(tmp_path):
+    """One server: it is restarted during the rollout, gets the current weights, and the step completes."""
+    from transformers import AutoTokenizer
+
+    from launch.local import LocalLearnerGroup, LocalServers
+    from megatron_qarl.train_cli import rollout_model_dir
+    from megatron_qarl.trainer import Trainer
+
+    cfg = load_config(CPU_DEFAULT, [f"train.output_dir={tmp_path / 'run'}", *SMALL, "train.steps=2",
+                                    "train.prompts_per_step=8", "train.checkpoint.every=0"])
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    servers = LocalServers(cfg, rollout_model_dir(cfg))
+    learners = LocalLearnerGroup(cfg)
+    trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, progress=False)
+    generate = trainer._generate
+    killed = []
+
+    def generate_and_kill(prompts, sampling, seed_step, live):
+        if seed_step == 2 and not killed:
+            pid = servers.pids()[0]
+            killed.append(pid)
+            threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
+        return generate(prompts, sampling, seed_step, live)
+
+    trainer._generate = generate_and_kill
+    try:
+        trainer.run()
+        s2 = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}[2]
+        assert servers.pids()[0] != killed[0]
+        assert s2["faults/server_failures"] == 1 and s2["faults/resent_requests"] > 0
+        assert s2["faults/prompts_lost"] == 0 and s2["loss/num_responses"] == 8 * 4
+        assert s2["mismatch/mismatch_tok_abs_mean"] < 1e-4  # re-sent requests ran on the current weights
+    finally:
+        trainer.close()
+        learners.close()
+        servers.close()
+
+
 def test_malformed_dataset_line_is_named_before_anything_starts(tmp_path):
     data = tmp_path / "prompts.jsonl"
     good = json.dumps({"prompt": "Q: 1+2= A:", "reward_model": {"ground_truth": "3"}})

@@ -78,6 +78,7 @@ class RolloutManager:
         self.assigned = [0] * len(self.clients)
         self.sampling, self.stop_token_ids, self.seed = sampling, list(stop_token_ids), seed
         self.restart = restart
+        self._restarting: dict[int, asyncio.Future] = {}
         self.resent = 0
         self.server_failures = 0
 
@@ -90,14 +91,26 @@ class RolloutManager:
         return i
 
     async def _fail(self, i: int) -> None:
+        if i in self._restarting:  # another request saw the same failure: wait for its restart
+            await self._restarting[i]
+            return
         if not self.alive[i]:
             return
         self.alive[i] = False
         self.server_failures += 1
-        if self.restart is not None:
+        if self.restart is None:
+            return
+
+        async def restart() -> None:
             client = await self.restart(i)
             if client is not None:
                 self.clients[i], self.alive[i] = client, True
+
+        self._restarting[i] = asyncio.ensure_future(restart())
+        try:
+            await self._restarting[i]
+        finally:
+            del self._restarting[i]
 
     async def _one(self, step: int, p: int, j: int, prompt_ids: list[int]) -> Sample:
         params = self.sampling.params(sample_seed(self.seed, step, p, j), self.stop_token_ids)
