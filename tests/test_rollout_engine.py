@@ -168,7 +168,7 @@ def test_greedy_and_logprobs_match_transformers(scheme, model_dirs, tmp_path):
         else:  # W8A8: a 1-ulp accumulation difference may flip one activation code (round to nearest):
             # most positions agree to fp32 noise, a flipped code moves a log-prob by ~1e-3 at most
             assert sorted(diff)[len(diff) // 2] < 1e-4 and max(diff) < 5e-3, diff
-    kernel = {"w4a16": "aten::_weight_int4pack_mm_for_cpu", "w8a8_int8": "aten::_weight_int8pack_mm"}.get(scheme)
+    kernel = {"w4a16": "aten::_weight_int4pack_mm_for_cpu", "w8a8_int8": "onednn::qlinear_pointwise"}.get(scheme)
     if kernel:  # the profiler saw the low-bit kernel run
         assert kernel in ops, sorted(o for o in ops if "pack" in o)
 
@@ -279,12 +279,24 @@ def free_port() -> int:
 
 
 def perturbed_w4a16(base_dir: str, out: Path) -> Path:
-    """A different policy: experts scaled by 0.7, lm_head rows rolled by one token, re-quantized."""
+    """A different policy, re-quantized: experts scaled by 0.7, lm_head rows rolled by one token, and the
+    tensors the engine derives operands from (q/k norms, router, attention) changed too."""
     out.mkdir()
     src = out / "bf16"
     src.mkdir()
-    tensors = {n: (t * 0.7 if ".experts." in n else torch.roll(t, 1, 0) if n == "lm_head.weight" else t)
-               for n, t in iter_safetensors(base_dir)}
+
+    def change(n: str, t: torch.Tensor) -> torch.Tensor:
+        if ".experts." in n:
+            return t * 0.7
+        if n == "lm_head.weight":
+            return torch.roll(t, 1, 0)
+        if n.endswith(("q_norm.weight", "k_norm.weight")):
+            return t * torch.linspace(0.8, 1.2, t.numel()).to(t.dtype)
+        if n.endswith(("mlp.gate.weight", "q_proj.weight")):
+            return t * 1.3
+        return t
+
+    tensors = {n: change(n, t) for n, t in iter_safetensors(base_dir)}
     tensors = {n: t.contiguous() for n, t in tensors.items()}
     save_file(tensors, str(src / "model.safetensors"))
     for f in Path(base_dir).iterdir():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import shutil
 import socket
@@ -185,15 +186,36 @@ def test_pause_in_place_flush_continue(server, http):
     assert http.post("/flush_cache").status_code == 200
 
 
+@contextlib.contextmanager
+def slow_steps(engine, seconds: float = 0.02):
+    """Every model forward takes ``seconds`` longer, so that a 100-token request is still running when the
+    test's next HTTP call arrives, however fast the engine and however loaded the machine."""
+    forward = engine.model.forward
+
+    def slow(*args, **kw):
+        time.sleep(seconds)
+        return forward(*args, **kw)
+
+    engine.model.forward = slow
+    try:
+        yield
+    finally:
+        engine.model.forward = forward
+
+
 def test_pause_abort_returns_partial_requests(server, http):
     base, engine = server
-    thread, result = _background(base, {"input_ids": PROMPT, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 100, "ignore_eos": True}})
-    _wait_pending(engine)
-    paused = http.post("/pause_generation", json={"mode": "abort"}).json()
-    thread.join(timeout=60)
+    with slow_steps(engine):
+        thread, result = _background(base, {"input_ids": PROMPT, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 100, "ignore_eos": True}})
+        _wait_pending(engine)
+        while not any(r.output_ids for r in list(engine._active.values())):
+            time.sleep(0.005)
+        paused = http.post("/pause_generation", json={"mode": "abort"}).json()
+        thread.join(timeout=60)
     assert paused["num_paused_requests"] == 1
-    assert result["response"]["meta_info"]["finish_reason"]["type"] == "abort"
+    meta = result["response"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 100  # partial output kept
     assert http.post("/continue_generation").status_code == 200
     assert gen(http, sampling_params={"max_new_tokens": 2}).status_code == 200
 
@@ -203,11 +225,12 @@ def test_pause_retract_resumes_identically(server, http):
     base, engine = server
     body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 100, "ignore_eos": True}}
     straight = http.post("/generate", json=body).json()["output_ids"]
-    thread, result = _background(base, body)
-    _wait_pending(engine)
-    while not any(r.output_ids for r in list(engine._active.values())):
-        time.sleep(0.005)
-    paused = http.post("/pause_generation", json={"mode": "retract"}).json()
+    with slow_steps(engine):
+        thread, result = _background(base, body)
+        _wait_pending(engine)
+        while not any(r.output_ids for r in list(engine._active.values())):
+            time.sleep(0.005)
+        paused = http.post("/pause_generation", json={"mode": "retract"}).json()
     assert paused["num_paused_requests"] == 1
     time.sleep(0.1)
     assert engine.num_pending() == 1 and thread.is_alive()
@@ -392,12 +415,9 @@ def test_cli_serves_over_http(model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import argparse, sys\n"  # cli.py lists `serve` once the lead adds it to SUBCOMMANDS
-            "from megatron_qarl.rollout import server\n"
-            "p = argparse.ArgumentParser(); server.register(p.add_subparsers(dest='command'))\n"
-            "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", model_dir, "--port", str(port),
-                             "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_qarl.cli", "serve", "--model", model_dir, "--port",
+                             str(port), "--dtype", "float32", "--num-threads", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
         while True:

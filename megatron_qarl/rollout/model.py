@@ -3,12 +3,18 @@
 Shape suffixes: B = sequences in a step, T = tokens per sequence in the step, S = cache length,
 H = hidden, Hq / Hkv = query / KV heads, D = head dim, E = experts, V = vocab, N / K = linear out / in.
 
-The math is Hugging Face's ``Qwen3MoeForCausalLM`` op for op (so that fp32 mode reproduces it):
+The math is Hugging Face's ``Qwen3MoeForCausalLM`` (so that fp32 mode reproduces it to fp32 rounding):
 RMSNorm in fp32 then cast, q_norm / k_norm per head before RoPE (rotate-half, fp32 cos/sin cast to
 the compute dtype), SDPA with GQA, router logits in the compute dtype then softmax in fp32, top-k,
-renormalised when ``norm_topk_prob``, cast back; experts visited in ascending order and summed with
-``index_add_`` as HF does. Attention, router, norms, embeddings and lm_head stay in the compute dtype;
-only linears stored low-bit in the checkpoint run low-bit kernels.
+renormalised when ``norm_topk_prob``, cast back; expert outputs weighted and summed in ascending
+expert order (``index_add_`` as HF does; at batch 1 one weighted GEMM, which accumulates in fp32).
+Attention, router, norms, embeddings and lm_head stay in the compute dtype; only linears stored
+low-bit in the checkpoint run low-bit kernels.
+
+Decode speed (benchmarks/decode.py, BENCHMARKS.md) comes from: dense bf16 GEMMs on oneDNN-prepacked
+weights, the int4 / int8 kernels of ``kernels.py``, q and k normalised and rotated as one tensor,
+grouped-query attention as one SDPA call without K/V copies, and a batch-1 MoE path without row
+bookkeeping: per decoded token the step is about 40 kernel calls per layer plus a few dozen small ops.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` in 4 ops instead of 7, with the same result: rotate_half(x) * sin
+    = cat(-x2, x1) * sin = roll(x, D/2) * cat(-sin1, sin2) (a sign flip is exact)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Layer:
@@ -47,6 +54,9 @@ class Layer:
         for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
             store[f"{p}.{name}.weight"] = raw.pop(f"{p}.{name}.weight").to(dtype)  # plain, compute dtype
         self.prefix, self.index = p, i
+        self.store, self.arch = store, arch
+        self.ln_in, self.ln_post = store[f"{p}.input_layernorm.weight"], store[f"{p}.post_attention_layernorm.weight"]
+        self.refresh()
         self.router = DenseLinear([f"{p}.mlp.gate"], raw, store, dtype)  # always in the compute dtype
         a = f"{p}.self_attn"
         self.qkv = make_linear([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], raw, store, dtype, fp8_block)
@@ -57,6 +67,13 @@ class Layer:
         for j in range(arch.num_experts):
             self.gate_up.append(make_linear([f"{e}.{j}.gate_proj", f"{e}.{j}.up_proj"], raw, store, dtype, fp8_block))
             self.down.append(make_linear([f"{e}.{j}.down_proj"], raw, store, dtype, fp8_block))
+
+    def refresh(self) -> None:
+        """q_norm and k_norm as one [Hq + Hkv, D] weight: q and k leave the fused qkv GEMM side by side, so
+        they are normalised and rotated together (a weight update copies into the store: refresh after)."""
+        a, p = self.arch, f"{self.prefix}.self_attn"
+        self.qk_norm = torch.cat([self.store[f"{p}.q_norm.weight"].expand(a.num_attention_heads, -1),
+                                  self.store[f"{p}.k_norm.weight"].expand(a.num_key_value_heads, -1)])
 
     def linears(self) -> list[Linear]:
         return [self.router, self.qkv, self.o, *self.gate_up, *self.down]
@@ -94,6 +111,7 @@ class Qwen3MoeEngineModel:
         freqs_SD2 = torch.arange(max_seq_len).float()[:, None] * inv_freq[None, :]
         emb_SD = torch.cat((freqs_SD2, freqs_SD2), dim=-1)
         self.cos_SD, self.sin_SD = emb_SD.cos().to(dtype), emb_SD.sin().to(dtype)
+        self.sin_signed_SD = torch.cat([-self.sin_SD[:, : d // 2], self.sin_SD[:, d // 2 :]], dim=-1)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype, slots: int, max_seq_len: int | None):
@@ -127,23 +145,21 @@ class Qwen3MoeEngineModel:
                     dirty[id(self.owner[name])] = self.owner[name]
         for lin in dirty.values():
             lin.refresh()
+        for layer in self.layers:
+            layer.refresh()
 
     # ------------------------------------------------------------------------------------- forward
-    def _attention(self, layer: Layer, x_BTH: Tensor, slots_B: Tensor, pos_BT: Tensor, kv_len: int) -> Tensor:
-        a, s = self.arch, self.store
+    def _attention(self, layer: Layer, x_BTH: Tensor, slots_B: Tensor, pos_BT: Tensor, kv_len: int,
+                   rope: tuple[Tensor, Tensor]) -> Tensor:
+        a = self.arch
         b, t, _ = x_BTH.shape
-        q, k, v = layer.qkv.split(layer.qkv(x_BTH.reshape(b * t, -1)))
-        p = layer.prefix
-        q_BHTD = rms_norm(q.view(b, t, a.num_attention_heads, a.head_dim), s[f"{p}.self_attn.q_norm.weight"],
-                          a.rms_norm_eps).transpose(1, 2)
-        k_BHTD = rms_norm(k.view(b, t, a.num_key_value_heads, a.head_dim), s[f"{p}.self_attn.k_norm.weight"],
-                          a.rms_norm_eps).transpose(1, 2)
-        v_BHTD = v.view(b, t, a.num_key_value_heads, a.head_dim).transpose(1, 2)
-        cos, sin = self.cos_SD[pos_BT][:, None], self.sin_SD[pos_BT][:, None]  # [B, 1, T, D]
-        q_BHTD = q_BHTD * cos + rotate_half(q_BHTD) * sin
-        k_BHTD = k_BHTD * cos + rotate_half(k_BHTD) * sin
+        hq, hkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        qkv = layer.qkv(x_BTH.reshape(b * t, -1))
+        qk = rms_norm(qkv[:, : (hq + hkv) * d].view(b, t, hq + hkv, d), layer.qk_norm, a.rms_norm_eps)
+        qk_BHTD = apply_rope(qk.transpose(1, 2), *rope)
+        q_BHTD, k_BHTD = qk_BHTD[:, :hq], qk_BHTD[:, hq:]
+        v_BHTD = qkv[:, (hq + hkv) * d :].view(b, t, hkv, d).transpose(1, 2)
         kc, vc = self.k_cache[layer.index], self.v_cache[layer.index]  # [slots, Hkv, S, D]
-        scale = a.head_dim**-0.5
         if b == 1 and (t == 1 or t == kv_len):
             # one sequence (batch-1 decode, or a prefill from position 0): the cache rows are a view
             # and need no mask (decode: every cached position is visible; prefill: plain causal)
@@ -151,17 +167,35 @@ class Qwen3MoeEngineModel:
             kc[slot, :, start:kv_len] = k_BHTD[0]
             vc[slot, :, start:kv_len] = v_BHTD[0]
             keys, values = kc[slot : slot + 1, :, :kv_len], vc[slot : slot + 1, :, :kv_len]
-            o_BHTD = F.scaled_dot_product_attention(q_BHTD, keys, values, is_causal=t > 1, scale=scale,
-                                                    enable_gqa=True)
+            mask = None
         else:
             bidx = slots_B[:, None].expand(b, t)
             kc[bidx, :, pos_BT] = k_BHTD.transpose(1, 2)  # advanced indices first: [B, T, Hkv, D]
             vc[bidx, :, pos_BT] = v_BHTD.transpose(1, 2)
             keys, values = kc[slots_B, :, :kv_len], vc[slots_B, :, :kv_len]  # [B, Hkv, L, D]
-            mask_BTL = torch.arange(kv_len)[None, None, :] <= pos_BT[:, :, None]
-            o_BHTD = F.scaled_dot_product_attention(q_BHTD, keys, values, attn_mask=mask_BTL[:, None], scale=scale,
-                                                    enable_gqa=True)
+            mask = (torch.arange(kv_len)[None, None, :] <= pos_BT[:, :, None])[:, None]  # [B, 1, T, L]
+        o_BHTD = self._sdpa(q_BHTD, keys, values, mask)
         return layer.o(o_BHTD.transpose(1, 2).reshape(b * t, -1)).view(b, t, -1)
+
+    def _sdpa(self, q_BHTD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, mask_B1TL: Tensor | None) -> Tensor:
+        """Attention with grouped KV heads (query head h reads KV head h // rep, as HF's ``repeat_kv``).
+
+        Decode (T = 1): the ``rep`` query heads of a KV head become ``rep`` query rows against that head's
+        keys, so one SDPA call needs neither a copy of K/V per query head nor ``enable_gqa`` (whose CPU
+        path costs ~10x more at decode: 256 us vs 25 us at 50 cached tokens, bf16). Prefill: HF's
+        ``repeat_kv`` then SDPA (causal without a mask for a single sequence from position 0).
+        """
+        b, h, t, d = q_BHTD.shape
+        g = k_BGLD.shape[1]
+        rep, scale = h // g, d**-0.5
+        if t == 1:
+            o = F.scaled_dot_product_attention(q_BHTD.reshape(b, g, rep, d), k_BGLD, v_BGLD,
+                                               attn_mask=mask_B1TL, scale=scale)
+            return o.reshape(b, h, 1, d)
+        k = k_BGLD[:, :, None].expand(b, g, rep, *k_BGLD.shape[2:]).reshape(b, h, *k_BGLD.shape[2:])
+        v = v_BGLD[:, :, None].expand(b, g, rep, *v_BGLD.shape[2:]).reshape(b, h, *v_BGLD.shape[2:])
+        return F.scaled_dot_product_attention(q_BHTD, k, v, attn_mask=mask_B1TL, is_causal=mask_B1TL is None,
+                                              scale=scale)
 
     def _moe(self, layer: Layer, x_TH: Tensor) -> Tensor:
         a = self.arch
@@ -182,6 +216,12 @@ class Qwen3MoeEngineModel:
         single = x_TH.shape[0] == 1
         # W8A8 quantizes activations per token (row-wise): once for all experts' gate_up, once for all downs
         x_in = layer.gate_up[experts[0]].prepare(x_TH)
+        if single:  # decode at batch 1: no row bookkeeping; the top-k outputs are summed by one weighted GEMM
+            y = torch.cat([layer.gate_up[e].mm(x_in) for e in experts])  # [k, 2I]: gate | up per expert
+            n = layer.gate_up[experts[0]].splits[0]
+            h_in = layer.down[experts[0]].prepare(F.silu(y[:, :n]) * y[:, n:])
+            ys = torch.cat([layer.down[e].mm(h_in[i : i + 1]) for i, e in enumerate(experts)])  # [k, H]
+            return torch.mm(top_TK[:, [groups[e][1][0] for e in experts]], ys)
         h_parts = []
         for e in experts:
             gate, up = layer.gate_up[e].split(layer.gate_up[e].mm(x_in if single else x_in[groups[e][0]]))
@@ -211,12 +251,10 @@ class Qwen3MoeEngineModel:
         b, t = tokens_BT.shape
         kv_len = int(pos_BT.max()) + 1
         x = F.embedding(tokens_BT, s["model.embed_tokens.weight"])
+        rope = self.cos_SD[pos_BT][:, None], self.sin_signed_SD[pos_BT][:, None]  # [B, 1, T, D], for every layer
         for layer in self.layers:
-            p = layer.prefix
-            h = self._attention(layer, rms_norm(x, s[f"{p}.input_layernorm.weight"], a.rms_norm_eps),
-                                slots_B, pos_BT, kv_len)
-            x = x + h
-            n = rms_norm(x, s[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
+            x = x + self._attention(layer, rms_norm(x, layer.ln_in, a.rms_norm_eps), slots_B, pos_BT, kv_len, rope)
+            n = rms_norm(x, layer.ln_post, a.rms_norm_eps)
             x = x + self._moe(layer, n.reshape(b * t, -1)).view(b, t, -1)
         x = rms_norm(x if all_logits else x[:, -1:], s["model.norm.weight"], a.rms_norm_eps)
         logits = self.lm_head(x.reshape(-1, a.hidden_size)).float()

@@ -333,6 +333,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads of the engine (default: torch's, one per core); on a machine shared with "
+                        "a learner, fewer threads avoid OpenMP stalls when a core is taken (BENCHMARKS.md)")
     p.set_defaults(func=_serve)
 
 
@@ -348,7 +351,7 @@ def _serve(args) -> int:
         raise ConfigError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     try:
         engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                                     max_seq_len=args.max_seq_len))
+                                     max_seq_len=args.max_seq_len, num_threads=args.num_threads))
     except (KeyError, ValueError, json.JSONDecodeError) as err:
         raise UserError(f"--model {args.model}: {err}") from None
     app = build_app(engine, server_cfg)
