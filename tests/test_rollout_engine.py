@@ -350,3 +350,19 @@ def test_update_weights_from_distributed(model_dirs, tmp_path):
             trainer.kill()
         engine.shutdown()
         fresh.shutdown()
+
+
+def test_int4_repack_equals_torchs_conversion():
+    """The weight-update repack (compressed-tensors words -> torch's CPU int4 layout in uint8 tensor ops) gives
+    exactly the operand ``_convert_weight_to_int4pack_for_cpu`` makes."""
+    from megatron_qarl.qat.pack import pack_int4, unpack_int4
+    from megatron_qarl.rollout.kernels import INT4_INNER_K_TILES, _cpu_int4pack, _fast_int4pack_ok, _nibbles
+
+    assert _fast_int4pack_ok()
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((64, 32), (128, 256), (1536, 2048), (2048, 768)):
+        codes = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g)
+        u = _nibbles(pack_int4(codes), k)
+        assert u.dtype == torch.uint8 and torch.equal(u.to(torch.int8) - 8, unpack_int4(pack_int4(codes), k))
+        want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), INT4_INNER_K_TILES)
+        assert torch.equal(_cpu_int4pack(u), want), (n, k)

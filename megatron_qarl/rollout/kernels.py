@@ -28,6 +28,7 @@ store followed by ``refresh()`` of the layers whose derived operands are not vie
 
 from __future__ import annotations
 
+import sys
 from collections.abc import MutableMapping
 
 import torch
@@ -247,6 +248,36 @@ class Fp8Linear(Linear):
         return self.gemm(x_TK)
 
 
+def _nibbles(packed_RW: Tensor, k: int) -> Tensor:
+    """compressed-tensors int32 words -> their 4-bit fields as uint8 [R, k] (the stored field is u = q + 8:
+    ``unpack_int4`` without the int64 detour). In a little-endian word, byte j holds fields 2j (low
+    nibble) and 2j + 1 (high nibble)."""
+    b = packed_RW.contiguous().view(torch.uint8)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).view(b.shape[0], -1)[:, :k]
+
+
+def _cpu_int4pack(u_NK: Tensor) -> Tensor:
+    """``_convert_weight_to_int4pack_for_cpu`` of u [N, K] (uint8 in [0, 16)) in a few uint8 tensor ops, ~10x
+    faster (a weight sync repacks every expert): torch's CPU layout takes rows in blocks of 64; in a block,
+    byte (k, j) holds row j in its low nibble and row 32 + j in its high nibble, for column k."""
+    n, k = u_NK.shape
+    blk = u_NK.view(n // 64, 2, 32, k)
+    return (blk[:, 0] | (blk[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
+
+
+def _fast_int4pack_ok() -> bool:
+    """Whether ``_cpu_int4pack`` reproduces this torch build's own conversion (checked once, on random codes)."""
+    global _FAST_INT4PACK
+    if _FAST_INT4PACK is None:
+        u = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, INT4_INNER_K_TILES)
+        _FAST_INT4PACK = sys.byteorder == "little" and torch.equal(_cpu_int4pack(u.to(torch.uint8)), ref)
+    return _FAST_INT4PACK
+
+
+_FAST_INT4PACK: bool | None = None
+
+
 class Int4Linear(Linear):
     def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype):
         self.prefixes, self.store, self.dtype = prefixes, store, dtype
@@ -268,8 +299,7 @@ class Int4Linear(Linear):
             if group not in (None, g):
                 raise ValueError(f"{p}: group size {g} differs from the fused linears' {group}")
             group = g
-            codes_NK = unpack_int4(self.store[f"{p}.weight_packed"], k)  # int8 in [-8, 7]
-            u_parts.append(codes_NK.to(torch.int32) + 8)
+            u_parts.append(_nibbles(self.store[f"{p}.weight_packed"], k))  # u = q + 8, uint8 in [0, 16)
             zp = self.store.get(f"{p}.weight_zero_point")
             if zp is None:
                 zero_NG = torch.zeros_like(scale_NG, dtype=self.dtype)
@@ -277,9 +307,12 @@ class Int4Linear(Linear):
                 zero_NG = -(unpack_int4(zp, n, packed_dim=0).float() * scale_NG.float()).to(self.dtype)
             sz_parts.append(torch.stack([scale_NG.to(self.dtype), zero_NG], dim=-1))  # [n, K/G, 2]
             self.splits.append(n)
-        u_NK = torch.cat(u_parts)
+        u_NK = torch.cat(u_parts) if len(u_parts) > 1 else u_parts[0]
         self.k, self.group = u_NK.shape[1], group
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u_NK, INT4_INNER_K_TILES)  # uint8 [N, K/2]
+        if u_NK.shape[0] % 64 == 0 and self.k % 2 == 0 and _fast_int4pack_ok():
+            self.packed = _cpu_int4pack(u_NK)  # uint8 [N, K/2], torch's CPU int4 layout
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u_NK.to(torch.int32), INT4_INNER_K_TILES)
         self.scale_zeros = torch.cat(sz_parts).transpose(0, 1).contiguous()  # [K/G, N, 2]
 
     def mm(self, x_TK: Tensor) -> Tensor:
