@@ -3,15 +3,28 @@
 Model: a Qwen3-30B-A3B-shaped slice with random weights made on the fly: hidden 2048, 32 query heads / 4 KV
 heads of dim 128, 128 experts with FFN 768, top-8, 2 layers, vocab 4096 (kept small on purpose so that
 lm_head, which stays BF16 in every scheme, does not dominate the bytes of a 2-layer slice).
-Per scheme, the bytes of weights read per decoded token at batch 1 (attention + router + the top-8
-experts + lm_head + one embedding row + norms + the KV cache at the mean context) give the speedup over
-BF16 that memory bandwidth allows; we report the achieved speedup and the achieved GB/s against a
-bandwidth measured here (a 1 GiB read with the same thread count). Decode time excludes the prefill:
-the clock starts when every sequence has its first token.
 
-    .venv/bin/python benchmarks/decode.py [--steps 16] [--threads 2]
+Per scheme, the bytes of weights read per decoded token at batch 1 (attention + router + the top-8 experts
++ lm_head + one embedding row + norms + the KV cache at the mean context) give the speedup over BF16 that
+memory bandwidth allows; we report the achieved speedup and the achieved GB/s against a read bandwidth
+measured in the same run with the same thread count (a 1 GiB fp32 sum, best of several, re-measured after
+every repeat). Decode time excludes the prefill: the clock starts when every sequence has its first token.
 
-Prints a markdown table and writes it to benchmarks/results/decode.md.
+Shared machines: every point is measured ``--repeats`` times, interleaved (repeat > scheme > batch) so that
+a load change hits every scheme alike, and the best run is kept. Each run also records the CPU stall
+Linux reports in /proc/pressure/cpu ("some" total: time in which a runnable task of the machine waited
+for a CPU) as a fraction of its wall time: ~0% means the machine was ours alone during that run.
+OpenMP's static scheduling makes 2-thread runs collapse (10-100x) when another process takes a core, so
+a high stall figure next to a slow 2-thread point explains it.
+
+Three tables: (1) the GEMM kernels in isolation at one activation row (the decode case) streaming a weight
+set larger than the caches: what each kernel can do on this machine; (2) where the time of a batch-1
+decode step goes (torch profiler: kernel calls vs everything else); (3) decode tokens/s of the engine per
+scheme at batch 1, 4, 16 and of transformers' generate.
+
+    .venv/bin/python benchmarks/decode.py [--threads 1] [--steps 32] [--repeats 3] [--out FILE]
+
+Prints the markdown and writes it to benchmarks/results/decode_t{threads}.md (or --out).
 """
 
 from __future__ import annotations
@@ -20,16 +33,20 @@ import argparse
 import gc
 import os
 import platform
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import export_state_dict
 from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams
+from megatron_qarl.rollout.kernels import INT4_INNER_K_TILES
 from megatron_qarl.rollout.model import Qwen3MoeEngineModel
 
 CONFIG = {
@@ -39,11 +56,52 @@ CONFIG = {
     "rope_theta": 1_000_000.0, "max_position_embeddings": 256, "norm_topk_prob": True,
     "tie_word_embeddings": False, "attention_bias": False,
 }
+SCHEMES = ("bf16", "w4a16", "w8a8_int8")
 BATCHES = (1, 4, 16)
 PROMPT_LEN = 16
-OUT = Path(__file__).resolve().parent / "results" / "decode.md"
+RESULTS = Path(__file__).resolve().parent / "results"
+KERNEL_PASSES = 7
 
 
+# ------------------------------------------------------------------------------------------ the machine
+def cpu_stall_us() -> int | None:
+    """Cumulative microseconds in which some runnable task waited for a CPU (Linux PSI), or None."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return int(f.readline().split("total=")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float | None]:
+    """(wall seconds, CPU stall fraction during them) of one call."""
+    s0, t0 = cpu_stall_us(), time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    s1 = cpu_stall_us()
+    return dt, (None if s0 is None or s1 is None else (s1 - s0) / 1e6 / dt)
+
+
+def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """GB/s of reading a large fp32 tensor (a vectorised sum), best of ``reps``: what a decode step can hope
+    for. (A bf16 sum is compute-bound on CPU, hence fp32.)"""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()
+    best = min(timed(x.sum)[0] for _ in range(reps))
+    return x.numel() * 4 / best / 1e9
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ------------------------------------------------------------------------------------------- the model
 def random_state_dict(arch: Qwen3MoeArch, seed: int = 0) -> dict[str, torch.Tensor]:
     """HF-named bf16 weights, N(0, 0.02) (norms 1): the values do not matter for throughput."""
     g = torch.Generator().manual_seed(seed)
@@ -85,20 +143,92 @@ def bytes_per_token(arch: Qwen3MoeArch, scheme: str, context: int) -> float:
     return arch.num_hidden_layers * layer + arch.vocab_size * h * 2 + h * 2 + h * 2
 
 
-def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
-    """GB/s of reading a large fp32 tensor (a vectorised sum), best of ``reps``: what a decode step can hope
-    for. (A bf16 sum is compute-bound on CPU, hence fp32.)"""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(reps):
+# ------------------------------------------------------------------------------- (1) kernels in isolation
+def kernel_table(bw: float) -> list[str]:
+    """GB/s of weight bytes each GEMM kernel streams at one activation row, over weights > the caches."""
+    shapes = {"expert gate_up 1536x2048": (1536, 2048), "expert down 2048x768": (2048, 768),
+              "attention qkv 5120x2048": (5120, 2048)}
+    rows = []
+    for label, (n, k) in shapes.items():
+        rows += _kernel_rows(label, n, k, bw)
+        gc.collect()
+    return rows
+
+
+def _kernel_rows(label: str, n: int, k: int, bw: float) -> list[str]:
+    copies = max(8, int(320e6 // (n * k * 2)))  # > 300 MB of bf16 weights: no cache reuse across calls
+    w = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, dtype=torch.bfloat16)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(t, None) for t in w]
+    int4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32),
+                                                                INT4_INNER_K_TILES) for _ in range(copies)]
+    sz = torch.stack([torch.rand(k // 128, n) * 0.01, torch.zeros(k // 128, n)], -1).to(torch.bfloat16)
+    codes8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(copies)]
+    s8 = torch.rand(n, dtype=torch.bfloat16) * 0.01
+    q8 = [torch.ops.onednn.qlinear_prepack(c, None) for c in codes8]
+    u8 = torch.randint(0, 256, (1, k), dtype=torch.uint8)
+    s8f, z8 = s8.float(), torch.zeros(n, dtype=torch.int64)
+    kernels: dict[str, tuple[Callable[[int], object], float]] = {
+        "bf16 F.linear (what transformers runs)": (lambda j: F.linear(x, w[j]), n * k * 2),
+        "bf16 oneDNN prepacked (engine bf16)": (
+            lambda j: torch.ops.mkldnn._linear_pointwise(x, packed[j], None, "none", [], ""), n * k * 2),
+        "int4 _weight_int4pack_mm_for_cpu (engine w4a16)": (
+            lambda j: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4[j], 128, sz), n * k * 0.5 + sz.numel() * 2),
+        "int8 weight-only _weight_int8pack_mm": (lambda j: torch.ops.aten._weight_int8pack_mm(x, codes8[j], s8), n * k),
+        "int8 oneDNN u8s8 qlinear (engine w8a8_int8)": (
+            lambda j: torch.ops.onednn.qlinear_pointwise(u8, 0.01, 128, q8[j], s8f, z8, None, 1.0, 0, torch.bfloat16,
+                                                         "none", [], ""), n * k),
+    }
+    best = {name: (float("inf"), 0.0) for name in kernels}
+    for _ in range(KERNEL_PASSES):  # interleaved passes, best of them: a load change hits every kernel alike
+        for name, (call, _) in kernels.items():
+            call(0)
+            dt, st = timed(lambda call=call: [call(j) for j in range(copies)])
+            if dt / copies < best[name][0]:
+                best[name] = (dt / copies, st or 0.0)
+    rows = []
+    for name, (_, nbytes) in kernels.items():
+        per_call, stall = best[name]
+        gbs = nbytes / per_call / 1e9
+        rows.append(f"| {label} | {name} | {per_call * 1e6:.0f} | {gbs:.1f} | {100 * gbs / bw:.0f}% | "
+                    f"{100 * stall:.0f}% |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- (2) where a step goes
+GEMM_OPS = ("mkldnn::_linear_pointwise", "onednn::qlinear_pointwise", "aten::_weight_int4pack_mm_for_cpu",
+            "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm")
+
+
+def step_profile(name: str, model: Qwen3MoeEngineModel, arch: Qwen3MoeArch, context: int) -> str:
+    """Batch-1 decode steps under the torch profiler: kernel-call time vs the rest."""
+    g = torch.Generator().manual_seed(0)
+    model.forward(torch.randint(4, arch.vocab_size, (1, PROMPT_LEN), generator=g), torch.tensor([0]),
+                  torch.arange(PROMPT_LEN)[None])
+    tok = torch.tensor([[5]])
+    steps = range(PROMPT_LEN, PROMPT_LEN + 8)
+    for p in steps:  # warm
+        model.forward(tok, torch.tensor([0]), torch.tensor([[p]]))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
+        for p in steps:
+            model.forward(tok, torch.tensor([0]), torch.tensor([[p]]))
+        wall = (time.perf_counter() - t0) / len(steps)
+    ka = prof.key_averages()
+    n = len(steps)
+    gemm = sum(e.self_cpu_time_total for e in ka if e.key in GEMM_OPS) / n / 1e3
+    calls = sum(e.count for e in ka if e.key in GEMM_OPS) / n
+    ops = sum(e.self_cpu_time_total for e in ka) / n / 1e3
+    count = sum(e.count for e in ka) / n
+    gbs = bytes_per_token(arch, name, context) / (gemm / 1e3) / 1e9
+    return (f"| {name} | {wall * 1e3:.2f} | {gemm:.2f} ({100 * gemm / (wall * 1e3):.0f}%) | {calls:.0f} | {gbs:.1f} | "
+            f"{ops - gemm:.2f} | {count - calls:.0f} | {wall * 1e3 - ops:.2f} |")
 
 
-def engine_decode(model: Qwen3MoeEngineModel, batch: int, steps: int) -> float:
-    """Decode tokens/s of the engine (scheduler, batched steps, greedy sampling) at ``batch`` sequences."""
+# ------------------------------------------------------------------------------------- (3) decode
+def engine_decode(model: Qwen3MoeEngineModel, batch: int, steps: int) -> tuple[float, float | None]:
+    """(decode tokens/s, stall) of the engine (scheduler, batched steps, greedy sampling) at ``batch``."""
     engine = Engine(EngineConfig(model_path="<random weights>", dtype="bfloat16", max_batch_size=16), model=model)
     try:
         g = torch.Generator().manual_seed(batch)
@@ -110,10 +240,9 @@ def engine_decode(model: Qwen3MoeEngineModel, batch: int, steps: int) -> float:
             engine.submit(r)
         while any(not r.output_ids for r in reqs):  # prefills
             time.sleep(0.0005)
-        t0, n0 = time.perf_counter(), sum(len(r.output_ids) for r in reqs)
-        for _ in reqs:
-            done.acquire()
-        return (sum(len(r.output_ids) for r in reqs) - n0) / (time.perf_counter() - t0)
+        n0 = sum(len(r.output_ids) for r in reqs)
+        dt, stall = timed(lambda: [done.acquire() for _ in reqs])
+        return (sum(len(r.output_ids) for r in reqs) - n0) / dt, stall
     finally:
         engine.shutdown()
 
@@ -150,15 +279,17 @@ class _StepClock:
 
     def __init__(self):
         self.times: list[float] = []
+        self.stalls: list[int | None] = []
 
     def put(self, value) -> None:
         self.times.append(time.perf_counter())
+        self.stalls.append(cpu_stall_us())
 
     def end(self) -> None:
         pass
 
 
-def hf_decode(model, batch: int, steps: int) -> float:
+def hf_decode(model, batch: int, steps: int) -> tuple[float, float | None]:
     """transformers' generate (bf16, greedy) decode tokens/s, timed from its first new token to its last."""
     ids = torch.randint(4, CONFIG["vocab_size"], (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(batch))
     clock = _StepClock()
@@ -166,25 +297,45 @@ def hf_decode(model, batch: int, steps: int) -> float:
         model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
                        attention_mask=torch.ones_like(ids), pad_token_id=0, streamer=clock)
     # put() is called with the prompt, then once per new token: times[1] = first new token
-    return batch * steps / (clock.times[-1] - clock.times[1])
+    dt = clock.times[-1] - clock.times[1]
+    s0, s1 = clock.stalls[1], clock.stalls[-1]
+    return batch * steps / dt, (None if s0 is None or s1 is None else (s1 - s0) / 1e6 / dt)
+
+
+def return_freed_memory() -> None:
+    """A fixed mmap threshold for glibc malloc: a freed tensor goes back to the OS. (By default the threshold
+    grows to 32 MiB after the first large frees, later tensors of a few MiB land on the heap, and the heap
+    keeps their pages after they are freed: building these models then peaks at over 20 GB.)"""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def main() -> None:
+    return_freed_memory()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2, help="best of this many runs per point (shared machines)")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="best of this many interleaved runs per point")
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/decode_t{threads}.md")
+    ap.add_argument("--skip-kernels", action="store_true", help="leave out table (1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    out = args.out or RESULTS / f"decode_t{args.threads}.md"
     arch = Qwen3MoeArch.from_hf_config(CONFIG)
+    context = PROMPT_LEN + args.steps // 2
     start = time.perf_counter()
-    bw = measure_bandwidth()
-    print(f"measured read bandwidth: {bw:.1f} GB/s ({args.threads} threads)", flush=True)
+    bws = [measure_bandwidth()]
+    print(f"measured read bandwidth: {bws[0]:.1f} GB/s ({args.threads} threads)", flush=True)
+    kernel_rows = [] if args.skip_kernels else kernel_table(bws[0])
     sd = random_state_dict(arch)
     # Every model is built first and the measurements interleave (repeat > scheme > batch), best of the
     # repeats: on a shared machine the load drifts, and comparing schemes measured minutes apart misleads.
     runners = {"transformers": (hf_model(sd), hf_decode)}
-    for scheme in ("bf16", "w4a16", "w8a8_int8"):
+    for scheme in SCHEMES:
         tensors, qcfg = (sd, None) if scheme == "bf16" else export_state_dict(sd, QuantConfig(scheme=scheme))
         model = Qwen3MoeEngineModel(arch, tensors, qcfg, torch.bfloat16, slots=16,
                                     max_seq_len=CONFIG["max_position_embeddings"])
@@ -195,50 +346,75 @@ def main() -> None:
     print(f"models built in {time.perf_counter() - start:.0f} s", flush=True)
     for model, run in runners.values():
         run(model, 1, 2)  # warm-up
-    results: dict[str, dict[int, float]] = {name: dict.fromkeys(BATCHES, 0.0) for name in runners}
+    results: dict[str, dict[int, tuple[float, float]]] = {name: dict.fromkeys(BATCHES, (0.0, 0.0)) for name in runners}
+    stalls: list[float] = []
     for rep in range(args.repeats):
         for name, (model, run) in runners.items():
             for b in BATCHES:
-                results[name][b] = max(results[name][b], run(model, b, args.steps))
-        bw = max(bw, measure_bandwidth(reps=2))
-        print(f"repeat {rep + 1}: {results} ({time.perf_counter() - start:.0f} s)", flush=True)
-    table = render(arch, results, bw, args)
-    print(table)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(table)
-    print(f"wrote {OUT} in {time.perf_counter() - start:.0f} s")
+                tps, stall = run(model, b, args.steps)
+                stalls.append(stall or 0.0)
+                if tps > results[name][b][0]:
+                    results[name][b] = (tps, stall or 0.0)
+        bws.append(measure_bandwidth(reps=3))
+        print(f"repeat {rep + 1}: " + "; ".join(f"{n} " + ", ".join(f"{v[0]:.1f}" for v in r.values())
+                                                  for n, r in results.items())
+              + f" ({time.perf_counter() - start:.0f} s)", flush=True)
+    profile_rows = [step_profile(s, runners[s][0], arch, context) for s in SCHEMES]
+    text = render(arch, results, bws, stalls, kernel_rows, profile_rows, args, time.perf_counter() - start)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
 
 
-def render(arch: Qwen3MoeArch, results: dict[str, dict[int, float]], bw: float, args) -> str:
+def render(arch, results, bws, stalls, kernel_rows, profile_rows, args, seconds) -> str:
     context = PROMPT_LEN + args.steps // 2
+    bw = max(bws)
     base = bytes_per_token(arch, "bf16", context)
+    cmd = " ".join(["benchmarks/decode.py", *sys.argv[1:]])
     lines = [
-        "# Decode throughput of the embedded engine (benchmarks/decode.py)", "",
-        f"Qwen3-30B-A3B-shaped slice: hidden 2048, 32/4 heads x 128, 128 experts x FFN 768, top-8, 2 layers, "
-        f"vocab 4096 (small so lm_head does not dominate), random weights; prompt {PROMPT_LEN}, {args.steps} decode "
-        f"steps, greedy, best of {args.repeats} runs; {args.threads} threads on "
-        f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, shared); compute dtype "
-        f"bf16. Measured read bandwidth: **{bw:.1f} GB/s**. Bytes/token: weights read per decoded token at batch 1.",
-        "",
-        "| scheme | MB/token | allowed speedup | tok/s b=1 | tok/s b=4 | tok/s b=16 | speedup b=1 | % of allowed "
-        "| GB/s b=1 | % of bandwidth |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"# Decode throughput of the embedded engine, {args.threads} thread(s)", "",
+        f"Command: `.venv/bin/python {cmd}` ({seconds / 60:.0f} min, torch {torch.__version__}, "
+        f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`).",
+        f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs (shared with another developer's test runs), "
+        f"{args.threads} torch thread(s). Read bandwidth (1 GiB fp32 sum, {args.threads} thread(s)), measured "
+        f"{len(bws)} times in this run: {min(bws):.1f}-{max(bws):.1f} GB/s; percentages below use the best, "
+        f"**{bw:.1f} GB/s**. CPU stall (PSI, share of wall time some task waited for a CPU) over all decode "
+        f"runs: median {100 * sorted(stalls)[len(stalls) // 2]:.0f}%, max {100 * max(stalls):.0f}%.", "",
+        "Model: Qwen3-30B-A3B-shaped slice, hidden 2048, 32/4 heads x 128, 128 experts x FFN 768, top-8, "
+        f"2 layers, vocab 4096, random weights; prompt {PROMPT_LEN}, {args.steps} greedy decode steps, best of "
+        f"{args.repeats} interleaved runs per point; compute dtype bf16.", "",
     ]
-    for scheme in ("bf16", "w4a16", "w8a8_int8"):
+    if kernel_rows:
+        lines += ["## (1) GEMM kernels in isolation, one activation row", "",
+                  "Each kernel called over a rotating set of > 300 MB of weights (no cache reuse); best of "
+                  f"{KERNEL_PASSES} interleaved passes; stall: during the pass kept.", "",
+                  "| weight | kernel | us/call | GB/s of weight bytes | % of bandwidth | stall |",
+                  "|---|---|---|---|---|---|", *kernel_rows, ""]
+    lines += ["## (2) Where a batch-1 decode step goes (torch profiler, 8 steps)", "",
+              "| scheme | ms/step | in GEMM kernels | kernel calls | GB/s while in kernels | other ops ms | "
+              "other ops | Python + dispatch ms |", "|---|---|---|---|---|---|---|---|", *profile_rows, "",
+              "## (3) Decode tokens/s", "",
+              "MB/token: weights (and KV cache) read per decoded token at batch 1; allowed speedup: the BF16 bytes "
+              "over the scheme's; GB/s b=1: MB/token x tok/s; stall: of the run kept for b=1.", "",
+              "| scheme | MB/token | allowed speedup | tok/s b=1 | tok/s b=4 | tok/s b=16 | speedup b=1 | "
+              "% of allowed | GB/s b=1 | % of bandwidth | stall b=1 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for scheme in SCHEMES:
         r = results[scheme]
         nbytes = bytes_per_token(arch, scheme, context)
-        allowed, achieved = base / nbytes, r[1] / results["bf16"][1]
-        gbs = nbytes * r[1] / 1e9
-        lines.append(f"| engine {scheme} | {nbytes / 1e6:.1f} | {allowed:.2f}x | {r[1]:.1f} | {r[4]:.1f} | "
-                     f"{r[16]:.1f} | {achieved:.2f}x | {100 * achieved / allowed:.0f}% | {gbs:.1f} | "
-                     f"{100 * gbs / bw:.0f}% |")
+        allowed, achieved = base / nbytes, r[1][0] / results["bf16"][1][0]
+        gbs = nbytes * r[1][0] / 1e9
+        lines.append(f"| engine {scheme} | {nbytes / 1e6:.1f} | {allowed:.2f}x | {r[1][0]:.1f} | {r[4][0]:.1f} | "
+                     f"{r[16][0]:.1f} | {achieved:.2f}x | {100 * achieved / allowed:.0f}% | {gbs:.1f} | "
+                     f"{100 * gbs / bw:.0f}% | {100 * r[1][1]:.0f}% |")
     r = results["transformers"]
-    gbs = base * r[1] / 1e9
-    lines.append(f"| transformers generate bf16 | {base / 1e6:.1f} | - | {r[1]:.1f} | {r[4]:.1f} | {r[16]:.1f} | "
-                 f"- | - | {gbs:.1f} | {100 * gbs / bw:.0f}% |")
+    gbs = base * r[1][0] / 1e9
+    lines.append(f"| transformers generate bf16 | {base / 1e6:.1f} | - | {r[1][0]:.1f} | {r[4][0]:.1f} | "
+                 f"{r[16][0]:.1f} | - | - | {gbs:.1f} | {100 * gbs / bw:.0f}% | {100 * r[1][1]:.0f}% |")
     e, t = results["bf16"], results["transformers"]
-    lines += ["", "Engine bf16 / transformers generate: " + ", ".join(f"b={b}: {e[b] / t[b]:.2f}x" for b in BATCHES),
-              ""]
+    ratios = ", ".join(f"b={b}: {e[b][0] / t[b][0]:.2f}x" for b in BATCHES)
+    lines += ["", f"Engine bf16 / transformers generate: {ratios}", ""]
     return "\n".join(lines)
 
 
