@@ -366,3 +366,13 @@ def test_int4_repack_equals_torchs_conversion():
         assert u.dtype == torch.uint8 and torch.equal(u.to(torch.int8) - 8, unpack_int4(pack_int4(codes), k))
         want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), INT4_INNER_K_TILES)
         assert torch.equal(_cpu_int4pack(u), want), (n, k)
+
+
+def test_in_fresh_thread_returns_raises_and_leaves_no_thread():
+    from megatron_qarl.rollout.engine import in_fresh_thread
+
+    before = threading.active_count()
+    assert in_fresh_thread(lambda a, b=0: (threading.current_thread().name, a + b), 2, b=3) == ("qarl-engine-load", 5)
+    with pytest.raises(KeyError, match="boom"):
+        in_fresh_thread(lambda: {}["boom"])
+    assert threading.active_count() == before

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from megatron_qarl.errors import UserError
 from megatron_qarl.qat.export import iter_safetensors
 from megatron_qarl.rollout import weight_sync
-from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams
+from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams, in_fresh_thread
 
 
 class ServerConfig(BaseModel):
@@ -211,7 +211,8 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
                 raise ValueError(f"{body.model_path}: not a model directory (no config.json)")
             if body.abort_all_requests:
                 engine.abort_all("aborted by update_weights_from_disk")
-            engine.update_tensors(dict(iter_safetensors(body.model_path)), body.weight_version)
+            tensors = in_fresh_thread(lambda: dict(iter_safetensors(body.model_path)))  # see in_fresh_thread
+            engine.update_tensors(tensors, body.weight_version)
         except (ValueError, OSError) as err:
             return JSONResponse({"success": False, "message": str(err), "num_paused_requests": n}, 400)
         state["model_path"] = body.model_path
