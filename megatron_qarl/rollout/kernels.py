@@ -92,6 +92,11 @@ class Linear:
     def split(self, y_TN: Tensor) -> tuple[Tensor, ...]:
         return tuple(torch.split(y_TN, self.splits, dim=-1))
 
+    @staticmethod
+    def rows(x_TK):
+        """The rows of a prepared activation, each as a one-row input for ``mm`` (a list of views)."""
+        return x_TK.rows() if isinstance(x_TK, QuantAct) else list(x_TK.split(1))
+
 
 def _fuse_rows(prefixes: list[str], suffix: str, parts: list[Tensor], store: Store) -> Tensor:
     """Concatenate ``parts`` along dim 0 and put row views of the result into ``store``.
@@ -158,8 +163,9 @@ class QuantAct:
     u8s8 GEMM with zero point 128 computes with q exactly) and fp32 scales [T, 1]. Rows can be taken
     (``x[rows]``, ``x[a:b]``), as the MoE does with the one quantization of a layer's expert inputs."""
 
-    def __init__(self, u8_TK: Tensor, s_T1: Tensor):
+    def __init__(self, u8_TK: Tensor, s_T1: Tensor, scale: float | None = None):
         self.u8_TK, self.s_T1 = u8_TK, s_T1
+        self.scale = scale  # one row: its scale as a Python float, read once (oneDNN takes a scalar)
 
     @property
     def shape(self) -> torch.Size:
@@ -167,6 +173,11 @@ class QuantAct:
 
     def __getitem__(self, rows) -> QuantAct:
         return QuantAct(self.u8_TK[rows], self.s_T1[rows])
+
+    def rows(self) -> list[QuantAct]:
+        """One single-row QuantAct per row, in two tensor ops (the batch-1 MoE feeds each row to one expert)."""
+        return [QuantAct(u, s_T1, s) for u, s_T1, s in zip(self.u8_TK.split(1), self.s_T1.split(1),
+                                                          self.s_T1.view(-1).tolist(), strict=True)]
 
 
 def _onednn_int8() -> bool:
@@ -205,7 +216,8 @@ class Int8Linear(Linear):
     def prepare(self, x_TK: Tensor) -> Tensor | QuantAct:
         codes_TK, s_T1 = quant_act_int8_per_token(x_TK)
         if self.use_onednn:
-            return QuantAct(torch.bitwise_xor(codes_TK.view(torch.uint8), 128), s_T1)  # = q + 128 as uint8
+            u8_TK = torch.bitwise_xor(codes_TK.view(torch.uint8), 128)  # = q + 128 as uint8
+            return QuantAct(u8_TK, s_T1, float(s_T1) if u8_TK.shape[0] == 1 else None)
         return dequant_act_int8_per_token(codes_TK, s_T1, self.dtype)
 
     def mm(self, x: Tensor | QuantAct) -> Tensor:
@@ -213,8 +225,9 @@ class Int8Linear(Linear):
             return torch.ops.aten._weight_int8pack_mm(x, self.codes_NK, self.scale_N)
         qlinear = torch.ops.onednn.qlinear_pointwise
         if x.u8_TK.shape[0] == 1:  # one token: its scale is the tensor's, oneDNN applies it
-            return qlinear(x.u8_TK, float(x.s_T1), 128, self.packed, self.w_scale_N, self.w_zero_N, None, 1.0, 0,
-                           self.dtype, "none", [], "")
+            scale = x.scale if x.scale is not None else float(x.s_T1)
+            return qlinear(x.u8_TK, scale, 128, self.packed, self.w_scale_N, self.w_zero_N, None, 1.0, 0, self.dtype,
+                           "none", [], "")
         y_TN = qlinear(x.u8_TK, 1.0, 128, self.packed, self.w_scale_N, self.w_zero_N, None, 1.0, 0, torch.float32,
                        "none", [], "")
         return (y_TN * x.s_T1).to(self.dtype)

@@ -220,7 +220,8 @@ class Qwen3MoeEngineModel:
             y = torch.cat([layer.gate_up[e].mm(x_in) for e in experts])  # [k, 2I]: gate | up per expert
             n = layer.gate_up[experts[0]].splits[0]
             h_in = layer.down[experts[0]].prepare(F.silu(y[:, :n]) * y[:, n:])
-            ys = torch.cat([layer.down[e].mm(h_in[i : i + 1]) for i, e in enumerate(experts)])  # [k, H]
+            rows = layer.down[experts[0]].rows(h_in)
+            ys = torch.cat([layer.down[e].mm(rows[i]) for i, e in enumerate(experts)])  # [k, H]
             return torch.mm(top_TK[:, [groups[e][1][0] for e in experts]], ys)
         h_parts = []
         for e in experts:
