@@ -145,6 +145,30 @@ def test_int8_act_rounds_half_away_from_zero():
     assert scales.item() == 1.0
 
 
+def _int8_act_plain(x):
+    """The plain formula, op by op: the oracle for the few-op ``quant_act_int8_per_token``."""
+    x32 = x.float()
+    a = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10)
+    t = x32 * (torch.full_like(a, 127.0) / a)
+    r = torch.trunc(t)
+    q = r + torch.where((t - r).abs() >= 0.5, torch.sign(t), torch.zeros_like(t))
+    return q.clamp(-128, 127).to(torch.int8), a / torch.tensor([127.0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), log_scale=st.floats(-30, 30), dtype=st.sampled_from(["bf16", "fp32"]))
+def test_int8_act_few_ops_equals_plain_formula(seed, log_scale, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 512, generator=g) * 2.0**log_scale
+    x[0, :6] = torch.tensor([127.0, 63.5, -63.5, 0.5, -2.5, 0.49999997]) * 2.0**log_scale  # ties and a near-tie
+    x[1] = 0.0  # an all-zero token takes the 1e-10 floor
+    x[2, 7] = 2.0**log_scale * 1e6  # one outlier: most codes round to 0 or +-1
+    x = x.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    codes, scales = quant_act_int8_per_token(x)
+    ref_codes, ref_scales = _int8_act_plain(x)
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
+
+
 def test_qat_linear_w8a8_uses_fake_quant_operands():
     x, w = _weight((4, 256), seed=6) * 50, _weight((64, 256), seed=7)
     cfg = QuantConfig(scheme="w8a8_fp8")

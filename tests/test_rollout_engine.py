@@ -168,9 +168,10 @@ def test_greedy_and_logprobs_match_transformers(scheme, model_dirs, tmp_path):
         else:  # W8A8: a 1-ulp accumulation difference may flip one activation code (round to nearest):
             # most positions agree to fp32 noise, a flipped code moves a log-prob by ~1e-3 at most
             assert sorted(diff)[len(diff) // 2] < 1e-4 and max(diff) < 5e-3, diff
-    kernel = {"w4a16": "aten::_weight_int4pack_mm_for_cpu", "w8a8_int8": "onednn::qlinear_pointwise"}.get(scheme)
-    if kernel:  # the profiler saw the low-bit kernel run
-        assert kernel in ops, sorted(o for o in ops if "pack" in o)
+    kernels = {"w4a16": ["aten::_weight_int4pack_mm_for_cpu"],
+               "w8a8_int8": ["onednn::qlinear_pointwise"]}.get(scheme, [])
+    for kernel in kernels:  # the profiler saw the low-bit kernels run
+        assert kernel in ops, sorted(o for o in ops if "pack" in o or "mm" in o)
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "w4a16"])
@@ -239,6 +240,31 @@ def test_w8a8_layers_use_their_kernels(model_dirs):
             assert all(r.finish_reason["type"] in ("stop", "length") for r in reqs)
         finally:
             engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_one_token_kernel_equals_onednn(model_dirs, dtype):
+    """The one-token int8 path (the native kernel: a token's k experts in one call, the activation
+    quantized inside) gives what oneDNN's quantized linear gives expert by expert, for the token's
+    gate_up, the k rows' down and the attention's qkv."""
+    engine = Engine(EngineConfig(model_path=model_dirs["w8a8_int8"], dtype=dtype, max_batch_size=2))
+    try:
+        layer = engine.model.layers[0]
+        assert layer.qkv.gemv is not None  # built on this machine (tests/test_rollout_native.py)
+        g = torch.Generator().manual_seed(0)
+        cases = [([layer.gate_up[e] for e in (0, 3, 5)], 1), ([layer.down[e] for e in (0, 3, 5)], 3),
+                 ([layer.qkv], 1)]
+        for linears, rows in cases:
+            x_TK = torch.randn(rows, linears[0].codes_NK.shape[1], generator=g).to(getattr(torch, dtype))
+            x = linears[0].prepare(x_TK)
+            got = Int8Linear.rows_mm(linears, x)
+            for lin in linears:
+                lin.gemv = None  # oneDNN's u8s8 GEMM, one call per expert
+            want = torch.cat([lin.mm(x if rows == 1 else x[i : i + 1]) for i, lin in enumerate(linears)])
+            assert got.dtype == want.dtype == getattr(torch, dtype) and got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    finally:
+        engine.shutdown()
 
 
 def test_seed_reproduces_and_batching_does_not_change_fp32_greedy(model_dirs):

@@ -18,8 +18,8 @@ store followed by ``refresh()`` of the layers whose derived operands are not vie
                  No bf16/fp32 copy of the weight exists at any time.
     Int8Linear   W8A8-INT8: codes int8 [N, K] (store views), per-channel scales; activations quantized per
                  token by ``qat.quantizer.quant_act_int8_per_token``; the integer GEMM runs on oneDNN's
-                 u8s8 kernel over a prepacked copy of the codes (fallback: ``_weight_int8pack_mm`` on the
-                 codes in place, with the activation dequantized).
+                 u8s8 kernel over a prepacked copy of the codes, or (one token) on the native kernel
+                 (``native.py``) over the codes in place (fallback: ``_weight_int8pack_mm``).
     Fp8Linear    W8A8-FP8: the store holds the e4m3 codes and weight_scale_inv; the operand is their
                  per-block dequantization in the compute dtype (the exception documented in
                  docs/rollout.md: torch's CPU fp8 GEMM is a ~50x slower reference path). Operands equal the
@@ -44,6 +44,7 @@ from megatron_qarl.qat.quantizer import (
     quant_act_fp8_per_token_group,
     quant_act_int8_per_token,
 )
+from megatron_qarl.rollout import native
 
 Store = MutableMapping[str, Tensor]
 INT4_INNER_K_TILES = 2  # torch's CPU int4 packing ignores the tiling beyond validating it
@@ -92,10 +93,14 @@ class Linear:
     def split(self, y_TN: Tensor) -> tuple[Tensor, ...]:
         return tuple(torch.split(y_TN, self.splits, dim=-1))
 
-    @staticmethod
-    def rows(x_TK):
-        """The rows of a prepared activation, each as a one-row input for ``mm`` (a list of views)."""
-        return x_TK.rows() if isinstance(x_TK, QuantAct) else list(x_TK.split(1))
+    @classmethod
+    def rows_mm(cls, linears: list[Linear], x) -> Tensor:
+        """[len(linears), N]: row i of the prepared activation ``x`` through ``linears[i]`` (a one-row ``x``:
+        that row through every linear). The batch-1 MoE: the token through its top-k experts' gate_up,
+        then row i of their activations through expert i's down. Subclasses batch the work around the
+        kernel calls."""
+        rows = [x] * len(linears) if x.shape[0] == 1 else [x[i : i + 1] for i in range(x.shape[0])]
+        return torch.cat([lin.mm(r) for lin, r in zip(linears, rows, strict=True)])
 
 
 def _fuse_rows(prefixes: list[str], suffix: str, parts: list[Tensor], store: Store) -> Tensor:
@@ -159,78 +164,102 @@ class DenseLinear(Linear):
 
 
 class QuantAct:
-    """A W8A8-INT8 activation quantized per token: int8 codes shifted to uint8 (``u = q + 128``, oneDNN's
-    u8s8 GEMM with zero point 128 computes with q exactly) and fp32 scales [T, 1]. Rows can be taken
-    (``x[rows]``, ``x[a:b]``), as the MoE does with the one quantization of a layer's expert inputs."""
+    """A W8A8-INT8 activation, quantized per token when first needed (``quant_act_int8_per_token``):
+    int8 codes ``q_TK``, fp32 scales ``s_T1``, and the codes shifted to uint8, ``u8_TK = q + 128``, which
+    oneDNN's u8s8 GEMM takes with zero point 128 (so it computes with q exactly). The native kernel
+    takes ``x_TK`` and quantizes it itself, the same way. Taking rows (``x[rows]``, ``x[a:b]``, as the
+    batched MoE does per expert) quantizes all rows first, once."""
 
-    def __init__(self, u8_TK: Tensor, s_T1: Tensor, scale: float | None = None):
-        self.u8_TK, self.s_T1 = u8_TK, s_T1
-        self.scale = scale  # one row: its scale as a Python float, read once (oneDNN takes a scalar)
+    def __init__(self, x_TK: Tensor):
+        self.x_TK = x_TK
+        self._q: tuple[Tensor, Tensor, Tensor] | None = None
 
     @property
     def shape(self) -> torch.Size:
-        return self.u8_TK.shape
+        return self.x_TK.shape
+
+    def _quantized(self) -> tuple[Tensor, Tensor, Tensor]:
+        if self._q is None:
+            q_TK, s_T1 = quant_act_int8_per_token(self.x_TK)
+            self._q = q_TK, s_T1, torch.bitwise_xor(q_TK.view(torch.uint8), 128)  # = q + 128 as uint8
+        return self._q
+
+    q_TK = property(lambda self: self._quantized()[0])
+    s_T1 = property(lambda self: self._quantized()[1])
+    u8_TK = property(lambda self: self._quantized()[2])
 
     def __getitem__(self, rows) -> QuantAct:
-        return QuantAct(self.u8_TK[rows], self.s_T1[rows])
-
-    def rows(self) -> list[QuantAct]:
-        """One single-row QuantAct per row, in two tensor ops (the batch-1 MoE feeds each row to one expert)."""
-        return [QuantAct(u, s_T1, s) for u, s_T1, s in zip(self.u8_TK.split(1), self.s_T1.split(1),
-                                                          self.s_T1.view(-1).tolist(), strict=True)]
+        part = QuantAct(self.x_TK[rows])
+        part._q = tuple(t[rows] for t in self._quantized())  # type: ignore[assignment]
+        return part
 
 
 def _onednn_int8() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
 class Int8Linear(Linear):
     """W8A8-INT8: y = (q_x @ q_w.T) * s_x[t] * s_w[n], the integer GEMM exact in int32 (as SGLang's GPU kernel).
 
-    On oneDNN (x86) the weight codes are prepacked once for its u8s8 GEMM (VNNI); the store keeps the
-    checkpoint's codes (checksums, updates; ``refresh()`` re-packs), so int8 weights are held twice.
-    Measured at decode it streams the weight ~1.7x faster than ``aten._weight_int8pack_mm`` (a weight-only
-    kernel that converts every code to float), which stays the fallback: it takes the activation
-    dequantized to the compute dtype, as the learner's fake quant does.
+    Two integer kernels (benchmarks/decode.py measures both):
+    - one token (batch-1 decode): the native kernel of ``native.py`` over the codes in place. It quantizes
+      the activation itself (the learner's formula, bit for bit) and runs a token's k experts in one call
+      (``rows_mm``): torch's integer kernels cost ~15 us a call beyond the GEMM, plus ~25 us of small ops
+      to quantize, against 40-90 us of weight streaming per expert GEMM.
+    - more rows, or no native kernel: oneDNN's u8s8 GEMM (VNNI) over a prepacked copy of the codes. The
+      store keeps the checkpoint's codes (checksums, updates; ``refresh()`` re-packs), so int8 weights are
+      held twice.
+    Without oneDNN the fallback is ``aten._weight_int8pack_mm`` (a weight-only kernel that converts
+    every code to float) on the activation dequantized to the compute dtype, as the learner's fake quant.
     """
 
     def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype):
         codes = [_take(raw, f"{p}.weight") for p in prefixes]
         scales = [_take(raw, f"{p}.weight_scale").float().reshape(-1, 1) for p in prefixes]
         self.splits = [t.shape[0] for t in codes]
-        self.codes_NK = _fuse_rows(prefixes, "weight", codes, store)  # the fallback kernel's operand, shared
+        self.codes_NK = _fuse_rows(prefixes, "weight", codes, store)  # the native and the fallback kernel's operand
         self.scale_N1 = _fuse_rows(prefixes, "weight_scale", scales, store)  # fp32 as exported
         self.names = [f"{p}.{s}" for p in prefixes for s in ("weight", "weight_scale")]
         self.dtype = dtype
         self.use_onednn = _onednn_int8()
+        # the native one-token kernel (native.py) reads the codes and scales in place: contiguous, as made here
+        self.gemv = native.load() if dtype in (torch.bfloat16, torch.float32) else None
         self.refresh()
 
     def refresh(self) -> None:
+        self.w_scale_N = self.scale_N1.view(-1)
         if self.use_onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(self.codes_NK, None)
-            self.w_scale_N = self.scale_N1.view(-1).contiguous()
             self.w_zero_N = torch.zeros(self.w_scale_N.shape, dtype=torch.int64)
         # the fallback wants scales in the activation dtype: exact in fp32 mode, bf16-rounded in bf16 mode
-        self.scale_N = self.scale_N1.view(-1) if self.dtype == torch.float32 else self.scale_N1.view(-1).to(self.dtype)
+        self.scale_N = self.w_scale_N if self.dtype == torch.float32 else self.w_scale_N.to(self.dtype)
 
     def prepare(self, x_TK: Tensor) -> Tensor | QuantAct:
-        codes_TK, s_T1 = quant_act_int8_per_token(x_TK)
-        if self.use_onednn:
-            u8_TK = torch.bitwise_xor(codes_TK.view(torch.uint8), 128)  # = q + 128 as uint8
-            return QuantAct(u8_TK, s_T1, float(s_T1) if u8_TK.shape[0] == 1 else None)
-        return dequant_act_int8_per_token(codes_TK, s_T1, self.dtype)
+        if self.use_onednn or self.gemv is not None:
+            return QuantAct(x_TK)
+        return dequant_act_int8_per_token(*quant_act_int8_per_token(x_TK), self.dtype)
 
     def mm(self, x: Tensor | QuantAct) -> Tensor:
-        if not isinstance(x, QuantAct):
-            return torch.ops.aten._weight_int8pack_mm(x, self.codes_NK, self.scale_N)
+        if isinstance(x, QuantAct) and x.shape[0] == 1 and self.gemv is not None:
+            return self.gemv(x.x_TK, [self.codes_NK], [self.w_scale_N], self.dtype)
+        if not isinstance(x, QuantAct) or not self.use_onednn:
+            x_TK = x if not isinstance(x, QuantAct) else dequant_act_int8_per_token(x.q_TK, x.s_T1, self.dtype)
+            return torch.ops.aten._weight_int8pack_mm(x_TK, self.codes_NK, self.scale_N)
         qlinear = torch.ops.onednn.qlinear_pointwise
-        if x.u8_TK.shape[0] == 1:  # one token: its scale is the tensor's, oneDNN applies it
-            scale = x.scale if x.scale is not None else float(x.s_T1)
-            return qlinear(x.u8_TK, scale, 128, self.packed, self.w_scale_N, self.w_zero_N, None, 1.0, 0, self.dtype,
-                           "none", [], "")
+        if x.shape[0] == 1:  # one token: its scale is the tensor's, oneDNN applies it
+            return qlinear(x.u8_TK, float(x.s_T1), 128, self.packed, self.w_scale_N, self.w_zero_N, None, 1.0, 0,
+                           self.dtype, "none", [], "")
         y_TN = qlinear(x.u8_TK, 1.0, 128, self.packed, self.w_scale_N, self.w_zero_N, None, 1.0, 0, torch.float32,
                        "none", [], "")
         return (y_TN * x.s_T1).to(self.dtype)
+
+    @classmethod
+    def rows_mm(cls, linears: list[Linear], x) -> Tensor:
+        first: Int8Linear = linears[0]  # type: ignore[assignment]
+        if not isinstance(x, QuantAct) or first.gemv is None:
+            return super().rows_mm(linears, x)
+        return first.gemv(x.x_TK, [lin.codes_NK for lin in linears],  # type: ignore[attr-defined]
+                          [lin.w_scale_N for lin in linears], first.dtype)  # type: ignore[attr-defined]
 
 
 class Fp8Linear(Linear):

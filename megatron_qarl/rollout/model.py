@@ -217,11 +217,11 @@ class Qwen3MoeEngineModel:
         # W8A8 quantizes activations per token (row-wise): once for all experts' gate_up, once for all downs
         x_in = layer.gate_up[experts[0]].prepare(x_TH)
         if single:  # decode at batch 1: no row bookkeeping; the top-k outputs are summed by one weighted GEMM
-            y = torch.cat([layer.gate_up[e].mm(x_in) for e in experts])  # [k, 2I]: gate | up per expert
-            n = layer.gate_up[experts[0]].splits[0]
-            h_in = layer.down[experts[0]].prepare(F.silu(y[:, :n]) * y[:, n:])
-            rows = layer.down[experts[0]].rows(h_in)
-            ys = torch.cat([layer.down[e].mm(rows[i]) for i, e in enumerate(experts)])  # [k, H]
+            gate_up, down = [layer.gate_up[e] for e in experts], [layer.down[e] for e in experts]
+            y = type(gate_up[0]).rows_mm(gate_up, x_in)  # [k, 2I]: gate | up per expert
+            n = gate_up[0].splits[0]
+            h_in = down[0].prepare(F.silu(y[:, :n]) * y[:, n:])
+            ys = type(down[0]).rows_mm(down, h_in)  # [k, H]
             return torch.mm(top_TK[:, [groups[e][1][0] for e in experts]], ys)
         h_parts = []
         for e in experts:

@@ -1,0 +1,110 @@
+"""The native W8A8-INT8 one-token kernel (rollout/int8_gemv.c via rollout/native.py): the learner's activation
+quantization bit for bit, the integer product exact, the fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_qarl.qat.quantizer import quant_act_int8_per_token
+from megatron_qarl.rollout import native
+
+KERNEL = native.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the engine runs torch's int8 kernels")
+
+
+def _codes(n, k, count, seed):
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g) for _ in range(count)],
+            [torch.rand(n, generator=g) * 1e-2 for _ in range(count)])
+
+
+def _reference(q, s, codes, scales):
+    """The exact integer product (int64 matmul), scaled in the kernel's order: (acc * s_w) * s_x, in fp32."""
+    rows = [q[0 if q.shape[0] == 1 else r :][:1] for r in range(len(codes))]
+    xs = [s[0 if s.shape[0] == 1 else r] for r in range(len(codes))]
+    return torch.cat([(x.long() @ c.long().t()).float() * w * sx for x, c, w, sx in zip(rows, codes, scales, xs,
+                                                                                       strict=True)])
+
+
+def test_kernel_builds_here():
+    """On these machines (x86 with AVX512-VNNI and gcc) the fast path is what runs; cached by source hash."""
+    assert KERNEL is not None
+    assert KERNEL.path.exists() and native.build() == KERNEL.path
+    flags = open("/proc/cpuinfo").read()
+    assert KERNEL.vnni == ("avx512_vnni" in flags and "avx512bw" in flags)
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), log_scale=st.floats(-30, 30), bf16=st.booleans(),
+       rows=st.integers(1, 5), k=st.integers(1, 300))
+def test_quantization_equals_the_learners(seed, log_scale, bf16, rows, k):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * 2.0**log_scale
+    ties = torch.tensor([127.0, 63.5, -63.5, 0.5, -2.5, 0.49999997])[:k] * 2.0**log_scale
+    x[0, : ties.numel()] = ties
+    if rows > 1:
+        x[1] = 0.0  # the 1e-10 floor
+    x = x.to(torch.bfloat16 if bf16 else torch.float32)
+    q, s = KERNEL.quant(x)
+    q_ref, s_ref = quant_act_int8_per_token(x)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "r", "x_rows"), [(1536, 2048, 8, 1), (2048, 768, 8, 8), (37, 100, 3, 3),
+                                                     (64, 70, 2, 1), (5, 1, 1, 1), (200, 64, 4, 4)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_gemv_equals_the_exact_integer_product(n, k, r, x_rows, x_dtype):
+    """fp32 out: bit-equal to the integer product scaled in the same order, and to the kernel's plain C loop;
+    bf16 out: the fp32 result rounded as torch rounds. K and N not multiples of the SIMD widths included."""
+    codes, scales = _codes(n, k, r, seed=n + k)
+    x = (torch.randn(x_rows, k, generator=torch.Generator().manual_seed(k)) * 3).to(x_dtype)
+    q, s = quant_act_int8_per_token(x)
+    y = KERNEL(x, codes, scales, torch.float32)
+    assert y.shape == (r, n) and y.dtype == torch.float32
+    assert torch.equal(y, _reference(q, s, codes, scales))
+    assert torch.equal(KERNEL.plain(q, s, codes, scales), y)
+    assert torch.equal(KERNEL(x, codes, scales, torch.bfloat16), y.to(torch.bfloat16))
+
+
+@needs_kernel
+def test_gemv_threads_do_not_change_the_result():
+    codes, scales = _codes(1000, 512, 4, seed=3)
+    x = torch.randn(4, 512, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = KERNEL(x, codes, scales, torch.float32)
+        torch.set_num_threads(2)
+        assert torch.equal(KERNEL(x, codes, scales, torch.float32), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_bad_operands_get_clear_errors():
+    codes, scales = _codes(16, 32, 3, seed=0)
+    with pytest.raises(ValueError, match="2 activation rows for 3 linears"):
+        KERNEL(torch.randn(2, 32), codes, scales, torch.float32)
+    with pytest.raises(ValueError, match="2-D fp32 or bf16"):
+        KERNEL(torch.randn(1, 32, dtype=torch.float16), codes, scales, torch.float32)
+
+
+def test_no_compiler_falls_back_with_a_logged_reason(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.setenv("QARL_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    with caplog.at_level(logging.WARNING, logger="megatron_qarl.rollout.native"):
+        assert native.load() is None
+    assert "torch's int8 kernels instead" in caplog.text and "/bin/false" in caplog.text
+    assert not list(tmp_path.glob("*.so"))  # a failed build leaves nothing to load later
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.setenv("QARL_NATIVE_KERNELS", "0")
+    monkeypatch.delenv("CC")
+    assert native.load() is None
