@@ -38,7 +38,7 @@ setup(
     description="QaRL: rollout-aligned quantization-aware RL for Mixture-of-Experts LMs on Megatron-Core",
     packages=find_packages(include=["megatron_qarl", "megatron_qarl.*", "launch", "launch.*"]),
     include_package_data=True,
-    package_data={"megatron_qarl.rollout": ["int8_gemv.c"]},  # compiled on first use (rollout/native.py)
+    package_data={"megatron_qarl.rollout": ["int8_gemv.c", "int4_gemv.c"]},  # compiled on first use (rollout/native.py)
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

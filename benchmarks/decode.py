@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import export_state_dict
-from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams
+from megatron_qarl.rollout import native
+from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams, in_fresh_thread
 from megatron_qarl.rollout.kernels import INT4_INNER_K_TILES
 from megatron_qarl.rollout.model import Qwen3MoeEngineModel
 
@@ -175,10 +176,19 @@ def _kernel_rows(label: str, n: int, k: int, bw: float) -> list[str]:
         "int4 _weight_int4pack_mm_for_cpu (engine w4a16)": (
             lambda j: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4[j], 128, sz), n * k * 0.5 + sz.numel() * 2),
         "int8 weight-only _weight_int8pack_mm": (lambda j: torch.ops.aten._weight_int8pack_mm(x, codes8[j], s8), n * k),
-        "int8 oneDNN u8s8 qlinear (engine w8a8_int8)": (
+        "int8 oneDNN u8s8 qlinear (engine w8a8_int8, > 1 row)": (
             lambda j: torch.ops.onednn.qlinear_pointwise(u8, 0.01, 128, q8[j], s8f, z8, None, 1.0, 0, torch.bfloat16,
                                                          "none", [], ""), n * k),
     }
+    lib = native.load()
+    if lib is not None and lib.int4_ok:  # in the engine one call takes all k experts of a token
+        words = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8) for _ in range(copies)]
+        s4 = sz[..., 0].t().contiguous()  # bf16 [N, K/G]
+        kernels["int4 native GEMV (engine w4a16, 1 row)"] = (
+            lambda j: lib.int4(x, [words[j]], [s4], 128, torch.bfloat16), n * k * 0.5 + s4.numel() * 2)
+    if lib is not None:  # quantizes the bf16 activation itself
+        kernels["int8 native GEMV (engine w8a8_int8, 1 row)"] = (
+            lambda j: lib.int8(x, [codes8[j]], [s8f], torch.bfloat16), n * k)
     best = {name: (float("inf"), 0.0) for name in kernels}
     for _ in range(KERNEL_PASSES):  # interleaved passes, best of them: a load change hits every kernel alike
         for name, (call, _) in kernels.items():
@@ -198,7 +208,7 @@ def _kernel_rows(label: str, n: int, k: int, bw: float) -> list[str]:
 
 # --------------------------------------------------------------------------- (2) where a step goes
 GEMM_OPS = ("mkldnn::_linear_pointwise", "onednn::qlinear_pointwise", "aten::_weight_int4pack_mm_for_cpu",
-            "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm")
+            "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm", "native low-bit GEMV")
 
 
 def step_profile(name: str, model: Qwen3MoeEngineModel, arch: Qwen3MoeArch, context: int) -> str:
@@ -290,7 +300,12 @@ class _StepClock:
 
 
 def hf_decode(model, batch: int, steps: int) -> tuple[float, float | None]:
-    """transformers' generate (bf16, greedy) decode tokens/s, timed from its first new token to its last."""
+    """transformers' generate (bf16, greedy) decode tokens/s, timed from its first new token to its last; on
+    a fresh thread, as the engine's steps run on the engine's fresh thread."""
+    return in_fresh_thread(_hf_decode, model, batch, steps)
+
+
+def _hf_decode(model, batch: int, steps: int) -> tuple[float, float | None]:
     ids = torch.randint(4, CONFIG["vocab_size"], (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(batch))
     clock = _StepClock()
     with torch.inference_mode():
@@ -314,6 +329,19 @@ def return_freed_memory() -> None:
         pass
 
 
+def build_runners(arch: Qwen3MoeArch) -> dict:
+    """transformers' model and one engine model per scheme, all from the same random weights."""
+    sd = random_state_dict(arch)
+    runners = {"transformers": (hf_model(sd), hf_decode)}
+    for scheme in SCHEMES:
+        tensors, qcfg = (sd, None) if scheme == "bf16" else export_state_dict(sd, QuantConfig(scheme=scheme))
+        model = Qwen3MoeEngineModel(arch, tensors, qcfg, torch.bfloat16, slots=16,
+                                    max_seq_len=CONFIG["max_position_embeddings"])
+        runners[scheme] = (model, engine_decode)
+        del tensors
+    return runners
+
+
 def main() -> None:
     return_freed_memory()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -328,93 +356,109 @@ def main() -> None:
     arch = Qwen3MoeArch.from_hf_config(CONFIG)
     context = PROMPT_LEN + args.steps // 2
     start = time.perf_counter()
-    bws = [measure_bandwidth()]
+    # All torch work of this process runs on short-lived threads (in_fresh_thread) and the engine's own
+    # thread: a thread that ran a parallel op keeps an OpenMP team until it exits, and with more teams than
+    # cores libgomp stops spinning between GEMMs (2x slower decode at 2 threads; see in_fresh_thread).
+    bws = [in_fresh_thread(measure_bandwidth)]
     print(f"measured read bandwidth: {bws[0]:.1f} GB/s ({args.threads} threads)", flush=True)
-    kernel_rows = [] if args.skip_kernels else kernel_table(bws[0])
-    sd = random_state_dict(arch)
-    # Every model is built first and the measurements interleave (repeat > scheme > batch), best of the
-    # repeats: on a shared machine the load drifts, and comparing schemes measured minutes apart misleads.
-    runners = {"transformers": (hf_model(sd), hf_decode)}
-    for scheme in SCHEMES:
-        tensors, qcfg = (sd, None) if scheme == "bf16" else export_state_dict(sd, QuantConfig(scheme=scheme))
-        model = Qwen3MoeEngineModel(arch, tensors, qcfg, torch.bfloat16, slots=16,
-                                    max_seq_len=CONFIG["max_position_embeddings"])
-        runners[scheme] = (model, engine_decode)
-        del tensors
-    del sd
+    kernel_rows = [] if args.skip_kernels else in_fresh_thread(kernel_table, bws[0])
+    runners = in_fresh_thread(build_runners, arch)
     gc.collect()
     print(f"models built in {time.perf_counter() - start:.0f} s", flush=True)
     for model, run in runners.values():
         run(model, 1, 2)  # warm-up
-    results: dict[str, dict[int, tuple[float, float]]] = {name: dict.fromkeys(BATCHES, (0.0, 0.0)) for name in runners}
-    stalls: list[float] = []
+    # The measurements interleave (repeat > scheme > batch): on a shared machine the load drifts (and on this
+    # VM so does the memory bandwidth the host gives us), so ratios are taken within a repeat, between runs
+    # seconds apart, and every batch-1 run is paired with a bandwidth measured just before it.
+    runs: list[dict] = []  # one per (repeat, runner, batch)
     for rep in range(args.repeats):
         for name, (model, run) in runners.items():
             for b in BATCHES:
+                bw_now = in_fresh_thread(measure_bandwidth, gib=0.5, reps=2) if b == 1 else None
                 tps, stall = run(model, b, args.steps)
-                stalls.append(stall or 0.0)
-                if tps > results[name][b][0]:
-                    results[name][b] = (tps, stall or 0.0)
-        bws.append(measure_bandwidth(reps=3))
-        print(f"repeat {rep + 1}: " + "; ".join(f"{n} " + ", ".join(f"{v[0]:.1f}" for v in r.values())
-                                                  for n, r in results.items())
+                runs.append({"rep": rep, "name": name, "b": b, "tps": tps, "stall": stall or 0.0, "bw": bw_now})
+                if bw_now:
+                    bws.append(bw_now)
+        print(f"repeat {rep + 1}: " + "; ".join(
+            f"{n} " + ", ".join(f"{r['tps']:.1f}" for r in runs if r["rep"] == rep and r["name"] == n) for n in runners)
               + f" ({time.perf_counter() - start:.0f} s)", flush=True)
-    profile_rows = [step_profile(s, runners[s][0], arch, context) for s in SCHEMES]
-    text = render(arch, results, bws, stalls, kernel_rows, profile_rows, args, time.perf_counter() - start)
+    profile_rows = [in_fresh_thread(step_profile, s, runners[s][0], arch, context) for s in SCHEMES]
+    text = render(arch, runs, bws, kernel_rows, profile_rows, args, time.perf_counter() - start)
     print(text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")
 
 
-def render(arch, results, bws, stalls, kernel_rows, profile_rows, args, seconds) -> str:
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def render(arch, runs, bws, kernel_rows, profile_rows, args, seconds) -> str:
     context = PROMPT_LEN + args.steps // 2
-    bw = max(bws)
     base = bytes_per_token(arch, "bf16", context)
+    stalls = [r["stall"] for r in runs]
     cmd = " ".join(["benchmarks/decode.py", *sys.argv[1:]])
+
+    def pick(name, b, rep=None):
+        return [r for r in runs if r["name"] == name and r["b"] == b and (rep is None or r["rep"] == rep)]
+
     lines = [
         f"# Decode throughput of the embedded engine, {args.threads} thread(s)", "",
         f"Command: `.venv/bin/python {cmd}` ({seconds / 60:.0f} min, torch {torch.__version__}, "
         f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`).",
-        f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs (shared with another developer's test runs), "
-        f"{args.threads} torch thread(s). Read bandwidth (1 GiB fp32 sum, {args.threads} thread(s)), measured "
-        f"{len(bws)} times in this run: {min(bws):.1f}-{max(bws):.1f} GB/s; percentages below use the best, "
-        f"**{bw:.1f} GB/s**. CPU stall (PSI, share of wall time some task waited for a CPU) over all decode "
-        f"runs: median {100 * sorted(stalls)[len(stalls) // 2]:.0f}%, max {100 * max(stalls):.0f}%.", "",
+        f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs of a VM (shared with another developer's test runs), "
+        f"{args.threads} torch thread(s). Read bandwidth (fp32 sum of 0.5-1 GiB, {args.threads} thread(s)), "
+        f"measured {len(bws)} times in this run, once before every batch-1 run: {min(bws):.1f}-{max(bws):.1f} GB/s "
+        f"(median {_median(bws):.1f}); it moves with the host's load, which the VM does not see. CPU stall (PSI: "
+        f"share of wall time some task of this VM waited for a CPU) over all decode runs: median "
+        f"{100 * _median(stalls):.0f}%, max {100 * max(stalls):.0f}%.", "",
         "Model: Qwen3-30B-A3B-shaped slice, hidden 2048, 32/4 heads x 128, 128 experts x FFN 768, top-8, "
-        f"2 layers, vocab 4096, random weights; prompt {PROMPT_LEN}, {args.steps} greedy decode steps, best of "
-        f"{args.repeats} interleaved runs per point; compute dtype bf16.", "",
+        f"2 layers, vocab 4096, random weights; prompt {PROMPT_LEN}, {args.steps} greedy decode steps; "
+        f"{args.repeats} interleaved repeats; compute dtype bf16.", "",
     ]
     if kernel_rows:
         lines += ["## (1) GEMM kernels in isolation, one activation row", "",
                   "Each kernel called over a rotating set of > 300 MB of weights (no cache reuse); best of "
-                  f"{KERNEL_PASSES} interleaved passes; stall: during the pass kept.", "",
+                  f"{KERNEL_PASSES} interleaved passes; % of the bandwidth measured at the start; stall: during the "
+                  "pass kept.", "",
                   "| weight | kernel | us/call | GB/s of weight bytes | % of bandwidth | stall |",
                   "|---|---|---|---|---|---|", *kernel_rows, ""]
-    lines += ["## (2) Where a batch-1 decode step goes (torch profiler, 8 steps)", "",
+    lines += ["## (2) Where a batch-1 decode step goes (torch profiler, 8 steps, after the repeats)", "",
               "| scheme | ms/step | in GEMM kernels | kernel calls | GB/s while in kernels | other ops ms | "
               "other ops | Python + dispatch ms |", "|---|---|---|---|---|---|---|---|", *profile_rows, "",
               "## (3) Decode tokens/s", "",
-              "MB/token: weights (and KV cache) read per decoded token at batch 1; allowed speedup: the BF16 bytes "
-              "over the scheme's; GB/s b=1: MB/token x tok/s; stall: of the run kept for b=1.", "",
+              "MB/token: weights (and KV cache) read per decoded token at batch 1. Allowed speedup: the BF16 bytes "
+              "over the scheme's. tok/s: best of the repeats. Speedup b=1: median over repeats of the scheme's "
+              "tok/s over BF16's in the same repeat (min-max in brackets). % of bandwidth: median over repeats of "
+              "MB/token x tok/s over the bandwidth measured just before that run.", "",
               "| scheme | MB/token | allowed speedup | tok/s b=1 | tok/s b=4 | tok/s b=16 | speedup b=1 | "
-              "% of allowed | GB/s b=1 | % of bandwidth | stall b=1 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for scheme in SCHEMES:
-        r = results[scheme]
+              "% of allowed | % of bandwidth b=1 | stall b=1 |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in (*SCHEMES, "transformers"):
+        scheme = "bf16" if name == "transformers" else name
         nbytes = bytes_per_token(arch, scheme, context)
-        allowed, achieved = base / nbytes, r[1][0] / results["bf16"][1][0]
-        gbs = nbytes * r[1][0] / 1e9
-        lines.append(f"| engine {scheme} | {nbytes / 1e6:.1f} | {allowed:.2f}x | {r[1][0]:.1f} | {r[4][0]:.1f} | "
-                     f"{r[16][0]:.1f} | {achieved:.2f}x | {100 * achieved / allowed:.0f}% | {gbs:.1f} | "
-                     f"{100 * gbs / bw:.0f}% | {100 * r[1][1]:.0f}% |")
-    r = results["transformers"]
-    gbs = base * r[1][0] / 1e9
-    lines.append(f"| transformers generate bf16 | {base / 1e6:.1f} | - | {r[1][0]:.1f} | {r[4][0]:.1f} | "
-                 f"{r[16][0]:.1f} | - | - | {gbs:.1f} | {100 * gbs / bw:.0f}% | {100 * r[1][1]:.0f}% |")
-    e, t = results["bf16"], results["transformers"]
-    ratios = ", ".join(f"b={b}: {e[b][0] / t[b][0]:.2f}x" for b in BATCHES)
-    lines += ["", f"Engine bf16 / transformers generate: {ratios}", ""]
+        best = {b: max(r["tps"] for r in pick(name, b)) for b in BATCHES}
+        ratios = [pick(name, 1, k)[0]["tps"] / pick("bf16", 1, k)[0]["tps"] for k in range(args.repeats)]
+        frac = _median([nbytes * r["tps"] / 1e9 / r["bw"] for r in pick(name, 1)])
+        stall = _median([r["stall"] for r in pick(name, 1)])
+        label = "transformers generate bf16" if name == "transformers" else f"engine {name}"
+        if name == "transformers":
+            speed, allowed_s, of_allowed = f"{_median(ratios):.2f}x", "-", "-"
+        else:
+            allowed = base / nbytes
+            speed = f"{_median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+            allowed_s, of_allowed = f"{allowed:.2f}x", f"{100 * _median(ratios) / allowed:.0f}%"
+        lines.append(f"| {label} | {nbytes / 1e6:.1f} | {allowed_s} | {best[1]:.1f} | {best[4]:.1f} | {best[16]:.1f} | "
+                     f"{speed} | {of_allowed} | {100 * frac:.0f}% | {100 * stall:.0f}% |")
+
+    def vs_hf(b: int) -> float:
+        reps = range(args.repeats)
+        return _median([pick("bf16", b, k)[0]["tps"] / pick("transformers", b, k)[0]["tps"] for k in reps])
+
+    ratios = ", ".join(f"b={b}: {vs_hf(b):.2f}x" for b in BATCHES)
+    lines += ["", f"Engine bf16 / transformers generate (median of within-repeat ratios): {ratios}", ""]
     return "\n".join(lines)
 
 

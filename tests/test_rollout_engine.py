@@ -267,6 +267,31 @@ def test_int8_one_token_kernel_equals_onednn(model_dirs, dtype):
         engine.shutdown()
 
 
+def test_w4a16_one_token_kernel_equals_torchs_int4(model_dirs):
+    """bf16 mode: the native W4A16 kernel (a token's k experts in one call, reading the checkpoint's int32
+    words in place) against torch's int4 kernel expert by expert, to bf16 rounding; fp32 mode keeps torch's."""
+    engine = Engine(EngineConfig(model_path=model_dirs["w4a16"], dtype="bfloat16", max_batch_size=2))
+    try:
+        layer = engine.model.layers[0]
+        assert all(lin.native_parts is not None for lin in layer.gate_up + layer.down)
+        g = torch.Generator().manual_seed(0)
+        for linears, rows in (([layer.gate_up[e] for e in (1, 4)], 1), ([layer.down[e] for e in (1, 4)], 2)):
+            x = torch.randn(rows, linears[0].k, generator=g).to(torch.bfloat16)
+            got = Int4Linear.rows_mm(linears, x)
+            want = torch.cat([torch.ops.aten._weight_int4pack_mm_for_cpu(x[0 if rows == 1 else i :][:1], lin.packed,
+                                                                          lin.group, lin.scale_zeros)
+                              for i, lin in enumerate(linears)])
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-3)
+    finally:
+        engine.shutdown()
+    fp32 = Engine(EngineConfig(model_path=model_dirs["w4a16"], dtype="float32", max_batch_size=2))
+    try:
+        assert all(lin.native_parts is None for lin in fp32.model.layers[0].gate_up)
+    finally:
+        fp32.shutdown()
+
+
 def test_seed_reproduces_and_batching_does_not_change_fp32_greedy(model_dirs):
     engine = Engine(EngineConfig(model_path=model_dirs["w4a16"], dtype="float32", max_batch_size=4))
     try:

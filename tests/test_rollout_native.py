@@ -1,5 +1,6 @@
-"""The native W8A8-INT8 one-token kernel (rollout/int8_gemv.c via rollout/native.py): the learner's activation
-quantization bit for bit, the integer product exact, the fallback when it cannot be built."""
+"""The native one-token kernels (rollout/int8_gemv.c, int4_gemv.c via rollout/native.py): INT8 with the
+learner's activation quantization bit for bit and the integer product exact; W4A16 against a float64
+reference; the fallback when they cannot be built."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from megatron_qarl.qat.quantizer import quant_act_int8_per_token
 from megatron_qarl.rollout import native
 
 KERNEL = native.load()
-needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the engine runs torch's int8 kernels")
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the engine runs torch's low-bit kernels")
 
 
 def _codes(n, k, count, seed):
@@ -51,7 +52,7 @@ def test_quantization_equals_the_learners(seed, log_scale, bf16, rows, k):
     if rows > 1:
         x[1] = 0.0  # the 1e-10 floor
     x = x.to(torch.bfloat16 if bf16 else torch.float32)
-    q, s = KERNEL.quant(x)
+    q, s = KERNEL.int8_quant(x)
     q_ref, s_ref = quant_act_int8_per_token(x)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
 
@@ -66,11 +67,11 @@ def test_gemv_equals_the_exact_integer_product(n, k, r, x_rows, x_dtype):
     codes, scales = _codes(n, k, r, seed=n + k)
     x = (torch.randn(x_rows, k, generator=torch.Generator().manual_seed(k)) * 3).to(x_dtype)
     q, s = quant_act_int8_per_token(x)
-    y = KERNEL(x, codes, scales, torch.float32)
+    y = KERNEL.int8(x, codes, scales, torch.float32)
     assert y.shape == (r, n) and y.dtype == torch.float32
     assert torch.equal(y, _reference(q, s, codes, scales))
-    assert torch.equal(KERNEL.plain(q, s, codes, scales), y)
-    assert torch.equal(KERNEL(x, codes, scales, torch.bfloat16), y.to(torch.bfloat16))
+    assert torch.equal(KERNEL.int8_plain(q, s, codes, scales), y)
+    assert torch.equal(KERNEL.int8(x, codes, scales, torch.bfloat16), y.to(torch.bfloat16))
 
 
 @needs_kernel
@@ -80,9 +81,9 @@ def test_gemv_threads_do_not_change_the_result():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = KERNEL(x, codes, scales, torch.float32)
+        one = KERNEL.int8(x, codes, scales, torch.float32)
         torch.set_num_threads(2)
-        assert torch.equal(KERNEL(x, codes, scales, torch.float32), one)
+        assert torch.equal(KERNEL.int8(x, codes, scales, torch.float32), one)
     finally:
         torch.set_num_threads(before)
 
@@ -91,9 +92,42 @@ def test_gemv_threads_do_not_change_the_result():
 def test_bad_operands_get_clear_errors():
     codes, scales = _codes(16, 32, 3, seed=0)
     with pytest.raises(ValueError, match="2 activation rows for 3 linears"):
-        KERNEL(torch.randn(2, 32), codes, scales, torch.float32)
+        KERNEL.int8(torch.randn(2, 32), codes, scales, torch.float32)
     with pytest.raises(ValueError, match="2-D fp32 or bf16"):
-        KERNEL(torch.randn(1, 32, dtype=torch.float16), codes, scales, torch.float32)
+        KERNEL.int8(torch.randn(1, 32, dtype=torch.float16), codes, scales, torch.float32)
+
+
+def _int4_operands(n, k, group, count, seed):
+    g = torch.Generator().manual_seed(seed)
+    u = [torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g) for _ in range(count)]
+    words = [(x[:, 0::2] | (x[:, 1::2] << 4)).contiguous() for x in u]  # the int32 words' bytes
+    scales = [(torch.rand(n, k // group, generator=g) * 1e-2).to(torch.bfloat16) for _ in range(count)]
+    return u, words, scales
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "group", "r", "x_rows"), [(1536, 2048, 128, 16, 1), (2048, 768, 128, 8, 8),
+                                                              (64, 128, 64, 2, 1), (100, 256, 256, 3, 3)])
+def test_int4_gemv_equals_float64_reference(n, k, group, r, x_rows):
+    """y = sum_g s[n, g] sum_k x[k] (u - 8): fp32 accumulation within 1e-6 of the float64 result (relative to
+    its largest entry); the bf16 output is the fp32 one rounded as torch rounds."""
+    assert KERNEL.int4_ok  # AVX512-BF16 on these machines
+    u, words, scales = _int4_operands(n, k, group, r, seed=n + k)
+    x = torch.randn(x_rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y = KERNEL.int4(x, words, scales, group, torch.float32)
+    ref = torch.stack([x[0 if x_rows == 1 else i].double()
+                       @ ((u[i].double() - 8) * scales[i].double().repeat_interleave(group, 1)).T for i in range(r)])
+    assert y.shape == (r, n) and float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert torch.equal(KERNEL.int4(x, words, scales, group, torch.bfloat16), y.to(torch.bfloat16))
+
+
+@needs_kernel
+def test_int4_gemv_refuses_shapes_it_does_not_take():
+    _, words, scales = _int4_operands(16, 64, 32, 1, seed=0)
+    with pytest.raises(ValueError, match="unsupported shape .*group 32"):
+        KERNEL.int4(torch.randn(1, 64, dtype=torch.bfloat16), words, scales, 32, torch.float32)
+    with pytest.raises(ValueError, match="2-D bf16"):
+        KERNEL.int4(torch.randn(1, 64), words, scales, 64, torch.float32)
 
 
 def test_no_compiler_falls_back_with_a_logged_reason(monkeypatch, tmp_path, caplog):
@@ -102,7 +136,7 @@ def test_no_compiler_falls_back_with_a_logged_reason(monkeypatch, tmp_path, capl
     monkeypatch.setenv("CC", "/bin/false")
     with caplog.at_level(logging.WARNING, logger="megatron_qarl.rollout.native"):
         assert native.load() is None
-    assert "torch's int8 kernels instead" in caplog.text and "/bin/false" in caplog.text
+    assert "torch's low-bit kernels instead" in caplog.text and "/bin/false" in caplog.text
     assert not list(tmp_path.glob("*.so"))  # a failed build leaves nothing to load later
     monkeypatch.setattr(native, "_LOADED", {})
     monkeypatch.setenv("QARL_NATIVE_KERNELS", "0")

@@ -241,7 +241,7 @@ class Int8Linear(Linear):
 
     def mm(self, x: Tensor | QuantAct) -> Tensor:
         if isinstance(x, QuantAct) and x.shape[0] == 1 and self.gemv is not None:
-            return self.gemv(x.x_TK, [self.codes_NK], [self.w_scale_N], self.dtype)
+            return self.gemv.int8(x.x_TK, [self.codes_NK], [self.w_scale_N], self.dtype)
         if not isinstance(x, QuantAct) or not self.use_onednn:
             x_TK = x if not isinstance(x, QuantAct) else dequant_act_int8_per_token(x.q_TK, x.s_T1, self.dtype)
             return torch.ops.aten._weight_int8pack_mm(x_TK, self.codes_NK, self.scale_N)
@@ -258,7 +258,7 @@ class Int8Linear(Linear):
         first: Int8Linear = linears[0]  # type: ignore[assignment]
         if not isinstance(x, QuantAct) or first.gemv is None:
             return super().rows_mm(linears, x)
-        return first.gemv(x.x_TK, [lin.codes_NK for lin in linears],  # type: ignore[attr-defined]
+        return first.gemv.int8(x.x_TK, [lin.codes_NK for lin in linears],  # type: ignore[attr-defined]
                           [lin.w_scale_N for lin in linears], first.dtype)  # type: ignore[attr-defined]
 
 
@@ -356,10 +356,48 @@ class Int4Linear(Linear):
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u_NK.to(torch.int32), INT4_INNER_K_TILES)
         self.scale_zeros = torch.cat(sz_parts).transpose(0, 1).contiguous()  # [K/G, N, 2]
+        self.native_parts = self._native_parts()
+
+    def _native_parts(self) -> list[tuple[Tensor, Tensor]] | None:
+        """(4-bit fields as uint8 [n, K/2], bf16 scales [n, K/G]) per fused linear, views of the store, for the
+        native one-token kernel; None where it does not apply (fp32 mode, zero points, a group that is not
+        a multiple of 64, fused linears of different n, no AVX512-BF16), and torch's kernel runs instead."""
+        kernels = native.load()
+        if kernels is None or not kernels.int4_ok or self.dtype != torch.bfloat16 or sys.byteorder != "little":
+            return None
+        if self.group % 64 or self.k % self.group or len(set(self.splits)) != 1:
+            return None
+        parts = []
+        for p in self.prefixes:
+            words, scale = self.store[f"{p}.weight_packed"], self.store[f"{p}.weight_scale"]
+            if f"{p}.weight_zero_point" in self.store or scale.dtype != torch.bfloat16:
+                return None
+            if not (words.is_contiguous() and scale.is_contiguous()) or words.shape[1] * 8 != self.k:
+                return None
+            parts.append((words.view(torch.uint8), scale))  # little-endian: byte j = u[2j] | u[2j + 1] << 4
+        self.kernels = kernels
+        return parts
 
     def mm(self, x_TK: Tensor) -> Tensor:
+        if self.native_parts is not None and x_TK.shape[0] == 1:  # [parts, n] -> [1, N]: gate | up
+            return self._native([self], x_TK).view(1, -1)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x_TK.contiguous(), self.packed, self.group,
                                                           self.scale_zeros)
+
+    def _native(self, linears: list[Int4Linear], x_TK: Tensor) -> Tensor:
+        parts = [part for lin in linears for part in lin.native_parts]  # type: ignore[union-attr]
+        return self.kernels.int4(x_TK, [w for w, _ in parts], [s for _, s in parts], self.group, self.dtype)
+
+    @classmethod
+    def rows_mm(cls, linears: list[Linear], x) -> Tensor:
+        """One native call for a token's k experts (gate_up: the token through 2k linears; down: row i
+        through expert i's), where every linear takes the native kernel with the same shapes."""
+        first: Int4Linear = linears[0]  # type: ignore[assignment]
+        same = all(isinstance(lin, Int4Linear) and lin.native_parts is not None and lin.splits == first.splits
+                   and lin.k == first.k and lin.group == first.group for lin in linears)
+        if not same or (x.shape[0] != 1 and len(first.splits) != 1):
+            return super().rows_mm(linears, x)
+        return first._native(linears, x).view(len(linears), -1)  # type: ignore[arg-type]
 
 
 def make_linear(prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype, fp8_block: int | None) -> Linear:
