@@ -408,7 +408,8 @@ def render(arch, runs, bws, kernel_rows, profile_rows, args, seconds) -> str:
         f"# Decode throughput of the embedded engine, {args.threads} thread(s)", "",
         f"Command: `.venv/bin/python {cmd}` ({seconds / 60:.0f} min, torch {torch.__version__}, "
         f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`).",
-        f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs of a VM (shared with another developer's test runs), "
+        f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs of a VM (other tenants of its host are invisible "
+        "to it), "
         f"{args.threads} torch thread(s). Read bandwidth (fp32 sum of 0.5-1 GiB, {args.threads} thread(s)), "
         f"measured {len(bws)} times in this run, once before every batch-1 run: {min(bws):.1f}-{max(bws):.1f} GB/s "
         f"(median {_median(bws):.1f}); it moves with the host's load, which the VM does not see. CPU stall (PSI: "

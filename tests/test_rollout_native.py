@@ -16,6 +16,7 @@ from megatron_qarl.rollout import native
 
 KERNEL = native.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the engine runs torch's low-bit kernels")
+needs_int4 = pytest.mark.skipif(KERNEL is None or not KERNEL.int4_ok, reason="no AVX512-BF16: torch's int4 kernel runs")
 
 
 def _codes(n, k, count, seed):
@@ -38,6 +39,7 @@ def test_kernel_builds_here():
     assert KERNEL.path.exists() and native.build() == KERNEL.path
     flags = open("/proc/cpuinfo").read()
     assert KERNEL.vnni == ("avx512_vnni" in flags and "avx512bw" in flags)
+    assert KERNEL.int4_ok == ("avx512_bf16" in flags and "avx512bw" in flags)
 
 
 @needs_kernel
@@ -105,13 +107,12 @@ def _int4_operands(n, k, group, count, seed):
     return u, words, scales
 
 
-@needs_kernel
+@needs_int4
 @pytest.mark.parametrize(("n", "k", "group", "r", "x_rows"), [(1536, 2048, 128, 16, 1), (2048, 768, 128, 8, 8),
                                                               (64, 128, 64, 2, 1), (100, 256, 256, 3, 3)])
 def test_int4_gemv_equals_float64_reference(n, k, group, r, x_rows):
     """y = sum_g s[n, g] sum_k x[k] (u - 8): fp32 accumulation within 1e-6 of the float64 result (relative to
     its largest entry); the bf16 output is the fp32 one rounded as torch rounds."""
-    assert KERNEL.int4_ok  # AVX512-BF16 on these machines
     u, words, scales = _int4_operands(n, k, group, r, seed=n + k)
     x = torch.randn(x_rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = KERNEL.int4(x, words, scales, group, torch.float32)
@@ -121,7 +122,7 @@ def test_int4_gemv_equals_float64_reference(n, k, group, r, x_rows):
     assert torch.equal(KERNEL.int4(x, words, scales, group, torch.bfloat16), y.to(torch.bfloat16))
 
 
-@needs_kernel
+@needs_int4
 def test_int4_gemv_refuses_shapes_it_does_not_take():
     _, words, scales = _int4_operands(16, 64, 32, 1, seed=0)
     with pytest.raises(ValueError, match="unsupported shape .*group 32"):

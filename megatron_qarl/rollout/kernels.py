@@ -222,8 +222,10 @@ class Int8Linear(Linear):
         self.names = [f"{p}.{s}" for p in prefixes for s in ("weight", "weight_scale")]
         self.dtype = dtype
         self.use_onednn = _onednn_int8()
-        # the native one-token kernel (native.py) reads the codes and scales in place: contiguous, as made here
-        self.gemv = native.load() if dtype in (torch.bfloat16, torch.float32) else None
+        # the native one-token kernel (native.py) reads the codes and scales in place: contiguous, as made here.
+        # Only with VNNI: its plain C loop (other CPUs) is a test reference, slower than oneDNN.
+        lib = native.load() if dtype in (torch.bfloat16, torch.float32) else None
+        self.gemv = lib if lib is not None and lib.vnni else None
         self.refresh()
 
     def refresh(self) -> None:
