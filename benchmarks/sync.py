@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from safetensors.torch import save_file
 
@@ -40,6 +37,7 @@ from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import free_port, init_parallel, run_ranks
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import quantize_checkpoint
+from megatron_qarl.rollout.process import ServerProcess, embedded_command
 from megatron_qarl.sync.broadcaster import DistributedBroadcaster, Engine
 from megatron_qarl.sync.payload import iter_sync_tensors
 
@@ -89,24 +87,13 @@ def write_slice(out: Path) -> Path:
     return out
 
 
-def start_server(model_dir: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, threads: int, log: Path) -> ServerProcess:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_qarl.cli", "serve", "--model", str(model_dir), "--port",
-                             str(port), "--dtype", "bfloat16", "--max-batch-size", "2", "--max-seq-len", "64"],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                            env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"qarl serve exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("qarl serve did not become healthy")
+    server = ServerProcess(embedded_command(str(model_dir), port, max_batch_size=2, max_seq_len=64),
+                           f"http://127.0.0.1:{port}", log, env={"OMP_NUM_THREADS": str(threads)},
+                           startup_timeout_s=600)
+    server.start()
+    return server
 
 
 def measure(model_dir: str, scheme: str, url: str, syncs: int, threads: int) -> dict:
@@ -174,12 +161,11 @@ def main() -> None:
             base = dirs[model]
             for scheme in ("bf16", "w4a16"):
                 served = base if scheme == "bf16" else quantize_checkpoint(base, "w4a16", Path(tmp) / f"{model}-w4a16")
-                proc, url = start_server(Path(served), args.threads, Path(tmp) / "server.log")
+                server = start_server(Path(served), args.threads, Path(tmp) / "server.log")
                 try:
-                    r = run_ranks(1, measure, str(base), scheme, url, args.syncs, args.threads)[0]
+                    r = run_ranks(1, measure, str(base), scheme, server.url, args.syncs, args.threads)[0]
                 finally:
-                    proc.kill()
-                    proc.wait()
+                    server.stop()
                 r.update(model=model, scheme=scheme, apply_s=server_apply_seconds(Path(served), args.threads))
                 rows.append(r)
                 print(json.dumps(r), flush=True)

@@ -33,16 +33,37 @@ def tiny_model_dir() -> str:
     return str(TINY_MODEL)
 
 
-@pytest.fixture(scope="session")
-def random_model_dir(tmp_path_factory) -> str:
-    """A randomly initialised Qwen3-MoE with the tiny model's shapes but 2 layers (fast)."""
+def _write_random_moe(out: Path, eos_token_id: int | None = None) -> str:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    out = tmp_path_factory.mktemp("random_moe")
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
                          moe_intermediate_size=128, intermediate_size=256, max_position_embeddings=128,
-                         tie_word_embeddings=False, norm_topk_prob=True, rope_theta=10000.0)
+                         tie_word_embeddings=False, norm_topk_prob=True, rope_theta=10000.0,
+                         **({} if eos_token_id is None else {"eos_token_id": eos_token_id}))
     Qwen3MoeForCausalLM(cfg).save_pretrained(out)
     return str(out)
+
+
+def _private_tiny_copy(out: Path) -> str:
+    """A private copy of the trained tiny checkpoint in ``out`` (a colleague may be re-training it); a random
+    model with its shapes (eos 1) while it is being rebuilt."""
+    if not (TINY_MODEL / "model.safetensors").is_file():
+        return _write_random_moe(out, eos_token_id=1)
+    for f in TINY_MODEL.iterdir():
+        if f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def private_tiny_copy():
+    """``private_tiny_copy(dir) -> str``: the rollout tests serve a copy of the tiny checkpoint."""
+    return _private_tiny_copy
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory) -> str:
+    """A randomly initialised Qwen3-MoE with the tiny model's shapes but 2 layers (fast)."""
+    return _write_random_moe(tmp_path_factory.mktemp("random_moe"))

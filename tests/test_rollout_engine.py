@@ -35,24 +35,9 @@ N_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory) -> str:
+def base_dir(tmp_path_factory, private_tiny_copy) -> str:
     """The trained tiny checkpoint (real margins between logits); a random one if it is being rebuilt."""
-    if (TINY / "model.safetensors").is_file():
-        out = tmp_path_factory.mktemp("tiny")  # a private copy: a colleague may be re-training it
-        for f in TINY.iterdir():
-            if f.is_file():
-                (out / f.name).write_bytes(f.read_bytes())
-        return str(out)
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    out = tmp_path_factory.mktemp("random_moe")
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=128, intermediate_size=256, max_position_embeddings=128,
-                         tie_word_embeddings=False, norm_topk_prob=True, rope_theta=10000.0, eos_token_id=1)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
-    return str(out)
+    return private_tiny_copy(tmp_path_factory.mktemp("tiny"))
 
 
 def prompt_ids(model_dir: str) -> list[list[int]]:

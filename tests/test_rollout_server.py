@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import shutil
 import socket
 import threading
 import time
@@ -24,22 +23,8 @@ TINY = REPO / "checkpoints" / "tiny-qwen3-moe"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("served")
-    if (TINY / "model.safetensors").is_file():
-        for f in TINY.iterdir():
-            if f.is_file():
-                shutil.copy(f, out / f.name)
-        return str(out)
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=128, intermediate_size=256, max_position_embeddings=128,
-                         tie_word_embeddings=False, norm_topk_prob=True, rope_theta=10000.0, eos_token_id=1)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
-    return str(out)
+def model_dir(tmp_path_factory, private_tiny_copy) -> str:
+    return private_tiny_copy(tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 import torch
@@ -18,40 +13,27 @@ from megatron_qarl.moe.parallelize import free_port, init_parallel, run_ranks
 from megatron_qarl.moe.verify import world_size
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import quantize_checkpoint
+from megatron_qarl.rollout.process import ServerProcess, embedded_command
 from megatron_qarl.sync.broadcaster import DistributedBroadcaster, Engine, SyncError
 
 pytestmark = pytest.mark.multiproc
 
 
-def start_server(model_dir: str, log_path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str, log_path, port: int | None = None) -> ServerProcess:
     port = port or free_port()
-    log = open(log_path, "ab")  # noqa: SIM115 - closed by the fixture
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_qarl.cli", "serve", "--model", model_dir, "--port",
-                             str(port), "--dtype", "float32"], stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"qarl serve exited: {open(log_path).read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("qarl serve did not become healthy in 120 s")
+    server = ServerProcess(embedded_command(model_dir, port, dtype="float32"), f"http://127.0.0.1:{port}", log_path,
+                           env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=120)
+    server.start()
+    return server
 
 
 @pytest.fixture
 def w4a16_server(tiny_model_dir, tmp_path):
     qdir = tmp_path / "w4a16"
     quantize_checkpoint(tiny_model_dir, "w4a16", qdir)
-    procs = [start_server(str(qdir), tmp_path / "server.log")]
-    yield procs, str(qdir)
-    for proc, _ in procs:
-        proc.kill()
-        proc.wait()
+    server = start_server(str(qdir), tmp_path / "server.log")
+    yield server
+    server.stop()
 
 
 def _sync_then_score(model_dir: str, tp: int, ep: int, url: str, aligned: bool) -> dict | None:
@@ -90,7 +72,7 @@ def _sync_then_score(model_dir: str, tp: int, ep: int, url: str, aligned: bool) 
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])
 def test_sync_then_server_logprobs_equal_the_aligned_learner(tp, ep, tiny_model_dir, w4a16_server):
-    url = w4a16_server[0][0][1]
+    url = w4a16_server.url
     out = run_ranks(world_size(tp, ep), _sync_then_score, tiny_model_dir, tp, ep, url, True)[0]
     print(f"\ntp={tp} ep={ep}: aligned W4A16 learner vs W4A16 server: max |dlogp| {out['max_abs']:.2e}, "
           f"mean {out['mean_abs']:.2e} over {out['tokens']} tokens; sync {out['report'].bytes} B in "
@@ -100,7 +82,7 @@ def test_sync_then_server_logprobs_equal_the_aligned_learner(tp, ep, tiny_model_
 
 
 def test_bf16_learner_against_w4a16_server_reports_the_mismatch(tiny_model_dir, w4a16_server):
-    url = w4a16_server[0][0][1]
+    url = w4a16_server.url
     out = run_ranks(1, _sync_then_score, tiny_model_dir, 1, 1, url, False)[0]
     print(f"\nunaligned fp32 learner vs W4A16 server: max |dlogp| {out['max_abs']:.2e}, mean {out['mean_abs']:.2e}")
     assert out["max_abs"] > 1e-3  # the quantization the learner does not see
@@ -108,9 +90,8 @@ def test_bf16_learner_against_w4a16_server_reports_the_mismatch(tiny_model_dir, 
 
 def test_server_killed_during_a_sync_fails_naming_it_and_a_restarted_one_joins(tiny_model_dir, w4a16_server,
                                                                                tmp_path):
-    procs, qdir = w4a16_server
-    proc, url = procs[0]
-    port = int(url.rsplit(":", 1)[1])
+    server = w4a16_server
+    url = server.url
 
     def body():  # world size 1 runs in this process, so it can kill and restart the server
         arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
@@ -118,12 +99,12 @@ def test_server_killed_during_a_sync_fails_naming_it_and_a_restarted_one_joins(t
         learner = Learner(arch, ParallelConfig(), OptimConfig(), quant=QuantConfig(scheme="w4a16"))
         learner.load_hf(tiny_model_dir)
         killer = DistributedBroadcaster([Engine(url)], dtype=torch.float32, bucket_bytes=64 << 10,
-                                        progress=lambda buckets, _: proc.kill() if buckets == 2 else None)
+                                        progress=lambda buckets, _: server.proc.kill() if buckets == 2 else None)
         with pytest.raises(SyncError, match=url.replace(".", r"\.")) as failure:
             killer.sync(learner)
         killer.close()
-        proc.wait()
-        procs.append(start_server(qdir, tmp_path / "server.log", port=port))
+        server.proc.wait()
+        server.start()  # the same command: the same port
         report = DistributedBroadcaster([Engine(url)], dtype=torch.float32, verify=True, group_name="second",
                                         ).sync(learner)
         return str(failure.value), report
