@@ -66,6 +66,9 @@ def slurm_conf(root: Path, *, nodes: int, cpus: int, memory_mb: int, ctld_port: 
         "SlurmUser=root",
         "SlurmdUser=root",
         "AuthType=auth/none",
+        # cred_expire also sets how long slurmd refuses to relaunch a killed job id, so how long a requeued job
+        # is held back (default 120 s); starting it earlier gets "Job credential revoked" and the job FAILS
+        "AuthInfo=cred_expire=10",
         "CredType=cred/none",
         f"StateSaveLocation={root}/state",
         f"SlurmdSpoolDir={root}/spool/%n",
