@@ -12,9 +12,9 @@ Attention, router, norms, embeddings and lm_head stay in the compute dtype; only
 low-bit in the checkpoint run low-bit kernels.
 
 Decode speed (benchmarks/decode.py, BENCHMARKS.md) comes from: dense bf16 GEMMs on oneDNN-prepacked
-weights, the int4 / int8 kernels of ``kernels.py``, q and k normalised and rotated as one tensor,
-grouped-query attention as one SDPA call without K/V copies, and a batch-1 MoE path without row
-bookkeeping: per decoded token the step is about 40 kernel calls per layer plus a few dozen small ops.
+weights, the int4 / int8 kernels of ``kernels.py`` (at one token, native ones that take a token's k experts
+in one call), q and k normalised and rotated as one tensor, grouped-query attention as one SDPA call
+without K/V copies, and a batch-1 MoE path without row bookkeeping (``Linear.rows_mm``).
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ class Qwen3MoeEngineModel:
         inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         freqs_SD2 = torch.arange(max_seq_len).float()[:, None] * inv_freq[None, :]
         emb_SD = torch.cat((freqs_SD2, freqs_SD2), dim=-1)
-        self.cos_SD, self.sin_SD = emb_SD.cos().to(dtype), emb_SD.sin().to(dtype)
-        self.sin_signed_SD = torch.cat([-self.sin_SD[:, : d // 2], self.sin_SD[:, d // 2 :]], dim=-1)
+        self.cos_SD, sin_SD = emb_SD.cos().to(dtype), emb_SD.sin().to(dtype)
+        self.sin_signed_SD = torch.cat([-sin_SD[:, : d // 2], sin_SD[:, d // 2 :]], dim=-1)  # see apply_rope
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype, slots: int, max_seq_len: int | None):
@@ -213,10 +213,9 @@ class Qwen3MoeEngineModel:
                 groups.setdefault(e, ([], []))[0].append(t)
                 groups[e][1].append(k)
         experts = sorted(groups)  # ascending expert id, as HF accumulates
-        single = x_TH.shape[0] == 1
         # W8A8 quantizes activations per token (row-wise): once for all experts' gate_up, once for all downs
         x_in = layer.gate_up[experts[0]].prepare(x_TH)
-        if single:  # decode at batch 1: no row bookkeeping; the top-k outputs are summed by one weighted GEMM
+        if x_TH.shape[0] == 1:  # batch-1 decode: no row bookkeeping; one weighted GEMM sums the top-k outputs
             gate_up, down = [layer.gate_up[e] for e in experts], [layer.down[e] for e in experts]
             y = type(gate_up[0]).rows_mm(gate_up, x_in)  # [k, 2I]: gate | up per expert
             n = gate_up[0].splits[0]
@@ -225,7 +224,7 @@ class Qwen3MoeEngineModel:
             return torch.mm(top_TK[:, [groups[e][1][0] for e in experts]], ys)
         h_parts = []
         for e in experts:
-            gate, up = layer.gate_up[e].split(layer.gate_up[e].mm(x_in if single else x_in[groups[e][0]]))
+            gate, up = layer.gate_up[e].split(layer.gate_up[e].mm(x_in[groups[e][0]]))
             h_parts.append(F.silu(gate) * up)
         h_in = layer.down[experts[0]].prepare(torch.cat(h_parts) if len(h_parts) > 1 else h_parts[0])
         out_TH = torch.zeros_like(x_TH)
@@ -234,10 +233,7 @@ class Qwen3MoeEngineModel:
             tok, kpos = groups[e]
             y = layer.down[e].mm(h_in[row : row + h.shape[0]]) * top_TK[tok, kpos, None]
             row += h.shape[0]
-            if single:
-                out_TH += y
-            else:  # a token meets an expert at most once: rows of ``tok`` are distinct
-                out_TH[tok] += y
+            out_TH[tok] += y  # a token meets an expert at most once: rows of ``tok`` are distinct
         return out_TH
 
     @torch.inference_mode()
