@@ -38,7 +38,8 @@ setup(
     description="QaRL: rollout-aligned quantization-aware RL for Mixture-of-Experts LMs on Megatron-Core",
     packages=find_packages(include=["megatron_qarl", "megatron_qarl.*", "launch", "launch.*"]),
     include_package_data=True,
-    package_data={"megatron_qarl.rollout": ["int8_gemv.c", "int4_gemv.c"]},  # compiled on first use (rollout/native.py)
+    # the native kernels' sources, compiled on first use (megatron_qarl/rollout/native.py)
+    package_data={"megatron_qarl.rollout": ["int8_gemv.c", "int4_gemv.c", "qarl_bf16.h"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

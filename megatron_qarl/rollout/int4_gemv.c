@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "qarl_bf16.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define QARL_BF16DP 1
@@ -21,21 +23,6 @@
 int qarl_int4_gemv_supported(void) { return QARL_BF16DP; }
 
 #if QARL_BF16DP
-static inline float bf16_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* One weight row. Per 32 bytes (64 values): widen to 32 words, split the nibbles, map u -> bf16(u - 8) with
  * one word permute each, and two vdpbf16ps against the activation's even and odd elements (pairs of
  * adjacent lanes meet matching x). Each group's sum is independent (its scale applied with one FMA), so
@@ -53,7 +40,7 @@ static inline float row_int4(const uint16_t *xe, const uint16_t *xo, const uint8
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)wl, (__m512bh)_mm512_loadu_si512((const void *)(xe + j)));
             a1 = _mm512_dpbf16_ps(a1, (__m512bh)wh, (__m512bh)_mm512_loadu_si512((const void *)(xo + j)));
         }
-        __m512 sc = _mm512_set1_ps(bf16_f32(s[gi]));
+        __m512 sc = _mm512_set1_ps(bf16_to_f32(s[gi]));
         if (gi & 1)
             t1 = _mm512_fmadd_ps(_mm512_add_ps(a0, a1), sc, t1);
         else
@@ -79,7 +66,7 @@ int qarl_int4_gemv(const uint16_t *x, int64_t x_rows, int64_t K, int64_t G, cons
     uint16_t table[32] = {0};
     for (int u = 0; u < 16; u++) {
         float v = (float)(u - 8);
-        table[u] = f32_bf16(v);
+        table[u] = f32_to_bf16(v);
     }
     const __m512i lut = _mm512_loadu_si512((const void *)table);
     const int64_t rows_per_item = 16, blocks = (N + rows_per_item - 1) / rows_per_item, total = R * blocks;
@@ -91,7 +78,7 @@ int qarl_int4_gemv(const uint16_t *x, int64_t x_rows, int64_t K, int64_t G, cons
         for (int64_t n = n0; n < n1; n++) {
             float y = row_int4(xe, xe + K / 2, w[r] + n * (K / 2), s[r] + n * (K / G), K, G, lut);
             if (out_bf16)
-                ((uint16_t *)out)[r * N + n] = f32_bf16(y);
+                ((uint16_t *)out)[r * N + n] = f32_to_bf16(y);
             else
                 ((float *)out)[r * N + n] = y;
         }

@@ -36,6 +36,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("int8_gemv.c"), Path(__file__).with_name("int4_gemv.c")]
+HEADERS = [Path(__file__).with_name("qarl_bf16.h")]  # included by both: part of the build's cache key
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
@@ -151,7 +152,7 @@ def build(out_dir: Path | None = None) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(src + cc.encode()).hexdigest()[:12]
     out_dir = out_dir or cache_dir()
     lib = out_dir / f"qarl_kernels-{key}-{_cpu_id()}.so"
