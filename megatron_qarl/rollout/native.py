@@ -70,9 +70,8 @@ class Kernels:
         if x_TK.dtype != torch.bfloat16 or x_TK.dim() != 2:
             raise ValueError(f"int4 GEMV: activation must be a 2-D bf16 tensor, got {x_TK.dtype} {list(x_TK.shape)}")
         out = torch.empty((r, n), dtype=out_dtype)
-        args = (x_TK.data_ptr(), x_TK.shape[0], x_TK.shape[1], group, (_P * r)(*[p.data_ptr() for p in packed]),
-                (_P * r)(*[s.data_ptr() for s in scales]), r, n, out.data_ptr(), int(out_dtype == torch.bfloat16),
-                torch.get_num_threads())
+        args = (x_TK.data_ptr(), x_TK.shape[0], x_TK.shape[1], group, _ptrs(packed), _ptrs(scales), r, n,
+                out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
         rc = self._run(self.lib.qarl_int4_gemv, args)
         if rc == -1:
             raise ValueError(f"int4 GEMV: unsupported shape (K {x_TK.shape[1]}, group {group}, "
@@ -88,10 +87,8 @@ class Kernels:
         r, n = len(codes), codes[0].shape[0]
         x_TK = x_TK.contiguous()
         out = torch.empty((r, n), dtype=out_dtype)
-        w = (_P * r)(*[c.data_ptr() for c in codes])
-        sw = (_P * r)(*[s.data_ptr() for s in scales])
-        args = (x_TK.data_ptr(), _is_bf16(x_TK), x_TK.shape[0], x_TK.shape[1], w, sw, r, n, out.data_ptr(),
-                int(out_dtype == torch.bfloat16), torch.get_num_threads())
+        args = (x_TK.data_ptr(), _is_bf16(x_TK), x_TK.shape[0], x_TK.shape[1], _ptrs(codes), _ptrs(scales), r, n,
+                out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
         rc = self._run(self.lib.qarl_int8_gemv, args)
         _check(rc, x_TK.shape[0], r)
         return out
@@ -109,12 +106,16 @@ class Kernels:
         """The product of given codes by the kernel's plain C loop (fp32): the tests' reference for SIMD."""
         r, n = len(codes), codes[0].shape[0]
         out = torch.empty((r, n), dtype=torch.float32)
-        w = (_P * r)(*[c.data_ptr() for c in codes])
-        sw = (_P * r)(*[s.data_ptr() for s in scales])
         rc = self.lib.qarl_int8_gemv_plain(q_TK.contiguous().data_ptr(), s_T1.contiguous().data_ptr(),
-                                           q_TK.shape[0], q_TK.shape[1], w, sw, r, n, out.data_ptr())
+                                           q_TK.shape[0], q_TK.shape[1], _ptrs(codes), _ptrs(scales), r, n,
+                                           out.data_ptr())
         _check(rc, q_TK.shape[0], r)
         return out
+
+
+def _ptrs(tensors: list[Tensor]) -> ctypes.Array:
+    """The C array of the tensors' data pointers (one per linear)."""
+    return (_P * len(tensors))(*[t.data_ptr() for t in tensors])
 
 
 def _is_bf16(x: Tensor) -> int:
