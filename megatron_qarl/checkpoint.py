@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from megatron_qarl.errors import UserError
+from megatron_qarl.utils.parent_death import die_with_parent
 
 STATE_FILE = "trainer_state.json"
 
@@ -54,16 +55,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
 
 
-def _die_with_parent() -> None:
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def results_queue_dies_with_trainer() -> None:
     """dist-checkpointing's async writer gets its results queue from a multiprocessing Manager, a server
     process started on the first save that outlives its parent: every ``kill -9`` of a trainer (or a
@@ -80,7 +71,7 @@ def results_queue_dies_with_trainer() -> None:
     def get_write_results_queue():
         if fa._results_queue is None:
             manager = SyncManager(ctx=mp.get_context("spawn"))
-            manager.start(initializer=_die_with_parent)
+            manager.start(initializer=die_with_parent)
             fa._results_queue = manager.Queue()
             fa._qarl_manager = manager  # kept alive with the queue (and its pid visible to tests)
         return fa._results_queue

@@ -16,18 +16,7 @@ from pathlib import Path
 import httpx
 
 from megatron_qarl.errors import UserError
-
-
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGKILL when the process that started it dies (kill -9 of a trainer must not
-    leave servers holding ports and memory)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+from megatron_qarl.utils.parent_death import die_with_parent
 
 
 def embedded_command(model_dir: str, port: int, *, host: str = "127.0.0.1", dtype: str = "bfloat16",
@@ -56,7 +45,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
