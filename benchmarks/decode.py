@@ -7,11 +7,14 @@ lm_head, which stays BF16 in every scheme, does not dominate the bytes of a 2-la
 Per scheme, the bytes of weights read per decoded token at batch 1 (attention + router + the top-8 experts
 + lm_head + one embedding row + norms + the KV cache at the mean context) give the speedup over BF16 that
 memory bandwidth allows; we report the achieved speedup and the achieved GB/s against a read bandwidth
-measured in the same run with the same thread count (a 1 GiB fp32 sum, best of several, re-measured after
-every repeat). Decode time excludes the prefill: the clock starts when every sequence has its first token.
+measured in the same run with the same thread count (an fp32 sum of 0.5-1 GiB, measured again just before
+every batch-1 run). Decode time excludes the prefill: the clock starts when every sequence has its first
+token.
 
 Shared machines: every point is measured ``--repeats`` times, interleaved (repeat > scheme > batch) so that
-a load change hits every scheme alike, and the best run is kept. Each run also records the CPU stall
+a load change hits every scheme alike. Tokens/s columns keep the best run; speedups are the median of the
+ratios taken within each repeat, and bandwidth fractions the median over batch-1 runs, each against the
+bandwidth measured just before it. Each run also records the CPU stall
 Linux reports in /proc/pressure/cpu ("some" total: time in which a runnable task of the machine waited
 for a CPU) as a fraction of its wall time: ~0% means the machine was ours alone during that run.
 OpenMP's static scheduling makes 2-thread runs collapse (10-100x) when another process takes a core, so
@@ -38,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from statistics import median
 
 import torch
 import torch.nn.functional as F
@@ -347,7 +351,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3, help="best of this many interleaved runs per point")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved runs per point (tokens/s: the best; ratios: the median)")
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/decode_t{threads}.md")
     ap.add_argument("--skip-kernels", action="store_true", help="leave out table (1)")
     args = ap.parse_args()
@@ -390,11 +395,6 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-
 def render(arch, runs, bws, kernel_rows, profile_rows, args, seconds) -> str:
     context = PROMPT_LEN + args.steps // 2
     base = bytes_per_token(arch, "bf16", context)
@@ -412,9 +412,9 @@ def render(arch, runs, bws, kernel_rows, profile_rows, args, seconds) -> str:
         "to it), "
         f"{args.threads} torch thread(s). Read bandwidth (fp32 sum of 0.5-1 GiB, {args.threads} thread(s)), "
         f"measured {len(bws)} times in this run, once before every batch-1 run: {min(bws):.1f}-{max(bws):.1f} GB/s "
-        f"(median {_median(bws):.1f}); it moves with the host's load, which the VM does not see. CPU stall (PSI: "
+        f"(median {median(bws):.1f}); it moves with the host's load, which the VM does not see. CPU stall (PSI: "
         f"share of wall time some task of this VM waited for a CPU) over all decode runs: median "
-        f"{100 * _median(stalls):.0f}%, max {100 * max(stalls):.0f}%.", "",
+        f"{100 * median(stalls):.0f}%, max {100 * max(stalls):.0f}%.", "",
         "Model: Qwen3-30B-A3B-shaped slice, hidden 2048, 32/4 heads x 128, 128 experts x FFN 768, top-8, "
         f"2 layers, vocab 4096, random weights; prompt {PROMPT_LEN}, {args.steps} greedy decode steps; "
         f"{args.repeats} interleaved repeats; compute dtype bf16.", "",
@@ -442,21 +442,21 @@ def render(arch, runs, bws, kernel_rows, profile_rows, args, seconds) -> str:
         nbytes = bytes_per_token(arch, scheme, context)
         best = {b: max(r["tps"] for r in pick(name, b)) for b in BATCHES}
         ratios = [pick(name, 1, k)[0]["tps"] / pick("bf16", 1, k)[0]["tps"] for k in range(args.repeats)]
-        frac = _median([nbytes * r["tps"] / 1e9 / r["bw"] for r in pick(name, 1)])
-        stall = _median([r["stall"] for r in pick(name, 1)])
+        frac = median([nbytes * r["tps"] / 1e9 / r["bw"] for r in pick(name, 1)])
+        stall = median([r["stall"] for r in pick(name, 1)])
         label = "transformers generate bf16" if name == "transformers" else f"engine {name}"
         if name == "transformers":
-            speed, allowed_s, of_allowed = f"{_median(ratios):.2f}x", "-", "-"
+            speed, allowed_s, of_allowed = f"{median(ratios):.2f}x", "-", "-"
         else:
             allowed = base / nbytes
-            speed = f"{_median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
-            allowed_s, of_allowed = f"{allowed:.2f}x", f"{100 * _median(ratios) / allowed:.0f}%"
+            speed = f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+            allowed_s, of_allowed = f"{allowed:.2f}x", f"{100 * median(ratios) / allowed:.0f}%"
         lines.append(f"| {label} | {nbytes / 1e6:.1f} | {allowed_s} | {best[1]:.1f} | {best[4]:.1f} | {best[16]:.1f} | "
                      f"{speed} | {of_allowed} | {100 * frac:.0f}% | {100 * stall:.0f}% |")
 
     def vs_hf(b: int) -> float:
         reps = range(args.repeats)
-        return _median([pick("bf16", b, k)[0]["tps"] / pick("transformers", b, k)[0]["tps"] for k in reps])
+        return median([pick("bf16", b, k)[0]["tps"] / pick("transformers", b, k)[0]["tps"] for k in reps])
 
     ratios = ", ".join(f"b={b}: {vs_hf(b):.2f}x" for b in BATCHES)
     lines += ["", f"Engine bf16 / transformers generate (median of within-repeat ratios): {ratios}", ""]
