@@ -39,8 +39,11 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
     if r.backend == "embedded":
         return embedded_command(model_dir, port, host=host, dtype=r.dtype, max_batch_size=r.max_batch_size,
                                 api_key=r.api_key)
-    spec = SGLangServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server,
-                            mem_fraction_static=r.mem_fraction_static, api_key=r.api_key, random_seed=cfg.seed,
+    # the rollout manager seeds every sample (rollout/manager.py), which SGLang honours only in
+    # deterministic inference
+    spec = SGLangServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, ep=r.ep_size,
+                            dp=r.dp_size, mem_fraction_static=r.mem_fraction_static, api_key=r.api_key,
+                            random_seed=cfg.seed, deterministic_inference=True,
                             extra_args=("--max-running-requests", str(r.max_batch_size)))
     return launch_command(spec)
 

@@ -149,6 +149,8 @@ class RolloutConfig(_Section):
     backend: Literal["embedded", "sglang"] = "embedded"
     servers: int = Field(default=1, ge=1)
     gpus_per_server: int = Field(default=0, ge=0)
+    ep_size: int = Field(default=1, ge=1)  # SGLang's --ep-size: experts over ep, each split over tp / ep
+    dp_size: int = Field(default=1, ge=1)  # SGLang's --dp-size; must stay 1 (see _check_layout)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     max_batch_size: int = Field(default=128, ge=1)  # concurrent sequences per server (SGLang: --max-running-requests)
     threads: int | None = Field(default=None, ge=1)  # torch threads of an embedded server (None: all cores)
@@ -246,6 +248,14 @@ class QarlConfig(_Section):
         if self.launch.backend == "local" and self.world_size > 1:
             raise ConfigError(f"launch.backend: 'local' runs one learner rank; parallel.tp={self.parallel.tp}, "
                               f"parallel.ep={self.parallel.ep} need {self.world_size} (use 'ray')")
+        if not self.rollout.sampling.temperature > 0:
+            raise ConfigError(f"rollout.sampling.temperature: {self.rollout.sampling.temperature} must be > 0 to "
+                              "train: the learner divides its logits by the rollout's temperature, as SGLang's "
+                              "returned log-probs are of the temperature-scaled logits")
+        if self.rollout.backend == "sglang" and self.rollout.sync.verify:
+            raise ConfigError("rollout.sync.verify: a real SGLang server checksums its own fused, repacked and "
+                              "sharded parameters, which the learner cannot reproduce; verification is for the "
+                              "embedded server (docs/rollout.md, 'Against a real SGLang server')")
         if self.rollout.backend == "sglang" and self.rollout.gpus_per_server < 1:
             raise ConfigError("rollout.gpus_per_server: sglang servers need at least 1 GPU")
         return self
@@ -298,11 +308,19 @@ class QarlConfig(_Section):
         if self.rollout.backend == "sglang":
             from megatron_qarl.plan import LayoutError, ServerLayout, check_server_layout
 
+            ro = self.rollout
+            if ro.dp_size != 1:
+                raise ConfigError(f"rollout.dp_size: {ro.dp_size}: SGLang's weight updates assert dp_size == 1 "
+                                  "(an updatable server is one data-parallel replica); raise rollout.servers instead")
+            if ro.ep_size > ro.gpus_per_server or ro.gpus_per_server % ro.ep_size:
+                why = " (SGLang's block-FP8 MoE needs tp % ep == 0)" if self.quant.scheme == "w8a8_fp8" else ""
+                raise ConfigError(f"rollout.ep_size: {ro.ep_size} must divide rollout.gpus_per_server "
+                                  f"({ro.gpus_per_server}, SGLang's --tp-size){why}")
             try:
-                check_server_layout(arch, self.quant, ServerLayout(tp=self.rollout.gpus_per_server))
+                check_server_layout(arch, self.quant, ServerLayout(tp=ro.gpus_per_server, ep=ro.ep_size))
             except LayoutError as err:
                 raise ConfigError(f"rollout.gpus_per_server: SGLang cannot serve this model with "
-                                  f"--tp-size {self.rollout.gpus_per_server}: {err}") from None
+                                  f"--tp-size {ro.gpus_per_server} --ep-size {ro.ep_size}: {err}") from None
         return self
 
 

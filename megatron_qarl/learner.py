@@ -3,6 +3,13 @@
 Every rank of the learner group builds one `Learner` with the same batch; each data-parallel rank
 takes its slice of the responses. Log-probs come from Megatron's vocab-parallel cross entropy
 (logp = -CE), so the full vocabulary is never gathered on one rank.
+
+Temperature: SGLang returns the log-softmax of the temperature-scaled logits (its default; slime and
+verl divide the learner's logits the same way), so the learner's aligned and training forwards use
+
+    logp_t = log_softmax(z_t / T)[y_t]    (T = the rollout's sampling temperature)
+
+and every ratio and mismatch compares like with like.
 """
 
 from __future__ import annotations
@@ -60,13 +67,16 @@ class Learner:
 
     def __init__(self, arch: Qwen3MoeArch, parallel: ParallelConfig, optim: OptimConfig,
                  dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None, aligned: bool = True,
-                 micro_batch_size: int | None = None):
+                 micro_batch_size: int | None = None, temperature: float = 1.0):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if not temperature > 0:
+            raise ValueError(f"temperature: {temperature} must be > 0 (the learner divides its logits by it)")
         self.arch = arch
         self.parallel = parallel
+        self.temperature = float(temperature)
         self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
                                   dispatcher=parallel.dispatcher)
         # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
@@ -106,13 +116,19 @@ class Learner:
         return torch.nn.functional.pad(tokens_BS, (0, pad)) if pad else tokens_BS
 
     def logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """log pi(tokens[:, t+1] | tokens[:, :t+1]) for t < S-1: [B, S-1], fp32, with autograd."""
+        """log softmax(z / T)[tokens[:, t+1]] given tokens[:, :t+1], for t < S-1: [B, S-1], fp32, with
+        autograd (T = ``temperature``; the vocabulary stays split over tensor-parallel ranks)."""
+        from megatron.core import tensor_parallel
+
         seq = tokens_BS.shape[1]
         padded = self._pad_seq(tokens_BS.to(self.device))
-        labels = torch.roll(padded, -1, dims=1)
+        labels_BS = torch.roll(padded, -1, dims=1)
         s = padded.shape[1]
         position_ids = torch.arange(s, device=self.device).unsqueeze(0).expand_as(padded)
-        ce_BS = self.model(padded, position_ids, causal_mask(s).to(self.device), labels=labels)
+        logits_BSV = self.model(padded, position_ids, causal_mask(s).to(self.device))  # this rank's vocab shard
+        if self.temperature != 1.0:
+            logits_BSV = logits_BSV / self.temperature
+        ce_BS = tensor_parallel.vocab_parallel_cross_entropy(logits_BSV, labels_BS)
         return -ce_BS[:, : seq - 1].float()
 
     @torch.no_grad()

@@ -56,7 +56,8 @@ class LearnerWorker:
         arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.learner = Learner(arch, cfg.parallel, cfg.optim, dtype=dtype, quant=cfg.quant,
-                               aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size)
+                               aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size,
+                               temperature=cfg.rollout.sampling.temperature)
         self.learner.load_hf(cfg.model.path)
 
     # ------------------------------------------------------------------------------- compute

@@ -85,10 +85,27 @@ def test_bad_cluster_layouts_fail_naming_the_key(overrides, message):
 
 def test_sglang_server_width_must_suit_the_quantized_experts():
     # W4A16 with SGLang --tp-size 4 splits each expert's 768 columns into 192: not whole groups of 128
-    with pytest.raises(ConfigError, match=r"^rollout\.gpus_per_server: SGLang cannot serve .* --tp-size 4: "
+    with pytest.raises(ConfigError, match=r"^rollout\.gpus_per_server: SGLang cannot serve .* --tp-size 4 .*: "
                                           r".*768/4 is not a multiple of the w4a16 group"):
         load_config(REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml",
                     ["rollout.servers=2", "rollout.gpus_per_server=4"])
+
+
+@pytest.mark.parametrize(("config", "overrides", "message"), [
+    # SGLang's weight updates assert dp_size == 1: data parallelism is more servers
+    ("w4a16_tbpo_4x8", ["rollout.dp_size=2"], r"^rollout\.dp_size: 2: SGLang's weight updates assert dp_size == 1"),
+    # block-FP8 MoE needs tp % ep == 0
+    ("w8a8_fp8_tbpo_4x8", ["rollout.ep_size=3"], r"^rollout\.ep_size: 3 must divide .*block-FP8 MoE needs tp % ep"),
+    ("bf16_tbpo_4x8", ["rollout.ep_size=4"], r"^rollout\.ep_size: 4 must divide rollout\.gpus_per_server \(2"),
+])
+def test_sglang_servers_that_cannot_take_updates_are_refused(config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(REPO / f"configs/qwen3-30b-a3b/{config}.yaml", overrides)
+
+
+def test_training_temperature_must_be_positive():
+    with pytest.raises(ConfigError, match=r"^rollout\.sampling\.temperature: 0\.0 must be > 0 to train"):
+        load_config(REPO / "configs/cpu_default.yaml", ["rollout.sampling.temperature=0"])
 
 
 def test_cpu_config_has_no_gpu_accounting_and_world_size_defaults_to_lcm():

@@ -104,9 +104,12 @@ def test_launch_command_per_scheme(qcfg, scheme, tmp_path):
     assert checkpoint_scheme(path) == scheme
     cmd = launch_command(SGLangServerSpec(model_path=path, port=31000, tp=4, ep=4, host="0.0.0.0", api_key="s"),
                          python="python")
+    runner = ["--moe-runner-backend", "marlin"] if scheme == "w4a16" else []  # Triton's W4A16 breaks updates
     assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", path, "--host", "0.0.0.0",
-                   "--port", "31000", "--tp-size", "4", "--ep-size", "4", "--api-key", "s"]
+                   "--port", "31000", "--tp-size", "4", "--ep-size", "4", *runner, "--api-key", "s"]
     assert "--quantization" not in cmd  # offline-quantized: SGLang reads config.json
+    seeded = launch_command(SGLangServerSpec(model_path=path, deterministic_inference=True), python="python")
+    assert "--enable-deterministic-inference" in seeded  # else SGLang ignores sampling_seed
 
 
 def test_launch_command_multi_node(tmp_path):
@@ -122,6 +125,11 @@ def test_launch_command_errors(tmp_path):
         launch_command(SGLangServerSpec(model_path=_ckpt(tmp_path), nnodes=2))
     with pytest.raises(ValueError, match="ep_size 8 cannot exceed"):
         launch_command(SGLangServerSpec(model_path=_ckpt(tmp_path), tp=4, ep=8))
+    with pytest.raises(ValueError, match="dp=2: SGLang's weight updates assert dp_size == 1"):
+        launch_command(SGLangServerSpec(model_path=_ckpt(tmp_path), tp=2, dp=2))
+    fp8 = _ckpt(tmp_path, {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match="block-FP8 MoE needs tp % ep == 0"):
+        launch_command(SGLangServerSpec(model_path=fp8, tp=6, ep=4))
     with pytest.raises(ValueError, match="quant_method 'awq' is not one of ours"):
         launch_command(SGLangServerSpec(model_path=_ckpt(tmp_path, {"quant_method": "awq"})))
     with pytest.raises(FileNotFoundError, match="config.json: not found"):

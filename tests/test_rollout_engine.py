@@ -8,7 +8,6 @@ with the profiler and by the absence of float copies of the expert weights), and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
 import subprocess
@@ -27,6 +26,8 @@ from megatron_qarl.qat.fake_quant import fake_quant_act
 from megatron_qarl.rollout import native
 from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams
 from megatron_qarl.rollout.kernels import DenseLinear, Fp8Linear, Int4Linear, Int8Linear
+from megatron_qarl.rollout.server import NO_SESSION, OUTSIDE_SESSION, SESSION_OPEN
+from megatron_qarl.sync.checksum import engine_checksum, overall_checksum, weight_checksums
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "checkpoints" / "tiny-qwen3-moe"
@@ -367,22 +368,48 @@ def test_update_weights_from_distributed(model_dirs, tmp_path):
         port = free_port()
         trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(new_dir)], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        update = {"names": list(sent), "dtypes": [str(t.dtype).removeprefix("torch.") for t in sent.values()],
+                  "shapes": [list(t.shape) for t in sent.values()], "weight_version": "v2"}
+        # SGLang's session rules, with its status codes and words: no update, no end outside a session
+        r = client.post("/update_weights_from_distributed", json=update)
+        assert (r.status_code, r.json()) == (400, {"success": False, "message": OUTSIDE_SESSION})
+        r = client.post("/end_weight_update", json={})
+        assert (r.status_code, r.json()) == (400, {"success": False, "message": NO_SESSION})
         r = client.post("/init_weights_update_group", json={
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "weight_update_group", "backend": "gloo"})
         assert r.status_code == 200 and r.json()["success"], r.text
-        r = client.post("/update_weights_from_distributed", json={
-            "names": list(sent), "dtypes": [str(t.dtype).removeprefix("torch.") for t in sent.values()],
-            "shapes": [list(t.shape) for t in sent.values()], "weight_version": "v2"})
-        assert r.status_code == 200 and r.json()["success"], r.text
+        assert client.post("/begin_weight_update", json={}).json() == {"success": True, "message": "Success"}
+        r = client.post("/begin_weight_update", json={"selector": "all"})
+        assert (r.status_code, r.json()) == (400, {"success": False, "message": SESSION_OPEN})
+        refreshed = []  # the low-bit layers are rebuilt once, at end_weight_update, not per bucket
+        def counted(lin):
+            inner = lin.refresh
+
+            def refresh():
+                refreshed.append(lin)
+                inner()
+            return refresh
+
+        for lin in {id(v): v for v in engine.model.owner.values()}.values():
+            lin.refresh = counted(lin)
+        half = len(sent) // 2
+        for part in (slice(0, half), slice(half, None)):  # two buckets; the trainer broadcasts one stream
+            bucket = {k: v[part] for k, v in update.items() if k != "weight_version"}
+            r = client.post("/update_weights_from_distributed", json={**bucket, "weight_version": "v2"})
+            assert r.status_code == 200 and r.json()["success"], r.text
+            assert refreshed == []
+        assert client.post("/end_weight_update", json={}).json() == {"success": True, "message": "Success"}
+        touched = {id(engine.model.owner[n]) for n in sent if n in engine.model.owner}
+        assert len(refreshed) == len(touched) > 0 and {id(lin) for lin in refreshed} == touched
         assert client.post("/destroy_weights_update_group", json={}).json()["success"]
         out, err = trainer.communicate("\n", timeout=60)
         assert trainer.returncode == 0 and "sent" in out, err
-        sums = client.get("/weights_checksum").json()
-        assert sums["weight_version"] == "v2"
-        expected = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                    for n, t in sent.items()}
-        assert sums["checksums"] == expected
+        assert client.get("/get_model_info").json()["weight_version"] == "v2"
+        checked = client.post("/weights_checker", json={"action": "checksum"}).json()
+        (rank,) = checked["ranks"]
+        assert rank["checksums"] == weight_checksums(sent)  # SGLang's checksum definition over what was sent
+        assert checked["per_engine_checksum"] == engine_checksum([overall_checksum(rank["checksums"])])
         after = client.post("/generate", json=gen).json()
         assert all(r["meta_info"]["weight_version"] == "v2" for r in after)
         want = [r.output_ids for r in run(fresh, gen["input_ids"], temperature=0.0, max_new_tokens=8)]

@@ -306,7 +306,8 @@ def test_non_loopback_needs_api_key(server):
                                ("post", "/init_weights_update_group", {}), ("post", "/flush_cache", None),
                                ("post", "/pause_generation", None), ("post", "/continue_generation", None),
                                ("post", "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}),
-                               ("post", "/destroy_weights_update_group", {}), ("get", "/weights_checksum", None),
+                               ("post", "/destroy_weights_update_group", {}), ("post", "/weights_checker", {}),
+                               ("post", "/begin_weight_update", {}), ("post", "/end_weight_update", {}),
                                ("get", "/get_model_info", None), ("post", "/generate", {"input_ids": [2]})]:
         for headers in ({}, {"Authorization": "Bearer nope"}):
             r = client.request(method.upper(), path, json=body, headers=headers)

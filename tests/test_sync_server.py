@@ -14,6 +14,8 @@ from megatron_qarl.moe.verify import world_size
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import quantize_checkpoint
 from megatron_qarl.rollout.process import ServerProcess, embedded_command
+from megatron_qarl.rollout.server import OUTSIDE_SESSION
+from megatron_qarl.sync import broadcaster as broadcaster_mod
 from megatron_qarl.sync.broadcaster import DistributedBroadcaster, Engine, SyncError
 
 pytestmark = pytest.mark.multiproc
@@ -110,5 +112,54 @@ def test_server_killed_during_a_sync_fails_naming_it_and_a_restarted_one_joins(t
         return str(failure.value), report
 
     message, report = run_ranks(1, body)[0]
-    print(f"\nsync to a killed server: {message[:200]}")
+    print(f"\nsync to a killed server (between begin and end): {message[:200]}")
     assert report.checksums and report.buckets == 1
+
+
+def test_sync_follows_sglang_session_order_and_a_client_without_session_fails_as_on_sglang(
+        tiny_model_dir, w4a16_server, monkeypatch):
+    """pause -> flush -> begin -> buckets -> end -> continue, against `qarl serve`; a broadcaster that skips
+    begin_weight_update is refused with SGLang's 400 and words, and leaves no broadcast pending."""
+    import time
+
+    url = w4a16_server.url
+    calls: list[str] = []
+    real_post = httpx.post
+
+    def recording_post(target, *args, **kwargs):
+        calls.append(target.removeprefix(url))
+        return real_post(target, *args, **kwargs)
+
+    monkeypatch.setattr(broadcaster_mod.httpx, "post", recording_post)
+
+    def body():
+        arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
+        init_parallel()
+        learner = Learner(arch, ParallelConfig(), OptimConfig(), quant=QuantConfig(scheme="w4a16"))
+        learner.load_hf(tiny_model_dir)
+        sync = DistributedBroadcaster([Engine(url)], dtype=torch.float32, verify=True, bucket_bytes=256 << 10)
+        report = sync.sync(learner)
+        sync.close()
+        order = list(calls)
+        calls.clear()
+        forgetful = DistributedBroadcaster([Engine(url)], dtype=torch.float32, group_name="forgetful")
+        real = forgetful._post
+        forgetful._post = lambda engine, path, payload=None: (  # the client mistake: no session
+            {"success": True} if path == "/begin_weight_update" else real(engine, path, payload))
+        start = time.monotonic()
+        with pytest.raises(SyncError) as refused:
+            forgetful.sync(learner)
+        took = time.monotonic() - start
+        forgetful.close()
+        return report, order, str(refused.value), took, list(calls)
+
+    report, order, refused, took, after = run_ranks(1, body)[0]
+    buckets = order.count("/update_weights_from_distributed")
+    assert report.buckets == buckets > 1
+    assert order == ["/init_weights_update_group", "/pause_generation", "/flush_cache", "/begin_weight_update",
+                     *["/update_weights_from_distributed"] * buckets, "/end_weight_update", "/continue_generation",
+                     "/weights_checker", "/destroy_weights_update_group"]
+    print(f"\nrefused without a session in {took:.2f} s: {refused[:240]}")
+    assert url in refused and OUTSIDE_SESSION in refused and "HTTP 400" in refused
+    assert took < 30  # the abandoned broadcast ended with the group, not at gloo's 300 s timeout
+    assert "/destroy_weights_update_group" in after

@@ -133,6 +133,18 @@ class SGLangClient:
         return await self._request("POST", "/update_weights_from_disk", {
             "model_path": model_path, "load_format": load_format, "weight_version": weight_version}, retries=0)
 
-    async def weights_checksum(self) -> dict[str, str]:
-        """Our extension (embedded server): sha256 of every tensor the server holds."""
-        return await self._request("GET", "/weights_checksum")
+    async def begin_weight_update(self, selector: str = "all") -> dict:
+        """Open the weight-update session that SGLang requires around update_weights_from_* (400 if open)."""
+        return await self._request("POST", "/begin_weight_update", {"selector": selector}, retries=0)
+
+    async def end_weight_update(self) -> dict:
+        """Close the session; the server finalizes (repacks) the weights loaded in it."""
+        return await self._request("POST", "/end_weight_update", {}, retries=0)
+
+    async def weights_checker(self, action: str = "checksum", *, skip_tensor_list: list[str] | None = None) -> dict:
+        """SGLang's /weights_checker: with ``checksum``, ``{success, message, ranks: [{checksums,
+        per_gpu_checksum, parallelism_info}], per_engine_checksum}`` (megatron_qarl/sync/checksum.py)."""
+        payload: dict[str, Any] = {"action": action}
+        if skip_tensor_list is not None:
+            payload["skip_tensor_list"] = skip_tensor_list
+        return await self._request("POST", "/weights_checker", payload)

@@ -259,10 +259,23 @@ class Engine:
             self._finish(req, {"type": "abort", "message": message})
 
     def update_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
+        """Load and finalize at once (an update from disk)."""
         with self.lock:
             in_fresh_thread(self.model.update_tensors, tensors)
             if weight_version is not None:
                 self.weight_version = weight_version
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
+        """Load one bucket of a weight-update session; the low-bit layers are rebuilt at ``finalize_weights``."""
+        with self.lock:
+            self.model.load_tensors(tensors)
+            if weight_version is not None:
+                self.weight_version = weight_version
+
+    def finalize_weights(self) -> int:
+        """End of a weight-update session: repack / prepack what was loaded (returns the linears rebuilt)."""
+        with self.lock:
+            return in_fresh_thread(self.model.finalize_weights)
 
     def shutdown(self) -> None:
         with self._cv:

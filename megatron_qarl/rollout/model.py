@@ -102,6 +102,8 @@ class Qwen3MoeEngineModel:
             raise ConfigError(f"checkpoint: {len(raw)} unexpected tensor(s), e.g. {sorted(raw)[:3]}")
         linears = [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]
         self.owner: dict[str, Linear] = {n: lin for lin in linears for n in lin.names}
+        self._dirty: dict[int, Linear] = {}  # loaded, not yet finalized (see load_tensors)
+        self._loaded = False
         self.slots, self.max_seq_len = slots, max_seq_len
         kv_shape = (arch.num_hidden_layers, slots, arch.num_key_value_heads, max_seq_len, arch.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=dtype)
@@ -122,7 +124,13 @@ class Qwen3MoeEngineModel:
 
     # -------------------------------------------------------------------------------- weight updates
     def update_tensors(self, tensors: dict[str, Tensor]) -> None:
-        """Copy checkpoint-format tensors into the store in place, then refresh derived operands.
+        """Load checkpoint-format tensors and finalize at once (an update from disk)."""
+        self.load_tensors(tensors)
+        self.finalize_weights()
+
+    def load_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """Copy checkpoint-format tensors into the store in place; the linears they feed are marked for
+        ``finalize_weights`` (SGLang's ``end_weight_update``), which rebuilds their packed operands.
 
         Every name must exist with the same shape; float tensors of unquantized weights are cast to the
         compute dtype, the tensors of quantized linears must come in their exact checkpoint dtype.
@@ -137,16 +145,24 @@ class Qwen3MoeEngineModel:
             castable = held.dtype == self.dtype and t.is_floating_point() and t.dtype != torch.float8_e4m3fn
             if t.dtype != held.dtype and not castable:
                 raise ValueError(f"{name}: dtype {t.dtype} differs from the server's {held.dtype}")
-        dirty: dict[int, Linear] = {}
         with torch.no_grad():
             for name, t in tensors.items():
                 self.store[name].copy_(t)
                 if name in self.owner:
-                    dirty[id(self.owner[name])] = self.owner[name]
-        for lin in dirty.values():
+                    self._dirty[id(self.owner[name])] = self.owner[name]
+        self._loaded = self._loaded or bool(tensors)
+
+    def finalize_weights(self) -> int:
+        """Rebuild the derived operands (prepacked / repacked low-bit weights, fused norms) of everything
+        loaded since the last call; returns how many linears were rebuilt."""
+        dirty, self._dirty = list(self._dirty.values()), {}
+        for lin in dirty:
             lin.refresh()
-        for layer in self.layers:
-            layer.refresh()
+        if self._loaded:
+            for layer in self.layers:
+                layer.refresh()
+        self._loaded = False
+        return len(dirty)
 
     # ------------------------------------------------------------------------------------- forward
     def _attention(self, layer: Layer, x_BTH: Tensor, slots_B: Tensor, pos_BT: Tensor, kv_len: int,

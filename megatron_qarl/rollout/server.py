@@ -12,9 +12,9 @@ fields) is a 4xx with a message; it never reaches the engine thread.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import ipaddress
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -29,6 +29,15 @@ from megatron_qarl.errors import UserError
 from megatron_qarl.qat.export import iter_safetensors
 from megatron_qarl.rollout import weight_sync
 from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams, in_fresh_thread
+from megatron_qarl.sync.checksum import engine_checksum, overall_checksum, weight_checksums
+
+# SGLang 0.5.23's answers, word for word (sglang/srt/managers/scheduler_components/weight_updater.py)
+OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and "
+                   "end_weight_update()")
+SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
+NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+               "queued. Retract or finish them, then call /flush_cache.")
 
 
 class ServerConfig(BaseModel):
@@ -89,6 +98,9 @@ class InitGroupReq(_Body):
     backend: Literal["gloo", "nccl"] = "nccl"
 
 
+Selector = Literal["target", "draft", "all"]  # SGLang's runner selector (a draft model: speculative decoding)
+
+
 class UpdateFromDistributedReq(_Body):
     names: list[str]
     dtypes: list[str]
@@ -98,6 +110,32 @@ class UpdateFromDistributedReq(_Body):
     weight_version: str | None = None
     load_format: str | None = None
     abort_all_requests: bool = False
+    selector: Selector = "all"
+    torch_empty_cache: bool = False
+    rid: str | None = None
+
+
+class BeginWeightUpdateReq(_Body):
+    """POST /begin_weight_update: opens the session the updates must run in (SGLang 0.5.23)."""
+
+    selector: Selector = "all"
+    rid: str | None = None
+
+
+class EndWeightUpdateReq(_Body):
+    """POST /end_weight_update: finalizes what the session loaded (repack / prepack) and closes it."""
+
+    rid: str | None = None
+
+
+class CheckWeightsReq(_Body):
+    """POST /weights_checker (SGLang's CheckWeightsReqInput); only ``checksum`` is served here."""
+
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list[str] | None = None
+    selector: Selector = "all"
+    rid: str | None = None
 
 
 class DestroyGroupReq(_Body):
@@ -117,15 +155,6 @@ def _tokenizer(model_path: str):
     return Tokenizer.from_file(str(path))
 
 
-def checksums(store: dict[str, torch.Tensor]) -> dict[str, str]:
-    """name -> sha256 of the raw bytes of each held tensor (checkpoint format, C order)."""
-    out = {}
-    for name in sorted(store):
-        t = store[name].detach().contiguous()
-        out[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
-    return out
-
-
 # -------------------------------------------------------------------------------------------------- app
 def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
     """The FastAPI app around a running engine. Raises UserError for an unsafe host/key combination."""
@@ -136,6 +165,8 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
     tokenizer = _tokenizer(engine.cfg.model_path)
     groups: dict[str, Any] = {}
     state = {"model_path": engine.cfg.model_path}
+    session: dict[str, Any] = {"open": False}  # the weight-update session (one at a time, as SGLang's)
+    session_lock = threading.Lock()
 
     def auth(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
         if cfg.api_key and (creds is None or creds.credentials != cfg.api_key):
@@ -235,19 +266,49 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         return JSONResponse({"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"
                              f" of {body.world_size} ({backend})"})
 
+    def _answer(success: bool, message: str) -> JSONResponse:
+        return JSONResponse({"success": success, "message": message}, 200 if success else 400)
+
+    @app.post("/begin_weight_update", dependencies=guarded)
+    def begin_weight_update(body: BeginWeightUpdateReq | None = None) -> JSONResponse:
+        """Open the session. Our store keeps checkpoint-format tensors, so there is nothing to restore
+        (SGLang restores in-place-packed weights here)."""
+        with session_lock:
+            if session["open"]:
+                return _answer(False, SESSION_OPEN)
+            session["open"] = True
+        return _answer(True, "Success")
+
+    @app.post("/end_weight_update", dependencies=guarded)
+    def end_weight_update(body: EndWeightUpdateReq | None = None) -> JSONResponse:
+        """Close the session: the low-bit layers loaded in it are repacked / prepacked now, once."""
+        with session_lock:
+            if not session["open"]:
+                return _answer(False, NO_SESSION)
+            try:
+                engine.finalize_weights()
+            finally:
+                session["open"] = False
+        return _answer(True, "Success")
+
     @app.post("/update_weights_from_distributed", dependencies=guarded)
     def update_weights_from_distributed(body: UpdateFromDistributedReq) -> JSONResponse:
+        """SGLang's order: refuse outside a session or without the group (before receiving anything); else
+        receive the whole bucket, then load it (a refusal after that leaves no broadcast pending)."""
+        if not session["open"]:
+            return _answer(False, OUTSIDE_SESSION)
         pg = groups.get(body.group_name)
         if pg is None:
-            return JSONResponse({"success": False, "message": f"no weight update group {body.group_name!r}"}, 400)
+            return _answer(False, f"Failed to receive weights: Group {body.group_name} not in {list(groups)}. "
+                                  "Please call `init_weights_update_group` first.")
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
-            return JSONResponse({"success": False, "message": "names, dtypes, shapes differ in length"}, 400)
+            return _answer(False, "names, dtypes, shapes differ in length")
         if body.load_format not in (None, "direct"):
-            return JSONResponse({"success": False, "message": f"load_format {body.load_format!r} unsupported"}, 400)
+            return _answer(False, f"load_format {body.load_format!r} unsupported")
         try:
             dtypes = [weight_sync.parse_dtype(d) for d in body.dtypes]
         except ValueError as err:
-            return JSONResponse({"success": False, "message": str(err)}, 400)
+            return _answer(False, str(err))
         received = {}
         for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):  # the trainer's order
             t = torch.empty(shape, dtype=dtype)
@@ -256,10 +317,13 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         try:
             if body.abort_all_requests:
                 engine.abort_all("aborted by update_weights_from_distributed")
-            engine.update_tensors(received, body.weight_version)
+            engine.load_tensors(received, body.weight_version)
         except ValueError as err:
-            return JSONResponse({"success": False, "message": str(err)}, 400)
-        return JSONResponse({"success": True, "message": f"updated {len(received)} tensor(s)"})
+            return _answer(False, f"Failed to update parameter online: {err}. The full weights of the ModelRunner "
+                                  "are partially updated. Please discard the whole weights.")
+        if body.flush_cache and engine.num_pending():
+            return _answer(False, NOT_FLUSHED)
+        return _answer(True, "Succeeded to update parameter online.")
 
     @app.post("/destroy_weights_update_group", dependencies=guarded)
     def destroy_weights_update_group(body: DestroyGroupReq | None = None) -> JSONResponse:
@@ -270,13 +334,25 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         weight_sync.destroy_process_group(pg)
         return JSONResponse({"success": True, "message": f"destroyed {name}"})
 
-    @app.get("/weights_checksum", dependencies=guarded)
-    def weights_checksum() -> dict:
-        """Our extension for verify mode: name -> sha256 of each held tensor, in checkpoint format."""
+    @app.post("/weights_checker", dependencies=guarded)
+    def weights_checker(body: CheckWeightsReq | None = None) -> JSONResponse:
+        """SGLang's checksum (megatron_qarl/sync/checksum.py) of every held tensor, one rank, in SGLang's
+        response shape; the other actions (snapshot / compare / reset_tensors) are not served here."""
+        body = body or CheckWeightsReq()
+        if body.action != "checksum":
+            return _answer(False, f"Unsupported action={body.action!r} (this server serves 'checksum')")
+        skip = body.skip_tensor_list or ()
         with engine.lock:
-            return {"weight_version": engine.weight_version, "checksums": checksums(engine.model.store)}
+            held = {n: t for n, t in engine.model.store.items() if not any(p in n for p in skip)}
+            checksums = weight_checksums(held)
+        per_gpu = overall_checksum(checksums)
+        rank = {"checksums": checksums, "per_gpu_checksum": per_gpu, "parallelism_info": {
+            "role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+            "rank": 0, "size": 1}}
+        return JSONResponse({"success": True, "message": "Success.", "ranks": [rank],
+                             "per_engine_checksum": engine_checksum([per_gpu])})
 
-    app.post("/weights_checksum", dependencies=guarded, operation_id="weights_checksum_post")(weights_checksum)
+    app.get("/weights_checker", dependencies=guarded, operation_id="weights_checker_get")(weights_checker)
 
     return app
 

@@ -1,10 +1,22 @@
 """Start real SGLang servers on GPU nodes: `python -m sglang.launch_server` with the flags each
 quantization scheme and layout needs. SGLang is a GPU-only optional extra; only the command line is
-built here (and tested on CPU machines), the process is started only where SGLang is installed.
+built here (and tested on CPU machines against SGLang's own argument parser), the process is started
+only where SGLang is installed.
 
 Offline-quantized checkpoints (from `qarl quantize` or the learner's export) carry their
 ``quantization_config`` in config.json, which SGLang reads by itself: no --quantization flag is
 passed for them (adding one would override the checkpoint's). BF16 checkpoints run as they are.
+
+Every server built here receives weight updates, and SGLang 0.5.23 constrains such servers:
+- ``--dp-size`` stays 1: its weight-update group and updates assert ``dp_size == 1``
+  (sglang/srt/managers/tokenizer_control_mixin.py); data parallelism is one server per replica.
+- W4A16 MoE runs on ``--moe-runner-backend marlin``: the Triton runner does not undo its uint8
+  conversion when a weight-update session begins, so updates would corrupt its experts
+  (sglang/srt/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16_moe.py).
+- block-FP8 MoE needs ``tp % ep == 0`` (sglang/srt/model_executor/model_runner_components/moe_ep_setup.py).
+- ``sampling_seed`` is honoured only with ``--enable-deterministic-inference``
+  (sglang/srt/sampling/sampling_batch_info.py); the rollout manager seeds every sample, so the
+  fleet turns it on (``deterministic_inference``).
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ class SGLangServerSpec:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0, multi-node only
     random_seed: int | None = None
+    deterministic_inference: bool = False  # honour each request's sampling_seed
     extra_args: tuple[str, ...] = ()
 
 
@@ -58,17 +71,24 @@ def launch_command(spec: SGLangServerSpec, python: str = sys.executable) -> list
     """The argv that starts one SGLang server (one node of it when nnodes > 1)."""
     if spec.tp < 1 or spec.ep < 1 or spec.dp < 1:
         raise ValueError(f"tp, ep, dp must be >= 1, got tp={spec.tp} ep={spec.ep} dp={spec.dp}")
-    if spec.ep > spec.tp * spec.dp:
-        raise ValueError(f"ep_size {spec.ep} cannot exceed the server's GPUs tp*dp={spec.tp * spec.dp}")
+    if spec.dp != 1:
+        raise ValueError(f"dp={spec.dp}: SGLang's weight updates assert dp_size == 1; start one server per "
+                         "data-parallel replica instead")
+    if spec.ep > spec.tp:
+        raise ValueError(f"ep_size {spec.ep} cannot exceed the server's GPUs tp={spec.tp}")
     if spec.nnodes > 1 and not spec.dist_init_addr:
         raise ValueError("dist_init_addr (host:port of node 0) is required when nnodes > 1")
-    checkpoint_scheme(spec.model_path)  # fails early on a missing or foreign checkpoint
+    scheme = checkpoint_scheme(spec.model_path)  # fails early on a missing or foreign checkpoint
+    if scheme == "w8a8_fp8" and spec.tp % spec.ep:
+        raise ValueError(f"tp={spec.tp}, ep={spec.ep}: SGLang's block-FP8 MoE needs tp % ep == 0")
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(spec.model_path), "--host", spec.host,
            "--port", str(spec.port), "--tp-size", str(spec.tp)]
     if spec.ep > 1:
         cmd += ["--ep-size", str(spec.ep)]
-    if spec.dp > 1:
-        cmd += ["--dp-size", str(spec.dp)]
+    if scheme == "w4a16":
+        cmd += ["--moe-runner-backend", "marlin"]
+    if spec.deterministic_inference:
+        cmd += ["--enable-deterministic-inference"]
     if spec.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.context_length is not None:

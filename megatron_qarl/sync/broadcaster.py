@@ -1,19 +1,23 @@
 """The distributed-broadcast transport: learner rank 0 pushes weights to SGLang-protocol servers.
 
-One sync, as SGLang and its RL trainers do it:
-    pause_generation -> flush_cache -> per bucket: POST /update_weights_from_distributed to every
-    engine (names, dtypes, shapes, in order) while broadcasting each tensor from rank 0 in that same
-    order -> continue_generation; every sync carries a new weight_version.
+One sync, in SGLang 0.5.23's order (its updates are refused outside a weight-update session):
+    pause_generation -> flush_cache -> begin_weight_update -> per bucket: POST
+    /update_weights_from_distributed to every engine (names, dtypes, shapes, in order) while
+    broadcasting each tensor from rank 0 in that same order -> end_weight_update (the server
+    repacks its low-bit weights once) -> continue_generation; every sync carries a new weight_version.
+A failure at any point raises SyncError naming the server(s); the sessions that were opened are
+closed, and a broadcast that cannot complete (a server refused its bucket or died) is abandoned by
+destroying the group on every side, so no collective stays pending; the next sync forms a new group.
 The weight-update group is the one SGLang expects: the trainer is rank 0, engine i joins with
 rank_offset = 1 + the ranks of the engines before it, world_size = 1 + all engine ranks; gloo on
 CPU, NCCL on GPUs. All learner ranks call `sync` (the payload is gathered collectively); only rank 0
-talks to the servers.
+talks to the servers. ``verify``: every server's /weights_checker checksums (SGLang's definition,
+sync/checksum.py) must equal those of what was sent -- the embedded server only (docs/rollout.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -22,6 +26,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from megatron_qarl.sync.checksum import ChecksumAccumulator
 from megatron_qarl.sync.payload import iter_sync_tensors
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16",
@@ -47,11 +52,6 @@ class SyncReport:
     buckets: int
     seconds: float
     checksums: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of a tensor's raw bytes (C-contiguous, as broadcast)."""
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 class DistributedBroadcaster:
@@ -113,18 +113,29 @@ class DistributedBroadcaster:
         calls.join()
 
     def close(self) -> None:
+        """Leave the weight-update group on every side (servers first: a peer blocked in a broadcast
+        on it is released when the other side destroys it)."""
         if self.group is None:
             return
-        for engine in self.engines:
-            try:
-                self._post(engine, "/destroy_weights_update_group", {"group_name": self.group_name})
-            except SyncError:
-                pass  # a dead server has nothing to destroy
+        threads = [threading.Thread(target=self._quietly, args=(e, "/destroy_weights_update_group",
+                                                                {"group_name": self.group_name}), daemon=True)
+                   for e in self.engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30.0)
         try:
             dist.destroy_process_group(self.group)
         except Exception:  # noqa: BLE001 - a group broken by a dead peer may refuse a clean shutdown
             pass
         self.group = None
+
+    def _quietly(self, engine: Engine, path: str, payload: dict) -> None:
+        """Best-effort cleanup call: a dead or refusing server has nothing to clean up."""
+        try:
+            self._post(engine, path, payload)
+        except SyncError:
+            pass
 
     # ------------------------------------------------------------------------------------- sync
     def sync(self, learner) -> SyncReport | None:
@@ -132,29 +143,45 @@ class DistributedBroadcaster:
         start = time.perf_counter()
         self.version += 1
         version = f"v{self.version}"
-        if self._is_sender:
-            self.connect()
+        report = SyncReport(version, 0, 0, 0, 0.0)
+        tensors = iter_sync_tensors(learner, self.dtype)
+        if not self._is_sender:
+            for _ in tensors:  # the other ranks take part in the gathers only
+                pass
+            return None
+        self.connect()
+        checksums = ChecksumAccumulator() if self.verify else None
+        opened: list[Engine] = []
+        try:
             for engine in self.engines:
                 self._post(engine, "/pause_generation", {})
                 self._flush(engine)
-        report = SyncReport(version, 0, 0, 0, 0.0)
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in iter_sync_tensors(learner, self.dtype):
-            if not self._is_sender:
-                continue
-            bucket.append((name, tensor.contiguous()))
-            size += tensor.numel() * tensor.element_size()
-            if size >= self.bucket_bytes:
-                self._send(bucket, version, report)
-                bucket, size = [], 0
-        if not self._is_sender:
-            return None
-        if bucket:
-            self._send(bucket, version, report)
+            for engine in self.engines:
+                self._post(engine, "/begin_weight_update", {})
+                opened.append(engine)
+            bucket: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            for name, tensor in tensors:
+                bucket.append((name, tensor.contiguous()))
+                size += tensor.numel() * tensor.element_size()
+                if size >= self.bucket_bytes:
+                    self._send(bucket, version, report, checksums)
+                    bucket, size = [], 0
+            if bucket:
+                self._send(bucket, version, report, checksums)
+            while opened:
+                self._post(opened[0], "/end_weight_update", {})
+                opened.pop(0)
+        except BaseException:
+            for _ in tensors:  # the other learner ranks are still in the payload's gathers: finish them
+                pass
+            for engine in opened:  # close the sessions still open (the server finalizes what it has)
+                self._quietly(engine, "/end_weight_update", {})
+            raise
         for engine in self.engines:
             self._post(engine, "/continue_generation", {})
-        if self.verify:
+        if checksums is not None:
+            report.checksums = checksums.result()
             self._verify(report)
         report.seconds = time.perf_counter() - start
         return report
@@ -170,35 +197,53 @@ class DistributedBroadcaster:
                 time.sleep(0.1)
         raise SyncError(f"{engine.url}/flush_cache: still busy after {tries} tries")
 
-    def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str, report: SyncReport) -> None:
+    def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str, report: SyncReport,
+              checksums: ChecksumAccumulator | None) -> None:
+        """One bucket: the update calls go out, then the broadcasts. A server that answers before the
+        broadcasts are through (it refused, or died) means they can never complete: the group is
+        destroyed on every side, which ends them, and the error names the server."""
         payload = {"names": [n for n, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                    "flush_cache": True, "weight_version": version}
         calls = self._start_all("/update_weights_from_distributed", [payload] * len(self.engines))
+        works = [dist.broadcast(tensor, src=0, group=self.group, async_op=True) for _, tensor in bucket]
         try:
-            for name, tensor in bucket:
-                dist.broadcast(tensor, src=0, group=self.group)
-                report.bytes += tensor.numel() * tensor.element_size()
-                report.tensors += 1
-                if self.verify:
-                    report.checksums[name] = tensor_sha256(tensor)
-        except Exception as err:  # a peer died mid-broadcast: say which servers did not answer
-            calls.join(timeout=5.0, cause=err)
-            raise SyncError(f"broadcast of {name} failed: {err}") from err
+            while not all(w.is_completed() for w in works):
+                early = calls.failed()
+                if early:
+                    raise SyncError(f"broadcast of a bucket of {len(bucket)} tensors abandoned: {'; '.join(early)}")
+                time.sleep(0.002)
+            for w in works:
+                w.wait()
+        except Exception as err:
+            self.close()  # ends the pending broadcasts on both sides
+            if isinstance(err, SyncError):
+                raise
+            calls.join(timeout=5.0, cause=err)  # a peer died mid-broadcast: name the servers that did not answer
+            raise SyncError(f"broadcast of a bucket of {len(bucket)} tensors failed: {err}") from err
         calls.join()
+        for name, tensor in bucket:
+            report.bytes += tensor.numel() * tensor.element_size()
+            report.tensors += 1
+            if checksums is not None:
+                checksums.add(name, tensor)
         report.buckets += 1
         if self.progress is not None:
             self.progress(report.buckets, report.bytes)
 
     def _verify(self, report: SyncReport) -> None:
-        """Each server reports sha256 checksums of what it holds; they must equal what was sent."""
+        """Each server's SGLang checksums of what it holds (/weights_checker) must equal those sent."""
         for engine in self.engines:
-            headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else {}
-            r = httpx.get(engine.url + "/weights_checksum", headers=headers, timeout=self.timeout_s)
-            if r.status_code >= 400:
-                raise SyncError(f"{engine.url}/weights_checksum: HTTP {r.status_code}: {r.text[:200]}")
-            held = r.json().get("checksums", r.json())
-            wrong = [n for n, h in report.checksums.items() if held.get(n) != h]
+            body = self._post(engine, "/weights_checker", {"action": "checksum"})
+            held: dict[str, str] = {}
+            for rank in body.get("ranks") or []:
+                held.update(rank.get("checksums", {}))
+            missing = [n for n in report.checksums if n not in held]
+            if missing:
+                raise SyncError(f"{engine.url}/weights_checker: {len(missing)} sent tensors are not among the "
+                                f"server's, e.g. {missing[:3]} (a real SGLang server hashes its own fused "
+                                "parameters: verification is for the embedded server)")
+            wrong = [n for n, h in report.checksums.items() if held[n] != h]
             if wrong:
                 raise SyncError(f"{engine.url}: {len(wrong)} tensors differ after sync, e.g. {wrong[:3]}")
 
@@ -230,6 +275,16 @@ class _Calls:
     def start(self) -> None:
         for t in self.threads:
             t.start()
+
+    def failed(self) -> list[str]:
+        """The problems of the calls that have already answered with a failure (non-blocking)."""
+        out = []
+        for engine, result in zip(self.owner.engines, self.results, strict=True):
+            if isinstance(result, SyncError):
+                out.append(str(result))
+            elif isinstance(result, dict) and result.get("success") is False:
+                out.append(f"{engine.url}{self.path}: refused: {result.get('message')}")
+        return out
 
     def join(self, timeout: float | None = None, cause: BaseException | None = None) -> list[dict]:
         for t in self.threads:
