@@ -103,3 +103,32 @@ def test_tbpo_step_on_the_aligned_learner_matches_across_layouts(tiny_model_dir)
     got = run_ranks(2, _tbpo_steps, tiny_model_dir, 2, 2)[0]
     for a, b in zip(ref, got, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
+
+
+def _logprobs_at(model_dir: str, tp: int, temperature: float) -> torch.Tensor:
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(tp=tp, seed=3)
+    learner = Learner(arch, ParallelConfig(tp=tp), OptimConfig(), temperature=temperature)
+    learner.load_hf(model_dir)
+    tokens = torch.randint(0, arch.vocab_size, (3, 20), generator=torch.Generator().manual_seed(5))
+    return tokens, learner.forward_logprobs(tokens)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logprobs_are_those_of_the_temperature_scaled_logits(tp, tiny_model_dir):
+    """SGLang returns log_softmax(z / T): the learner's log-probs at T = 0.7 equal that of transformers' logits,
+    at TP1 and with the vocabulary split over TP2."""
+    from transformers import AutoModelForCausalLM
+
+    tokens, logp_BT = run_ranks(tp, _logprobs_at, tiny_model_dir, tp, 0.7)[0]
+    logits_BSV = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)(input_ids=tokens).logits
+    want_BT = torch.log_softmax(logits_BSV[:, :-1] / 0.7, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    assert (logp_BT - want_BT).abs().max() < 1e-4
+    at_t1_BT = torch.log_softmax(logits_BSV[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    assert (logp_BT - at_t1_BT).abs().max() > 1e-2  # the temperature is not a no-op here
+
+
+def test_temperature_must_be_positive(tiny_model_dir):
+    with pytest.raises(ValueError, match="temperature: 0.0 must be > 0"):
+        Learner(Qwen3MoeArch.from_model_dir(tiny_model_dir), ParallelConfig(), OptimConfig(), temperature=0.0)
