@@ -67,7 +67,7 @@ class Learner:
 
     def __init__(self, arch: Qwen3MoeArch, parallel: ParallelConfig, optim: OptimConfig,
                  dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None, aligned: bool = True,
-                 micro_batch_size: int | None = None, temperature: float = 1.0):
+                 micro_batch_size: int | None = None, temperature: float = 1.0, routing_replay: bool = False):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -78,7 +78,8 @@ class Learner:
         self.parallel = parallel
         self.temperature = float(temperature)
         self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
-                                  dispatcher=parallel.dispatcher)
+                                  dispatcher=parallel.dispatcher, routing_replay=routing_replay)
+        self.routing_replay = routing_replay  # R3: routes given to logprobs() are replayed by Megatron's routers
         # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
         # the same quantizer only produces what the rollout servers load
         self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned)
@@ -115,9 +116,18 @@ class Learner:
         pad = (-tokens_BS.shape[1]) % self.tp
         return torch.nn.functional.pad(tokens_BS, (0, pad)) if pad else tokens_BS
 
-    def logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None) -> torch.Tensor:
         """log softmax(z / T)[tokens[:, t+1]] given tokens[:, :t+1], for t < S-1: [B, S-1], fp32, with
-        autograd (T = ``temperature``; the vocabulary stays split over tensor-parallel ranks)."""
+        autograd (T = ``temperature``; the vocabulary stays split over tensor-parallel ranks).
+
+        ``routes_BSLK`` (R3; needs ``routing_replay``): every MoE layer routes position s of row b to the
+        experts ``routes_BSLK[b, s, layer]`` (the rollout server's) instead of its own top-k; the gate
+        weights are the softmax of the router's logits over those experts."""
+        return self._logprobs(tokens_BS, routes_BSLK, record=False)[0]
+
+    def _logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None,
+                  record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logp [B, S-1], and with ``record`` the experts this rank's routers chose: [B, S_local, L, K])."""
         from megatron.core import tensor_parallel
 
         seq = tokens_BS.shape[1]
@@ -125,17 +135,43 @@ class Learner:
         labels_BS = torch.roll(padded, -1, dims=1)
         s = padded.shape[1]
         position_ids = torch.arange(s, device=self.device).unsqueeze(0).expand_as(padded)
-        logits_BSV = self.model(padded, position_ids, causal_mask(s).to(self.device))  # this rank's vocab shard
+        if routes_BSLK is not None:
+            if not self.routing_replay:
+                raise ValueError("routes_BSLK: this learner was built without routing_replay")
+            if tuple(routes_BSLK.shape[:2]) != tuple(tokens_BS.shape):
+                raise ValueError(f"routes_BSLK: shape {list(routes_BSLK.shape)} does not match tokens "
+                                 f"{list(tokens_BS.shape)}")
+            k = routes_BSLK.shape[-1]  # TP padding positions: experts 0..K-1 (their outputs are never read)
+            fill = torch.arange(k).expand(routes_BSLK.shape[0], s - seq, routes_BSLK.shape[2], k)
+            routes_BSLK = torch.cat([routes_BSLK.to(torch.int64), fill], dim=1)
+        replay = _Replay(self, padded.shape, routes_BSLK, record) if self.routing_replay else None
+        try:
+            logits_BSV = self.model(padded, position_ids, causal_mask(s).to(self.device))  # this rank's vocab shard
+            routes = replay.recorded() if replay is not None and record else None
+        finally:
+            if replay is not None:
+                replay.close()
         if self.temperature != 1.0:
             logits_BSV = logits_BSV / self.temperature
         ce_BS = tensor_parallel.vocab_parallel_cross_entropy(logits_BSV, labels_BS)
-        return -ce_BS[:, : seq - 1].float()
+        return -ce_BS[:, : seq - 1].float(), routes
 
     @torch.no_grad()
-    def forward_logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+    def forward_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None) -> torch.Tensor:
         """The aligned forward (fake quant on when configured): logp [B, S-1] of the whole batch on
         every rank; each data-parallel rank computes its slice (rows padded to a multiple of the
-        data-parallel size by repeating the last one), then they are all-gathered."""
+        data-parallel size by repeating the last one), then they are all-gathered. ``routes_BSLK``: R3."""
+        return self._dp_forward(tokens_BS, routes_BSLK, record=False)[0]
+
+    @torch.no_grad()
+    def forward_routes(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The aligned forward routing on its own (no replay): (logp [B, S-1], the experts every layer chose
+        for every position, int64 [B, S, L, K]) on every rank."""
+        if not self.routing_replay:
+            raise ValueError("forward_routes: this learner was built without routing_replay")
+        return self._dp_forward(tokens_BS, None, record=True)
+
+    def _dp_forward(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
@@ -144,14 +180,34 @@ class Learner:
         pad = (-rows) % self.dp_size
         if pad:
             tokens_BS = torch.cat([tokens_BS, tokens_BS[-1:].expand(pad, -1)])
-        rows_BS = tokens_BS[self.my_rows(tokens_BS.shape[0])]
+            if routes_BSLK is not None:
+                routes_BSLK = torch.cat([routes_BSLK, routes_BSLK[-1:].expand(pad, *routes_BSLK.shape[1:])])
+        mine = self.my_rows(tokens_BS.shape[0])
+        rows_BS = tokens_BS[mine]
+        routes_mine = routes_BSLK[mine] if routes_BSLK is not None else None
         size = self.micro_batch_size or rows_BS.shape[0]
-        mine = torch.cat([self.logprobs(rows_BS[i:i + size]).cpu() for i in range(0, rows_BS.shape[0], size)])
-        if self.dp_size == 1:
-            return mine
-        parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
-        dist.all_gather(parts, mine.contiguous(), group=ps.get_data_parallel_group())
-        return torch.cat(parts)[:rows]
+        parts = [self._logprobs(rows_BS[i:i + size], None if routes_mine is None else routes_mine[i:i + size],
+                                record) for i in range(0, rows_BS.shape[0], size)]
+        out = [torch.cat([p[0] for p in parts]).to(_group_device())]
+        if record:
+            out.append(self._gather_seq(torch.cat([p[1] for p in parts]))[:, : tokens_BS.shape[1]])
+        if self.dp_size > 1:
+            for i, mine_t in enumerate(out):
+                gathered = [torch.empty_like(mine_t) for _ in range(self.dp_size)]
+                dist.all_gather(gathered, mine_t.contiguous(), group=ps.get_data_parallel_group())
+                out[i] = torch.cat(gathered)
+        return tuple(t[:rows].cpu() for t in out) if record else (out[0][:rows].cpu(), None)
+
+    def _gather_seq(self, local_BSLK: torch.Tensor) -> torch.Tensor:
+        """Sequence-parallel routers see this TP rank's chunk of positions: all-gather them along S."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if not (self.parallel.sp and self.tp > 1):
+            return local_BSLK
+        parts = [torch.empty_like(local_BSLK) for _ in range(self.tp)]
+        dist.all_gather(parts, local_BSLK.contiguous(), group=ps.get_tensor_model_parallel_group())
+        return torch.cat(parts, dim=1)
 
     def my_rows(self, batch_size: int) -> slice:
         """The responses this data-parallel rank trains on (contiguous, equal split)."""
@@ -179,7 +235,7 @@ class Learner:
         parts: list[dict] = []
         for micro in local.micro_batches(self.micro_batch_size):  # gradients accumulate in DDP's buffers
             micro = micro.to(self.device)
-            micro_loss, micro_metrics = loss_fn(self.logprobs(micro.tokens_BS), micro)
+            micro_loss, micro_metrics = loss_fn(self.logprobs(micro.tokens_BS, micro.extra.get("routes_BSLK")), micro)
             (micro_loss * self.dp_size).backward()
             loss = loss + micro_loss.detach()
             parts.append(micro_metrics)
@@ -219,6 +275,48 @@ class Learner:
         if self.dp_size > 1:
             dist.all_reduce(v, group=ps.get_data_parallel_group())
         return v.item()
+
+
+def _group_device() -> torch.device:
+    """Where the data-parallel group's collectives take tensors (gloo: CPU, NCCL: the current GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class _Replay:
+    """One forward's use of Megatron's RouterReplay: replay ``routes_BSLK`` (this rank's rows, all positions),
+    or record what the routers choose. Routers see hidden states [S_local, B, H] flattened position-major,
+    S_local = this TP rank's chunk of the (padded) sequence under sequence parallelism."""
+
+    def __init__(self, learner: Learner, shape_BS: torch.Size, routes_BSLK: torch.Tensor | None, record: bool):
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        self.rr = RouterReplay
+        b, s = shape_BS
+        layers = learner.arch.num_hidden_layers
+        if len(RouterReplay.global_router_replay_instances) != layers:
+            raise RuntimeError(f"RouterReplay holds {len(RouterReplay.global_router_replay_instances)} routers, "
+                               f"expected this model's {layers} (another model was built in this process)")
+        sp = learner.parallel.sp and learner.tp > 1
+        chunk = s // learner.tp if sp else s
+        self.s0 = ps.get_tensor_model_parallel_rank() * chunk if sp else 0
+        self.shape = (chunk, b, layers, learner.arch.num_experts_per_tok)
+        if routes_BSLK is not None:  # [B, S (padded), L, K]
+            local_SBLK = routes_BSLK[:, self.s0:self.s0 + chunk].transpose(0, 1).to(learner.device, torch.int64)
+            RouterReplay.set_replay_data([local_SBLK[:, :, i].reshape(chunk * b, -1) for i in range(layers)])
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        elif record:
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+
+    def recorded(self) -> torch.Tensor:
+        """The recorded expert ids of this rank's chunk: int64 [B, S_local, L, K]."""
+        chunk, b, layers, k = self.shape
+        per_layer = [t.view(chunk, b, k) for t in self.rr.get_recorded_data()]
+        return torch.stack(per_layer, dim=2).transpose(0, 1).to(torch.int64)
+
+    def close(self) -> None:
+        self.rr.clear_global_router_replay_action()
+        self.rr.clear_global_indices()  # set_target_indices also queues them for a backward replay we never run
 
 
 def policy_loss_fn(cfg: PolicyLossConfig, batch: Batch) -> LossFn:

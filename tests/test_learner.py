@@ -132,3 +132,36 @@ def test_logprobs_are_those_of_the_temperature_scaled_logits(tp, tiny_model_dir)
 def test_temperature_must_be_positive(tiny_model_dir):
     with pytest.raises(ValueError, match="temperature: 0.0 must be > 0"):
         Learner(Qwen3MoeArch.from_model_dir(tiny_model_dir), ParallelConfig(), OptimConfig(), temperature=0.0)
+
+
+def _routes_roundtrip(model_dir: str, tp: int, ep: int) -> dict:
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(tp=tp, ep=ep, seed=3)
+    learner = Learner(arch, ParallelConfig(tp=tp, ep=ep), OptimConfig(lr=1e-3), routing_replay=True,
+                      micro_batch_size=2)
+    learner.load_hf(model_dir)
+    tokens = torch.randint(0, arch.vocab_size, (4, 19), generator=torch.Generator().manual_seed(5))
+    free_BT, own_BSLK = learner.forward_routes(tokens)
+    replayed_BT = learner.forward_logprobs(tokens, own_BSLK)
+    other_BSLK = (own_BSLK + 1) % arch.num_experts  # every token to other experts
+    moved_BT = learner.forward_logprobs(tokens, other_BSLK)
+    mask = torch.ones(4, 18)
+    metrics = learner.train_step(Batch(tokens, mask, {"routes_BSLK": other_BSLK}),
+                                 lambda lp, b: token_mean_nll(lp, b, int(mask.sum())))
+    return {"free": free_BT, "own": own_BSLK, "replayed": replayed_BT, "moved": moved_BT, "loss": metrics["loss"]}
+
+
+@pytest.mark.multiproc
+def test_routing_replay_reproduces_own_routes_and_moves_with_others(tiny_model_dir):
+    """R3 through Megatron's RouterReplay: replaying the learner's own recorded routes gives its log-probs exactly,
+    at TP1 and TP2xEP2 (so positions map to the routers' token order under sequence parallelism and EP); the
+    routes recorded at TP2xEP2 are TP1's; other routes change the log-probs; a train step replays too."""
+    ref = run_ranks(1, _routes_roundtrip, tiny_model_dir, 1, 1)[0]
+    par = run_ranks(4, _routes_roundtrip, tiny_model_dir, 2, 2)[0]
+    for out in (ref, par):
+        assert out["own"].shape[:2] == (4, 19)
+        assert (out["replayed"] - out["free"]).abs().max() <= 1e-5  # fp32 summation order of the k experts
+        assert (out["moved"] - out["free"]).abs().max() > 1e-2
+    assert torch.equal(par["own"], ref["own"])
+    assert (par["free"] - ref["free"]).abs().max() < 1e-4
+    assert abs(par["loss"] - ref["loss"]) < 1e-4

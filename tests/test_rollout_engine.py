@@ -446,3 +446,46 @@ def test_in_fresh_thread_returns_raises_and_leaves_no_thread():
     with pytest.raises(KeyError, match="boom"):
         in_fresh_thread(lambda: {}["boom"])
     assert threading.active_count() == before
+
+
+def test_routed_experts_as_sglang_returns_them(model_dirs, tmp_path):
+    """R3: /generate with return_routed_experts answers meta_info.routed_experts = base64 of int32
+    [seqlen - 1 - start, layers, top-k]; the rows are the experts transformers' router picks at each position of
+    the finished sequence (fp32, bf16 checkpoint); routed_experts_start_len slices them; out-of-range starts are
+    aborted with SGLang's words; a server without --enable-return-routed-experts answers without the field."""
+    import base64
+
+    from fastapi.testclient import TestClient
+
+    from megatron_qarl.rollout.server import ServerConfig, build_app
+
+    engine = Engine(EngineConfig(model_path=model_dirs["bf16"], dtype="float32", max_batch_size=4,
+                                 enable_return_routed_experts=True))
+    plain = Engine(EngineConfig(model_path=model_dirs["bf16"], dtype="float32", max_batch_size=2))
+    try:
+        client = TestClient(build_app(engine, ServerConfig()))
+        prompts = prompt_ids(model_dirs["bf16"])[:3]
+        gen = {"input_ids": prompts, "sampling_params": {"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": 3},
+               "return_routed_experts": True}
+        outs = client.post("/generate", json=gen).json()
+        hf = hf_reference(model_dirs["bf16"], tmp_path / "hf", "bf16")
+        layers, k = hf.config.num_hidden_layers, hf.config.num_experts_per_tok
+        for ids, out in zip(prompts, outs, strict=True):
+            seq = ids + out["output_ids"]
+            routes = torch.frombuffer(bytearray(base64.b64decode(out["meta_info"]["routed_experts"])),
+                                      dtype=torch.int32).view(len(seq) - 1, layers, k)
+            with torch.no_grad():
+                router = hf(torch.tensor([seq]), output_router_logits=True).router_logits  # per layer [S, E]
+            want = torch.stack([torch.topk(r[: len(seq) - 1], k, dim=-1).indices for r in router], dim=1)
+            assert torch.equal(routes.sort(-1).values, want.sort(-1).values.to(torch.int32))
+        sliced = client.post("/generate", json={**gen, "input_ids": prompts[0], "routed_experts_start_len": 2}).json()
+        n = len(prompts[0]) + len(sliced["output_ids"]) - 1 - 2
+        assert len(base64.b64decode(sliced["meta_info"]["routed_experts"])) == n * layers * k * 4
+        bad = client.post("/generate", json={**gen, "input_ids": prompts[0], "routed_experts_start_len": 99}).json()
+        assert bad["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "is higher than the number of input tokens" in bad["meta_info"]["finish_reason"]["message"]
+        off = TestClient(build_app(plain, ServerConfig())).post("/generate", json={**gen, "input_ids": prompts[0]})
+        assert off.status_code == 200 and "routed_experts" not in off.json()["meta_info"]
+    finally:
+        engine.shutdown()
+        plain.shutdown()

@@ -104,7 +104,7 @@ def expert_tp(tp: int, ep: int) -> int:
 
 
 def transformer_config(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool = False,
-                       dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall"):
+                       dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", routing_replay: bool = False):
     """The Megatron TransformerConfig equal to the Hugging Face architecture (fusions off: CPU-safe)."""
     from megatron.core.transformer import TransformerConfig
 
@@ -135,6 +135,7 @@ def transformer_config(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool
         moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
+        moe_enable_routing_replay=routing_replay,  # each router gets a RouterReplay (R3, learner.py)
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=expert_tp(tp, ep),
@@ -169,8 +170,11 @@ def layer_spec(arch: Qwen3MoeArch):
 
 
 def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None = None,
-                dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall"):
-    """This rank's shard of the Qwen3-MoE GPTModel. Parallel state must be initialised first."""
+                dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", routing_replay: bool = False):
+    """This rank's shard of the Qwen3-MoE GPTModel. Parallel state must be initialised first.
+
+    ``routing_replay``: every router gets a Megatron ``RouterReplay``; they register in a process-global list
+    in layer order, which is cleared first so that it holds this model's routers only."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron_qarl import megatron_cpu
@@ -178,7 +182,12 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
     megatron_cpu.apply()
     if sp is None:
         sp = tp > 1
-    config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher)
+    config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
+                                routing_replay=routing_replay)
+    if routing_replay:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch),

@@ -82,6 +82,7 @@ class EngineConfig(BaseModel):
     max_seq_len: int | None = Field(default=None, ge=2)
     return_original_logprob: bool = False
     num_threads: int | None = Field(default=None, ge=1)
+    enable_return_routed_experts: bool = False  # SGLang's --enable-return-routed-experts (R3)
 
 
 class SamplingParams(BaseModel):
@@ -112,6 +113,11 @@ class Request:
     stop_ids: frozenset[int]
     return_logprob: bool = False
     logprob_start_len: int = -1
+    # routed experts (R3): top-k expert ids of every forwarded position, int32 [positions, layers, top-k];
+    # the answer covers positions [routed_experts_start_len, seqlen - 1), as SGLang's
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    routes: list[torch.Tensor] = field(default_factory=list)  # per forward: [T, layers, top-k], in position order
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -210,6 +216,16 @@ class Engine:
         return Request(list(prompt_ids), params, max_new, frozenset(stop), **kw)
 
     def submit(self, req: Request) -> None:
+        if req.return_routed_experts:  # SGLang's scheduler aborts these (scheduler.py, handle_generate_request)
+            start, n = req.routed_experts_start_len, len(req.prompt_ids)
+            if start < 0:
+                return self._finish(req, {"type": "abort", "message": f"recv_req.routed_experts_start_len={start} "
+                                          "is lower than 0. Please use a non-negative routed_experts_start_len."})
+            if start > n:
+                return self._finish(req, {"type": "abort", "message": f"recv_req.routed_experts_start_len={start} "
+                                          f"is higher than the number of input tokens len(req.origin_input_ids)={n}."
+                                          " Please use a smaller routed_experts_start_len."})
+            req.return_routed_experts = self.cfg.enable_return_routed_experts  # no capturer: no routes, silently
         if req.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
@@ -332,8 +348,8 @@ class Engine:
         """Fill the slot's cache with prompt (+ output so far, after a retract); sample the next token."""
         seq = req.prompt_ids + req.output_ids
         want_inputs = req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids
-        logits = self.model.forward(torch.tensor([seq]), torch.tensor([req.slot]), torch.arange(len(seq))[None],
-                                    all_logits=want_inputs)
+        logits, routes = self._forward([req], torch.tensor([seq]), torch.tensor([req.slot]),
+                                       torch.arange(len(seq))[None], all_logits=want_inputs)
         if want_inputs:
             logits_TV = logits[0]
             self._input_logprobs(req, logits_TV)
@@ -344,7 +360,7 @@ class Engine:
         """Prefill requests of equal sequence length in one forward; sample each one's next token."""
         seqs = torch.tensor([r.prompt_ids + r.output_ids for r in reqs])
         pos = torch.arange(seqs.shape[1])[None].expand_as(seqs)
-        logits_BV = self.model.forward(seqs, torch.tensor([r.slot for r in reqs]), pos)
+        logits_BV, _ = self._forward(reqs, seqs, torch.tensor([r.slot for r in reqs]), pos)
         return [r for r, lg in zip(reqs, logits_BV, strict=True) if self._append(r, lg)]
 
     def _input_logprobs(self, req: Request, logits_TV: torch.Tensor) -> None:
@@ -357,8 +373,30 @@ class Engine:
     def _decode(self, reqs: list[Request]) -> list[Request]:
         tokens = torch.tensor([[r.output_ids[-1]] for r in reqs])
         pos = torch.tensor([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in reqs])
-        logits_BV = self.model.forward(tokens, torch.tensor([r.slot for r in reqs]), pos)
+        logits_BV, _ = self._forward(reqs, tokens, torch.tensor([r.slot for r in reqs]), pos)
         return [r for r, lg in zip(reqs, logits_BV, strict=True) if self._append(r, lg)]
+
+    def _forward(self, reqs: list[Request], tokens_BT: torch.Tensor, slots_B: torch.Tensor, pos_BT: torch.Tensor,
+                 all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward; when a request asks for its routed experts, they are kept with it (a
+        prefill after a retract recomputes the whole sequence's, so they replace what it had)."""
+        if not any(r.return_routed_experts for r in reqs):
+            return self.model.forward(tokens_BT, slots_B, pos_BT, all_logits), None
+        logits, routes_BTLK = self.model.forward_routed(tokens_BT, slots_B, pos_BT, all_logits)
+        for r, routes_TLK in zip(reqs, routes_BTLK, strict=True):
+            if r.return_routed_experts:
+                r.routes = [routes_TLK] if tokens_BT.shape[1] > 1 else [*r.routes, routes_TLK]
+        return logits, routes_BTLK
+
+    def routed_experts(self, req: Request) -> torch.Tensor:
+        """int32 [seqlen - 1 - start, layers, top-k]: positions [start, seqlen - 1) (the last token was never
+        forwarded), start = min(routed_experts_start_len, seqlen - 1), as SGLang's capturer slices them."""
+        routes = torch.cat(req.routes) if req.routes else torch.empty(0, len(self.model.layers),
+                                                                      self.model.arch.num_experts_per_tok,
+                                                                      dtype=torch.int32)
+        seqlen = len(req.prompt_ids) + len(req.output_ids)
+        start = min(req.routed_experts_start_len, seqlen - 1)
+        return routes[start: seqlen - 1]
 
     def _append(self, req: Request, logits_V: torch.Tensor) -> bool:
         token, logprob = sample(logits_V, req.params, req.generator, self.cfg.return_original_logprob)

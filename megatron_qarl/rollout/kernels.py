@@ -5,7 +5,7 @@ Every layer may fuse several HF linears that share their input (q/k/v, or an exp
 one GEMM along N: one kernel call instead of three matters at decode, where a call costs ~10-20 us.
 
 The engine keeps a *store*: HF name -> tensor in the server's checkpoint format (what SGLang would
-hold and what ``/weights_checksum`` hashes). Each layer registers its tensors there and, where it can,
+hold and what ``/weights_checker`` hashes). Each layer registers its tensors there and, where it can,
 computes from views of the very same memory, so a weight update is an in-place ``copy_`` into the
 store followed by ``refresh()`` of the layers whose derived operands are not views:
 

@@ -104,6 +104,7 @@ class Qwen3MoeEngineModel:
         self.owner: dict[str, Linear] = {n: lin for lin in linears for n in lin.names}
         self._dirty: dict[int, Linear] = {}  # loaded, not yet finalized (see load_tensors)
         self._loaded = False
+        self.capture: list[Tensor] | None = None  # forward appends each layer's top-k expert ids here when a list
         self.slots, self.max_seq_len = slots, max_seq_len
         kv_shape = (arch.num_hidden_layers, slots, arch.num_key_value_heads, max_seq_len, arch.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=dtype)
@@ -218,6 +219,8 @@ class Qwen3MoeEngineModel:
         logits_TE = layer.router(x_TH)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
         top_TK, idx_TK = torch.topk(probs_TE, a.num_experts_per_tok, dim=-1)
+        if self.capture is not None:  # routed experts (R3): SGLang's order, the top-k order of this forward
+            self.capture.append(idx_TK.to(torch.int32))
         if a.norm_topk_prob:
             top_TK = top_TK / top_TK.sum(dim=-1, keepdim=True)
         top_TK = top_TK.to(x_TH.dtype)
@@ -251,6 +254,17 @@ class Qwen3MoeEngineModel:
             row += h.shape[0]
             out_TH[tok] += y  # a token meets an expert at most once: rows of ``tok`` are distinct
         return out_TH
+
+    def forward_routed(self, tokens_BT: Tensor, slots_B: Tensor, pos_BT: Tensor,
+                       all_logits: bool = False) -> tuple[Tensor, Tensor]:
+        """``forward``, plus the experts each token was routed to: int32 [B, T, layers, top-k]."""
+        self.capture = []
+        try:
+            logits = self.forward(tokens_BT, slots_B, pos_BT, all_logits)
+            routes_BTLK = torch.stack(self.capture, dim=1).view(*tokens_BT.shape, len(self.layers), -1)
+        finally:
+            self.capture = None
+        return logits, routes_BTLK
 
     @torch.inference_mode()
     def forward(self, tokens_BT: Tensor, slots_B: Tensor, pos_BT: Tensor, all_logits: bool = False) -> Tensor:

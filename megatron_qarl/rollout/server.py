@@ -12,6 +12,7 @@ fields) is a 4xx with a message; it never reaches the engine thread.
 from __future__ import annotations
 
 import asyncio
+import base64
 import ipaddress
 import json
 import threading
@@ -75,7 +76,8 @@ class GenerateReq(_Body):
     logprob_start_len: int = Field(default=-1, ge=-1)
     rid: str | list[str] | None = None
     stream: Literal[False] = False
-    return_routed_experts: Literal[False] = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0  # routes of positions [start, seqlen - 1); SGLang aborts < 0 or > prompt
 
 
 class PauseReq(_Body):
@@ -206,13 +208,15 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
             kw = {"rid": rids[i]} if rids[i] is not None else {}
             req = engine.make_request(ids, params[i] if isinstance(params, list) else params,
                                       return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
+                                      return_routed_experts=body.return_routed_experts,
+                                      routed_experts_start_len=body.routed_experts_start_len,
                                       on_done=lambda r, f=fut: loop.call_soon_threadsafe(_resolve, f, r), **kw)
             futures.append(fut)
             reqs.append(req)
         for req in reqs:  # validated all before submitting any
             engine.submit(req)
         done = await asyncio.gather(*futures)
-        out = [_response(r, body, tokenizer) for r in done]
+        out = [_response(r, body, tokenizer, engine) for r in done]
         return out if batched else out[0]
 
     @app.post("/flush_cache", dependencies=guarded)
@@ -381,7 +385,7 @@ def _prompts(body: GenerateReq, tokenizer) -> tuple[list[list[int]], bool]:
     return prompts, batched
 
 
-def _response(req, body: GenerateReq, tokenizer) -> dict:
+def _response(req, body: GenerateReq, tokenizer, engine: Engine) -> dict:
     text = ""
     if tokenizer is not None:
         ids = req.output_ids
@@ -397,6 +401,8 @@ def _response(req, body: GenerateReq, tokenizer) -> dict:
         start = max(body.logprob_start_len, 0)
         meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.input_logprobs,
                                                                        req.prompt_ids[start:], strict=False)]
+    if req.return_routed_experts:  # SGLang's encoding: base64 of the int32 [rows, layers, top-k] tensor's bytes
+        meta["routed_experts"] = base64.b64encode(engine.routed_experts(req).numpy().tobytes()).decode("utf-8")
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 
@@ -410,6 +416,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="answer return_routed_experts requests (SGLang's flag; routing replay, R3)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the engine (default: torch's, one per core); on a machine shared with "
                         "a learner, fewer threads avoid OpenMP stalls when a core is taken (BENCHMARKS.md)")
@@ -428,7 +436,8 @@ def _serve(args) -> int:
         raise ConfigError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     try:
         engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                                     max_seq_len=args.max_seq_len, num_threads=args.num_threads))
+                                     max_seq_len=args.max_seq_len, num_threads=args.num_threads,
+                                     enable_return_routed_experts=args.enable_return_routed_experts))
     except (KeyError, ValueError, json.JSONDecodeError) as err:
         raise UserError(f"--model {args.model}: {err}") from None
     app = build_app(engine, server_cfg)
