@@ -38,12 +38,14 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
     r = cfg.rollout
     if r.backend == "embedded":
         return embedded_command(model_dir, port, host=host, dtype=r.dtype, max_batch_size=r.max_batch_size,
+                                return_routed_experts=cfg.algo.wants_routes,
                                 api_key=r.api_key)
     # the rollout manager seeds every sample (rollout/manager.py), which SGLang honours only in
     # deterministic inference
     spec = SGLangServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, ep=r.ep_size,
                             dp=r.dp_size, mem_fraction_static=r.mem_fraction_static, api_key=r.api_key,
                             random_seed=cfg.seed, deterministic_inference=True,
+                            return_routed_experts=cfg.algo.wants_routes,
                             extra_args=("--max-running-requests", str(r.max_batch_size)))
     return launch_command(spec)
 

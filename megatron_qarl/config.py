@@ -116,6 +116,15 @@ class AlgoConfig(_Section):
 
     advantage: AdvantageConfig = AdvantageConfig()
     loss: PolicyLossConfig = PolicyLossConfig()
+    # R3: the servers return the experts they routed each token to and the learner's aligned and training
+    # forwards replay them (Megatron's RouterReplay); routing_agreement alone only measures how often the
+    # learner, routing on its own, agrees (both report routing/* metrics; servers need their R3 flag)
+    routing_replay: bool = False
+    routing_agreement: bool = False
+
+    @property
+    def wants_routes(self) -> bool:
+        return self.routing_replay or self.routing_agreement
 
 
 class LearnerConfig(_Section):

@@ -164,12 +164,14 @@ class Learner:
         return self._dp_forward(tokens_BS, routes_BSLK, record=False)[0]
 
     @torch.no_grad()
-    def forward_routes(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The aligned forward routing on its own (no replay): (logp [B, S-1], the experts every layer chose
-        for every position, int64 [B, S, L, K]) on every rank."""
+    def forward_routes(self, tokens_BS: torch.Tensor,
+                       routes_BSLK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The aligned forward and the experts every layer's router used for every position: (logp [B, S-1],
+        int64 [B, S, L, K]) on every rank; its own choice, or with ``routes_BSLK`` the replayed ones as
+        the routers received them (read back from each RouterReplay)."""
         if not self.routing_replay:
             raise ValueError("forward_routes: this learner was built without routing_replay")
-        return self._dp_forward(tokens_BS, None, record=True)
+        return self._dp_forward(tokens_BS, routes_BSLK, record=True)
 
     def _dp_forward(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool):
         import torch.distributed as dist
@@ -292,6 +294,7 @@ class _Replay:
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
         self.rr = RouterReplay
+        self.replaying = routes_BSLK is not None
         b, s = shape_BS
         layers = learner.arch.num_hidden_layers
         if len(RouterReplay.global_router_replay_instances) != layers:
@@ -309,9 +312,12 @@ class _Replay:
             RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
 
     def recorded(self) -> torch.Tensor:
-        """The recorded expert ids of this rank's chunk: int64 [B, S_local, L, K]."""
+        """The expert ids this rank's routers used for its chunk: int64 [B, S_local, L, K] (recorded, or the
+        replayed ones as each router holds them)."""
         chunk, b, layers, k = self.shape
-        per_layer = [t.view(chunk, b, k) for t in self.rr.get_recorded_data()]
+        used = ([r.target_topk_idx for r in self.rr.global_router_replay_instances] if self.replaying
+                else self.rr.get_recorded_data())
+        per_layer = [t.view(chunk, b, k) for t in used]
         return torch.stack(per_layer, dim=2).transpose(0, 1).to(torch.int64)
 
     def close(self) -> None:

@@ -57,13 +57,23 @@ class LearnerWorker:
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.learner = Learner(arch, cfg.parallel, cfg.optim, dtype=dtype, quant=cfg.quant,
                                aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size,
-                               temperature=cfg.rollout.sampling.temperature)
+                               temperature=cfg.rollout.sampling.temperature,
+                               routing_replay=cfg.algo.wants_routes)
         self.learner.load_hf(cfg.model.path)
 
     # ------------------------------------------------------------------------------- compute
     def logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         """The aligned forward log-probs [B, S-1] (the fake-quant weights when quantization is aligned)."""
         out = self.learner.forward_logprobs(tokens_BS)
+        return out if self.rank == 0 else None
+
+    def routing_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None) -> dict | None:
+        """R3: the aligned forward routing on its own (log-probs and the experts it chose) and, given the
+        servers' routes, the aligned forward replaying them."""
+        free_BT, own_BSLK = self.learner.forward_routes(tokens_BS)
+        out = {"logp_free_BT": free_BT, "routes_BSLK": own_BSLK}
+        if routes_BSLK is not None:
+            out["logp_replay_BT"], out["replayed_BSLK"] = self.learner.forward_routes(tokens_BS, routes_BSLK)
         return out if self.rank == 0 else None
 
     def train(self, batch, loss_cfg, poison: bool = False) -> dict | None:

@@ -26,6 +26,7 @@ from megatron_qarl import checkpoint as ckpt
 from megatron_qarl.algo.advantages import group_advantages
 from megatron_qarl.algo.error_tokens import error_token_metrics, error_token_stats
 from megatron_qarl.algo.mismatch import mismatch_metrics
+from megatron_qarl.algo.routing import routes_batch, routing_agreement
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.data.math_task import heldout_problems
 from megatron_qarl.data.prompts import PromptStream, render_prompt, tokenize, uses_chat_template
@@ -33,7 +34,7 @@ from megatron_qarl.data.reward import RewardScorer, shuffle_rewards_in_groups
 from megatron_qarl.errors import UserError
 from megatron_qarl.learner import Batch
 from megatron_qarl.rollout.client import ClientConfig, SGLangClient
-from megatron_qarl.rollout.manager import RolloutManager, Sample, SamplingConfig
+from megatron_qarl.rollout.manager import RolloutManager, RoutesSpec, Sample, SamplingConfig
 from megatron_qarl.tracking import Tracker
 
 EVAL_SEED_OFFSET = 1 << 20  # eval sampling seeds never collide with training ones
@@ -106,6 +107,12 @@ class Trainer:
         self.scorer = RewardScorer(cfg.reward)
         self._eval_set = None
         self._log_ratios: list = []  # train.save_log_ratios: per-token logp_old - logp_sampler since the last eval
+        self.routes: RoutesSpec | None = None  # R3: what the training rollouts return besides tokens
+        if cfg.algo.wants_routes:
+            from megatron_qarl.moe.model import Qwen3MoeArch
+
+            arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
+            self.routes = RoutesSpec(arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts)
 
     # ---------------------------------------------------------------------------------- plumbing
     def _client(self, url: str) -> SGLangClient:
@@ -117,7 +124,7 @@ class Trainer:
         return [self._client(u) for u in self.servers.urls]
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed_step: int,
-                  live: list[int]) -> tuple[list[list[Sample]], RolloutManager]:
+                  live: list[int], routes: RoutesSpec | None = None) -> tuple[list[list[Sample]], RolloutManager]:
         manager: RolloutManager | None = None
         extra: list[SGLangClient] = []  # clients of servers restarted during this rollout
 
@@ -137,7 +144,7 @@ class Trainer:
             nonlocal manager
             clients = self._clients()
             manager = RolloutManager([clients[i] for i in live], sampling, self.stop_ids, seed=self.cfg.seed,
-                                     restart=restart)
+                                     restart=restart, routes=routes)
             try:
                 return await manager.generate(prompts, seed_step), manager
             finally:
@@ -238,7 +245,8 @@ class Trainer:
         live = [i for i, a in enumerate(self.servers.alive()) if a]
         if not live:
             raise TrainingAborted("every rollout server is down")
-        groups, manager = self._generate([p.prompt_ids for p in prompts], cfg.rollout.sampling, step, live)
+        groups, manager = self._generate([p.prompt_ids for p in prompts], cfg.rollout.sampling, step, live,
+                                         self.routes)
         t_rollout = time.perf_counter()
         G = cfg.rollout.sampling.n_samples
         texts = self._texts(groups)
@@ -249,7 +257,10 @@ class Trainer:
         t_reward = time.perf_counter()
 
         batch, logp_sampler_BT = build_batch(groups, self.pad_id)
-        logp_old_BT = self.learners.call("logprobs", batch.tokens_BS)[0]
+        if self.routes is None:
+            logp_old_BT = self.learners.call("logprobs", batch.tokens_BS)[0]
+        else:
+            logp_old_BT = self._routing(groups, batch, logp_sampler_BT, m)
         t_logp = time.perf_counter()
         adv_B = group_advantages(train_rewards, G, cfg.algo.advantage).float()
         batch.extra.update(adv_B=adv_B, logp_old_BT=logp_old_BT, logp_sampler_BT=logp_sampler_BT)
@@ -310,6 +321,28 @@ class Trainer:
         st.step = step
         st.data = self.stream.state_dict()
         return m
+
+    def _routing(self, groups: list[list[Sample]], batch: Batch, logp_sampler_BT: torch.Tensor,
+                 m: dict[str, float]) -> torch.Tensor:
+        """R3: the aligned log-probs (replaying the servers' routes with ``algo.routing_replay``, which the
+        update then replays too) and the routing/* metrics: how often the learner routing on its own picks
+        the servers' experts, and the mismatch it would have without replay."""
+        samples = [s for g in groups for s in g]
+        r = self.routes
+        server_BSLK = routes_batch([s.routes for s in samples], batch.tokens_BS.shape[1], r.layers, r.topk)
+        replay = self.cfg.algo.routing_replay
+        out = self.learners.call("routing_logprobs", batch.tokens_BS, server_BSLK if replay else None)[0]
+        mask = batch.loss_mask_BT
+        m.update({f"routing/{k}": v for k, v in routing_agreement(out["routes_BSLK"], server_BSLK, mask).items()})
+        free = mismatch_metrics(out["logp_free_BT"], logp_sampler_BT, mask)
+        m["routing/mismatch_free_tok_abs_mean"] = _scalar(free["mismatch_tok_abs_mean"])
+        m["routing/bytes_returned"] = float(sum(s.routes.numel() * 4 for s in samples))
+        if not replay:
+            return out["logp_free_BT"]
+        used = routing_agreement(out["replayed_BSLK"], server_BSLK, mask)  # what the routers received
+        m["routing/replayed_agree_token"] = used["agree_token"]
+        batch.extra["routes_BSLK"] = server_BSLK
+        return out["logp_replay_BT"]
 
     def save(self) -> Path:
         tmp = ckpt.tmp_dir(self.ckpt_root, self.state.step)

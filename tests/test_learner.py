@@ -165,3 +165,23 @@ def test_routing_replay_reproduces_own_routes_and_moves_with_others(tiny_model_d
     assert torch.equal(par["own"], ref["own"])
     assert (par["free"] - ref["free"]).abs().max() < 1e-4
     assert abs(par["loss"] - ref["loss"]) < 1e-4
+
+
+def _replayed_routes(model_dir: str, tp: int, ep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(tp=tp, ep=ep, seed=3)
+    learner = Learner(arch, ParallelConfig(tp=tp, ep=ep), OptimConfig(), routing_replay=True)
+    learner.load_hf(model_dir)
+    tokens = torch.randint(0, arch.vocab_size, (4, 19), generator=torch.Generator().manual_seed(9))
+    gen = torch.Generator().manual_seed(1)
+    given = torch.stack([torch.randperm(arch.num_experts, generator=gen)[: arch.num_experts_per_tok]
+                         for _ in range(4 * 19 * arch.num_hidden_layers)]).view(4, 19, arch.num_hidden_layers, -1)
+    return given, learner.forward_routes(tokens, given)[1]
+
+
+@pytest.mark.multiproc
+def test_every_router_receives_the_replayed_routes_at_tp2_ep2(tiny_model_dir):
+    """With replay, the experts each rank's routers hold for each position, read back and reassembled, are the
+    given ones for 100% of positions at TP2xEP2."""
+    given, used = run_ranks(4, _replayed_routes, tiny_model_dir, 2, 2)[0]
+    assert torch.equal(used, given)

@@ -14,8 +14,10 @@ import dataclasses
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from megatron_qarl.algo.routing import RoutesError, decode_routed_experts
 from megatron_qarl.rollout.client import RolloutServerError, SGLangClient
 
 
@@ -48,6 +50,16 @@ class Sample:
     finish_reason: str
     weight_version: str | None
     server: str
+    routes: torch.Tensor | None = None  # R3: int32 [prompt + response - 1, layers, top-k] (algo/routing.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutesSpec:
+    """Ask the servers for each sample's routed experts (R3), and what they must look like."""
+
+    layers: int
+    topk: int
+    num_experts: int
 
 
 def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
@@ -55,21 +67,33 @@ def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) 
     return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
 
 
-def parse_response(resp: dict, prompt_index: int, sample_index: int, prompt_ids: list[int], server: str) -> Sample:
-    """SGLang's /generate answer -> Sample (token ids from output_token_logprobs: stop token kept)."""
+def parse_response(resp: dict, prompt_index: int, sample_index: int, prompt_ids: list[int], server: str,
+                   routes: RoutesSpec | None = None) -> Sample:
+    """SGLang's /generate answer -> Sample (token ids from output_token_logprobs: stop token kept; with
+    ``routes``, the routed experts of every forwarded position, checked)."""
     meta = resp["meta_info"]
     triples = meta.get("output_token_logprobs")
     if triples is None:
         raise RolloutServerError(f"{server}: /generate answered without output_token_logprobs")
-    return Sample(prompt_index, sample_index, list(prompt_ids), [int(t[1]) for t in triples],
-                  [float(t[0]) for t in triples], meta["finish_reason"]["type"], meta.get("weight_version"), server)
+    sample = Sample(prompt_index, sample_index, list(prompt_ids), [int(t[1]) for t in triples],
+                    [float(t[0]) for t in triples], meta["finish_reason"]["type"], meta.get("weight_version"), server)
+    if routes is not None:
+        where = f"{server}: prompt {prompt_index} sample {sample_index}"
+        try:
+            seqlen = len(prompt_ids) + len(sample.response_ids)
+            sample.routes = decode_routed_experts(meta.get("routed_experts"), seqlen, routes.layers, routes.topk,
+                                                  routes.num_experts, where)
+        except RoutesError as err:  # the server's setup or contract, not a transient failure: not re-sent
+            raise RolloutServerError(str(err), status=400) from None
+    return sample
 
 
 class RolloutManager:
     """Fans a batch of prompts out to the servers and gathers G samples each."""
 
     def __init__(self, clients: Sequence[SGLangClient], sampling: SamplingConfig, stop_token_ids: Sequence[int],
-                 *, seed: int = 0, restart: Callable[[int], Awaitable[SGLangClient | None]] | None = None):
+                 *, seed: int = 0, restart: Callable[[int], Awaitable[SGLangClient | None]] | None = None,
+                 routes: RoutesSpec | None = None):
         if not clients:
             raise ValueError("rollout: at least one server is needed")
         self.clients = list(clients)
@@ -78,6 +102,7 @@ class RolloutManager:
         self.assigned = [0] * len(self.clients)
         self.sampling, self.stop_token_ids, self.seed = sampling, list(stop_token_ids), seed
         self.restart = restart
+        self.routes = routes
         self._restarting: dict[int, asyncio.Future] = {}
         self.resent = 0
         self.server_failures = 0
@@ -118,8 +143,9 @@ class RolloutManager:
             i = self._pick()
             self.in_flight[i] += 1
             try:
-                resp = await self.clients[i].generate(prompt_ids, params, return_logprob=True)
-                return parse_response(resp, p, j, prompt_ids, self.clients[i].url)
+                extra = {"return_routed_experts": True} if self.routes is not None else {}
+                resp = await self.clients[i].generate(prompt_ids, params, return_logprob=True, **extra)
+                return parse_response(resp, p, j, prompt_ids, self.clients[i].url, self.routes)
             except RolloutServerError as err:
                 if err.status is not None and err.status < 500:
                     raise  # our request is wrong: re-sending cannot help

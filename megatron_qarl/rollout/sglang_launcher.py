@@ -45,6 +45,7 @@ class SGLangServerSpec:
     dist_init_addr: str | None = None  # host:port of node 0, multi-node only
     random_seed: int | None = None
     deterministic_inference: bool = False  # honour each request's sampling_seed
+    return_routed_experts: bool = False  # answer return_routed_experts (routing replay, R3)
     extra_args: tuple[str, ...] = ()
 
 
@@ -89,6 +90,8 @@ def launch_command(spec: SGLangServerSpec, python: str = sys.executable) -> list
         cmd += ["--moe-runner-backend", "marlin"]
     if spec.deterministic_inference:
         cmd += ["--enable-deterministic-inference"]
+    if spec.return_routed_experts:
+        cmd += ["--enable-return-routed-experts"]
     if spec.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.context_length is not None:
