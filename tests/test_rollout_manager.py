@@ -7,6 +7,7 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from megatron_qarl.rollout.client import ClientConfig, RolloutServerError, SGLangClient
 from megatron_qarl.rollout.manager import RolloutManager, SamplingConfig, sample_seed
@@ -78,3 +79,57 @@ def test_all_servers_down_is_an_error():
     mgr = RolloutManager([a], SamplingConfig(n_samples=1), stop_token_ids=[1])
     with pytest.raises(RolloutServerError, match="every server is down"):
         asyncio.run(mgr.generate([[4]], step=0))
+
+
+def _routed_server(routes_for):
+    """A server answering two tokens; ``routes_for(body, seqlen)`` gives meta_info.routed_experts (or None)."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        out = [4, 1]
+        meta = {"finish_reason": {"type": "stop"}, "weight_version": "v1",
+                "output_token_logprobs": [[-0.5, out[0], None], [-0.1, out[1], None]]}
+        routed = routes_for(body, len(body["input_ids"]) + len(out))
+        if routed is not None:
+            meta["routed_experts"] = routed
+        return httpx.Response(200, json={"text": "", "output_ids": out, "meta_info": meta})
+
+    return SGLangClient("http://r", transport=httpx.MockTransport(handler), config=ClientConfig(retries=0))
+
+
+def _b64(t: torch.Tensor) -> str:
+    import base64
+
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+@pytest.mark.parametrize(("routes_for", "message"), [
+    (lambda body, n: None, r"http://r: prompt 0 sample 0: no meta_info.routed_experts .*--enable-return-routed"),
+    (lambda body, n: _b64(torch.zeros(n, 2, 2, dtype=torch.int32)),
+     r"routed_experts has \d+ bytes; expected int32 \[2, 2, 2\]"),
+    (lambda body, n: _b64(torch.full((n - 1, 2, 2), 9, dtype=torch.int32)),
+     r"expert ids \[9, 9\] outside \[0, 8\)"),
+])
+def test_bad_or_missing_routes_fail_naming_the_sample(routes_for, message):
+    from megatron_qarl.rollout.manager import RoutesSpec
+
+    mgr = RolloutManager([_routed_server(routes_for)], SamplingConfig(n_samples=1), stop_token_ids=[1],
+                         routes=RoutesSpec(layers=2, topk=2, num_experts=8))
+    with pytest.raises(RolloutServerError, match=message):
+        asyncio.run(mgr.generate([[5]], step=0))
+    assert mgr.resent == 0  # a contract error is not re-sent to another server
+
+
+def test_routes_are_asked_for_and_decoded():
+    from megatron_qarl.rollout.manager import RoutesSpec
+
+    seen = []
+
+    def routes_for(body, n):
+        seen.append(body)
+        return _b64(torch.arange(4, dtype=torch.int32).repeat(n - 1, 1).view(n - 1, 2, 2))
+
+    mgr = RolloutManager([_routed_server(routes_for)], SamplingConfig(n_samples=1), stop_token_ids=[1],
+                         routes=RoutesSpec(layers=2, topk=2, num_experts=8))
+    (group,) = asyncio.run(mgr.generate([[5, 6]], step=0))
+    assert seen[0]["return_routed_experts"] is True
+    assert group[0].routes.shape == (3, 2, 2) and group[0].routes[2].tolist() == [[0, 1], [2, 3]]
