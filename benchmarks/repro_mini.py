@@ -10,6 +10,8 @@ Arms (same data and seeds in every arm; the weight bit width b is swept over --b
   unaligned_tis  (b) b-bit W4A16-style rollout, full-precision learner forward, token PPO + token TIS (C = 2)
   qarl_grpo      (c) QaRL: the learner's forward on the rollout's b-bit weights, GRPO (token PPO)
   qarl_tbpo      (d) QaRL + TBPO (the default loss of configs/cpu_default.yaml)
+  unaligned_tis_r3, qarl_tbpo_r3   (b), (d) with rollout routing replay (R3: algo.routing_replay); they also
+                 report how often the learner, routing on its own, agrees with the server (routing/agree_token)
 plus shuffled-reward controls (``reward.shuffle=true``: each group's rewards in a random order) of the
 cells named by --controls. A seed S sets both the run seed and the training-data seed.
 
@@ -69,6 +71,11 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
         ("quant.scheme=w4a16", "learner.aligned=true", *TOKEN_PPO, "algo.loss.mismatch=none")),
     Arm("qarl_tbpo", "(d) QaRL + TBPO", True,
         ("quant.scheme=w4a16", "learner.aligned=true", "algo.loss.mode=tbpo")),
+    Arm("unaligned_tis_r3", "(b + R3) arm (b), the learner replaying the rollout's routes", True,
+        ("quant.scheme=w4a16", "learner.aligned=false", *TOKEN_PPO, "algo.loss.mismatch=tis_token",
+         "algo.loss.tis_cap=2.0", "algo.routing_replay=true")),
+    Arm("qarl_tbpo_r3", "(d + R3) QaRL + TBPO, the learner replaying the rollout's routes", True,
+        ("quant.scheme=w4a16", "learner.aligned=true", "algo.loss.mode=tbpo", "algo.routing_replay=true")),
 ]}  # fmt: skip
 
 
@@ -252,6 +259,8 @@ class SeedRun:
             "best_acc": max(later) if later else None,
             "mismatch_mean": self.step_mean("mismatch/mismatch_tok_abs_mean"),
             "mismatch_p99": self.step_mean("mismatch/mismatch_tok_abs_p99"),
+            "mismatch_free": self.step_mean("routing/mismatch_free_tok_abs_mean"),  # R3 arms: without replay
+            "agree_token": self.step_mean("routing/agree_token"),
             "band_masked": self.step_mean("loss/band_masked_frac"),
             "clip_frac": self.step_mean("loss/clip_frac"),
             "tis_truncated": self.step_mean("loss/tis_truncated_frac"),
@@ -417,7 +426,9 @@ TABLE_COLUMNS = [
     ("start_acc", "start acc %", lambda s: "-" if s is None else f"{100 * s.mean:.1f}"),
     ("final_acc", "final acc %", fmt_acc),
     ("best_acc", "best acc %", fmt_acc), ("mismatch_mean", "mean \\|Δlogp\\| / token", fmt_mean()),
-    ("mismatch_p99", "p99 \\|Δlogp\\|", fmt_mean()), ("band_masked", "TBPO-band masked", fmt_mean()),
+    ("mismatch_p99", "p99 \\|Δlogp\\|", fmt_mean()),
+    ("mismatch_free", "mean \\|Δlogp\\| without replay", fmt_mean()),
+    ("agree_token", "routing agreement without replay", fmt_mean()), ("band_masked", "TBPO-band masked", fmt_mean()),
     ("clip_frac", "clip frac", fmt_mean()), ("tis_truncated", "TIS truncated", fmt_mean()),
     ("err_low_prob", "error-token rate", fmt_mean()), ("err_repeat", "repeat rate", fmt_mean()),
     ("step_s", "step s", fmt_mean("{:.2f}")), ("rollout_tok_s", "rollout tok/s", fmt_mean("{:.0f}")),
@@ -438,7 +449,8 @@ def table(found: dict[Cell, list[SeedRun]]) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------- plots
 def _colors() -> dict[str, str]:
-    return {"fp": "0.45", "unaligned_tis": "tab:red", "qarl_grpo": "tab:blue", "qarl_tbpo": "tab:green"}
+    return {"fp": "0.45", "unaligned_tis": "tab:red", "qarl_grpo": "tab:blue", "qarl_tbpo": "tab:green",
+            "unaligned_tis_r3": "tab:orange", "qarl_tbpo_r3": "tab:olive"}
 
 
 def plot_curves(found: dict[Cell, list[SeedRun]], setting: Setting, png: Path, key: str, ylabel: str,
@@ -566,6 +578,9 @@ def write_report(found: dict[Cell, list[SeedRun]], setting: Setting, doc: Path, 
         plot_curves(found, setting, plots / "mismatch.png", "mismatch/mismatch_tok_abs_mean",
                     "mean |logp_old - logp_sampler| per token", log_y=True)
         hist_stats = plot_log_ratio_hist(found, setting, plots / "log_ratio_hist.png")
+        if any(r.step_mean("routing/agree_token") is not None for runs in found.values() for r in runs):
+            plot_curves(found, setting, plots / "routing_agreement.png", "routing/agree_token",
+                        "tokens routed as the server did, without replay")
     loads = [r.load_at_start for runs in found.values() for r in runs if r.load_at_start is not None]
     load = f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not recorded"
     expected = len(setting.cells()) * len(setting.seeds)
@@ -625,6 +640,9 @@ def write_report(found: dict[Cell, list[SeedRun]], setting: Setting, doc: Path, 
               f"![mismatch]({rel}/mismatch.png)", "",
               "Distribution of the token log-ratio between learner and sampler (the paper's Figure 4):", "",
               f"![log-ratio histogram]({rel}/log_ratio_hist.png)"]
+        if (plots / "routing_agreement.png").is_file():
+            L += ["", "Share of response tokens whose top-k experts the learner, routing on its own, picks as the "
+                  "server did (all layers; R3 arms):", "", f"![routing agreement]({rel}/routing_agreement.png)"]
     walls = [r.wall_s for runs in found.values() for r in runs if r.wall_s]
     L += ["", "## Cost", "",
           f"- wall time of the runs in this report: {sum(walls) / 60:.1f} min over {len(walls)} runs "
