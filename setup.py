@@ -27,7 +27,10 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.8", "schemathesis>=3.36"],
+    # msgspec, openai, dill: what SGLang's own code runs in tests/test_sglang_contract.py (sglang itself is
+    # installed with --no-deps, README); openai pinned as sglang 0.5.23 pins it
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.8", "schemathesis>=3.36",
+             "msgspec>=0.19", "openai==2.8.0", "dill>=0.3"],
     # GPU clusters only: none of these installs on a CPU-only machine. Imported lazily.
     "gpu": ["transformer-engine[pytorch]>=2.4", "sglang[all]>=0.5"],
 }

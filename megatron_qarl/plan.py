@@ -294,6 +294,14 @@ def check_server_layout(arch: Qwen3MoeArch, quant: QuantConfig, srv: ServerLayou
         raise LayoutError(f"rollout ep={srv.ep} does not divide the {e} experts")
     if a % srv.tp:
         raise LayoutError(f"rollout tp={srv.tp} does not divide the {a} attention heads")
+    if quant.scheme == "w8a8_fp8":  # SGLang's block FP8 linear (sglang/srt/layers/quantization/fp8.py)
+        b = quant.group_size
+        q, kv = arch.num_attention_heads // srv.tp * arch.head_dim, kv_heads_per_gpu(arch, srv.tp) * arch.head_dim
+        if q % b or kv % b:  # the fused qkv_proj: every output partition a multiple of block_n
+            raise LayoutError(f"rollout tp={srv.tp}: the attention's q / k / v widths per GPU {q} / {kv} / {kv} "
+                              f"are not multiples of the w8a8_fp8 block {b} (SGLang's fused qkv_proj needs them)")
+        if srv.tp > 1 and q % b:  # o_proj, row parallel: its input partition a multiple of block_k
+            raise LayoutError(f"rollout tp={srv.tp}: o_proj's input per GPU {q} is not a multiple of the block {b}")
     f_local = arch.moe_intermediate_size // srv.moe_tp
     if arch.moe_intermediate_size % srv.moe_tp or (
             quant.scheme in ("w4a16", "w8a8_fp8") and weight_summary(arch, quant)["expert"].q_numel

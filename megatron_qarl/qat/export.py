@@ -114,10 +114,14 @@ def quantization_config(cfg: QuantConfig, ignored_modules: list[str]) -> dict:
         weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel", dynamic=False)
         acts = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
         group = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+        # no embed_tokens entry here: SGLang's W8A8Int8Config answers an ignored prefix with
+        # UnquantizedLinearMethod, which VocabParallelEmbedding refuses (it has no 'embedding' method;
+        # sglang/srt/layers/quantization/w8a8_int8.py, vocab_parallel_embedding.py); an embedding is never
+        # quantized by this config anyway (it gets no method, i.e. the plain embedding)
         return {
             "quant_method": "w8a8_int8",
             "config_groups": {"group_0": group.model_dump(mode="json")},
-            "ignore": ignore_for_config_json(cfg),
+            "ignore": [e for e in ignore_for_config_json(cfg) if not e.endswith("embed_tokens$")],
         }
     raise ValueError(f"scheme {cfg.scheme!r} has no quantization_config (quantization is off)")
 
