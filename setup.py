@@ -32,7 +32,7 @@ EXTRAS = {
     "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.8", "schemathesis>=3.36",
              "msgspec>=0.19", "openai==2.8.0", "dill>=0.3"],
     # GPU clusters only: none of these installs on a CPU-only machine. Imported lazily.
-    "gpu": ["transformer-engine[pytorch]>=2.4", "sglang[all]>=0.5"],
+    "gpu": ["transformer-engine[pytorch]>=2.4", "sglang[all]==0.5.23"],  # the version the contract tests check
 }
 
 setup(
