@@ -57,7 +57,8 @@ def host_memory_mb() -> int:
 
 def slurm_conf(root: Path, *, nodes: int, cpus: int, memory_mb: int, ctld_port: int, node_ports: list[int],
                node_addrs: list[str]) -> str:
-    """slurm.conf of a one-host cluster (what reference/local-slurm.md found to work)."""
+    """slurm.conf of a one-host cluster: the settings found to work with Debian's Slurm 22.05 (docs/cluster.md,
+    "Trying it without a cluster"); each node a slurmd of its own with its own port and NodeAddr."""
     lines = [
         "ClusterName=qarltest",
         f"SlurmctldHost={socket.gethostname().split('.')[0]}(127.0.0.1)",  # must name this host
