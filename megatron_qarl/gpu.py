@@ -5,8 +5,7 @@ package (Transformer Engine, SGLang) is imported lazily, so this module imports 
   linears with the RMSNorm folded into linear_qkv / linear_fc1, qk-norm, TE grouped-GEMM experts) and
   ``te_transformer_config`` (the CPU-safe ``transformer_config`` with CUDA fusions back on and, for w8a8_fp8,
   TE's FP8 recipe from ``qat.te``).
-- NCCL: ``dist_backend`` (what ``init_parallel`` and the weight broadcaster pick: nccl with CUDA, else gloo)
-  and ``nccl_env`` (the socket interface variables slurm/qarl.sbatch exports).
+- NCCL: ``nccl_env`` (the socket interface variables slurm/qarl.sbatch exports).
 - SGLang servers: ``launch.fleet.server_command`` builds ``python -m sglang.launch_server`` for a run config
   (``rollout/sglang_launcher.py``); ``sglang_available`` says whether it can start here.
 
@@ -28,13 +27,6 @@ from megatron_qarl.qat.config import QuantConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "checkpoints" / "tiny-qwen3-moe"
-
-
-def dist_backend() -> str:
-    """torch.distributed backend of the learner and of the weight-update group: nccl with CUDA, else gloo."""
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def nccl_env(ifname: str | None) -> dict[str, str]:
@@ -91,6 +83,7 @@ def report() -> dict[str, Any]:
     """What this machine offers: CUDA devices, NCCL, Transformer Engine, SGLang."""
     import torch
 
+    from megatron_qarl.moe.parallelize import dist_backend
     from megatron_qarl.qat.te import transformer_engine_available
 
     cuda = torch.cuda.is_available()

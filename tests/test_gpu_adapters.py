@@ -15,6 +15,7 @@ from launch.fleet import server_command
 from megatron_qarl import gpu
 from megatron_qarl.config import load_config
 from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.moe.parallelize import dist_backend
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.te import transformer_engine_available
 
@@ -53,7 +54,7 @@ def test_te_paths_say_what_is_missing():
 
 
 def test_backend_and_socket_env():
-    assert gpu.dist_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert dist_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
     assert gpu.nccl_env("ib0") == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}
     assert gpu.nccl_env(None) == {}
 
