@@ -27,7 +27,8 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.8", "schemathesis>=3.36"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.8", "schemathesis>=3.36",
+             "vulture>=2.11"],
     # GPU clusters only: none of these installs on a CPU-only machine. Imported lazily.
     "gpu": ["transformer-engine[pytorch]>=2.4", "sglang[all]>=0.5"],
 }

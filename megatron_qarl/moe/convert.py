@@ -211,18 +211,3 @@ def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True,
         for name, tensor in full.items():
             for r, t in enumerate(all_gather_tensors(tensor, ep_group, lay.ep)):
                 yield peer_expert_name(name, pm, lay, n_local, r), t
-
-
-def save_hf(state: Mapping[str, torch.Tensor], model_dir: str | Path, out_dir: str | Path) -> None:
-    """Write ``state`` as model.safetensors beside copies of the source dir's config/tokenizer files."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for p in Path(model_dir).iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name != "model.safetensors.index.json":
-            shutil.copy2(p, out / p.name)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
