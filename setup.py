@@ -37,7 +37,8 @@ setup(
     name="megatron_qarl",
     version="0.1.0",
     description="QaRL: rollout-aligned quantization-aware RL for Mixture-of-Experts LMs on Megatron-Core",
-    packages=find_packages(include=["megatron_qarl", "megatron_qarl.*", "launch", "launch.*"]),
+    # only megatron_qarl: the top-level launch/ folder holds thin launchers run from a checkout, not a package
+    packages=find_packages(include=["megatron_qarl", "megatron_qarl.*"]),
     include_package_data=True,
     # the native kernels' sources, compiled on first use (megatron_qarl/rollout/native.py)
     package_data={"megatron_qarl.rollout": ["int8_gemv.c", "int4_gemv.c", "qarl_bf16.h"]},

@@ -7,7 +7,7 @@ the visible GPUs; on a machine without CUDA it says so and exits 0.
 
 The GPU code it checks lives with its concept: the Transformer Engine model in ``moe/te.py`` (built by
 ``moe.model.build_model(..., te=quant)``), the backend choice in ``moe/parallelize.py``, the SGLang command in
-``rollout/sglang_launcher.py``, the NCCL/gloo socket variables of a Slurm job in ``launch/slurm.py``.
+``rollout/sglang_launcher.py``, the NCCL/gloo socket variables of a Slurm job in ``megatron_qarl/launch/slurm.py``.
 """
 
 from __future__ import annotations

@@ -86,12 +86,12 @@ def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
     model_dir = rollout_model_dir(cfg)
     started = time.perf_counter()
     if cfg.launch.backend == "ray":
-        from launch.ray_launcher import RayCluster
+        from megatron_qarl.launch.ray_launcher import RayCluster
 
         cluster = RayCluster(cfg, model_dir)
         learners, servers, closers = cluster.learners, cluster.servers, [cluster.learners.close, cluster.close]
     else:
-        from launch.local import LocalLearnerGroup, LocalServers
+        from megatron_qarl.launch.local import LocalLearnerGroup, LocalServers
 
         servers = LocalServers(cfg, model_dir)
         try:

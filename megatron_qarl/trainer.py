@@ -6,7 +6,7 @@
             -> policy update (TBPO or the configured baseline) -> weight sync -> next step
 
 The trainer is the driver: it holds the data stream, the reward workers and the metrics, and calls
-the learner ranks and rollout servers through launch/'s LearnerGroup and ServerFleet, so the same loop
+the learner ranks and rollout servers through megatron_qarl/launch/'s LearnerGroup and ServerFleet, so the same loop
 runs in one process on a laptop and on a Ray cluster started by Slurm.
 """
 

@@ -18,7 +18,7 @@ echo "== Megatron CUDA step, NCCL broadcast, TE (+FP8) step"
 timeout 900 "$PY" -m megatron_qarl.gpu_smoke smoke || RC=1
 echo "== SGLang command of configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml"
 "$PY" - <<'PY' || RC=1
-from launch.fleet import server_command
+from megatron_qarl.launch.fleet import server_command
 from megatron_qarl.config import load_config
 from megatron_qarl.rollout.sglang_launcher import sglang_available
 cfg = load_config("configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml", ["rollout.api_key=smoke"])

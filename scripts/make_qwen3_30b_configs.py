@@ -63,7 +63,7 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
         "# (config.json): give the weights with model.path=/path/to/Qwen3-30B-A3B; data.source and train.eval.data\n"
         "# are dapo-math-17k and AIME 2024 in the DAPO parquet layout (prompt: chat messages,\n"
         "# reward_model.ground_truth).\n"
-        f"# Submit: python -m launch.slurm submit configs/qwen3-30b-a3b/{name}.yaml model.path=...\n"
+        f"# Submit (repository root): python -m launch.slurm submit configs/qwen3-30b-a3b/{name}.yaml model.path=...\n"
         f"# Memory per GPU: qarl plan --config configs/qwen3-30b-a3b/{name}.yaml\n"
     )
     if nodes == 2:

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.fleet import server_command
 from megatron_qarl import gpu_smoke
 from megatron_qarl.config import load_config
+from megatron_qarl.launch.fleet import server_command
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model
 from megatron_qarl.moe.te import te_config_overrides, te_fp8_settings, transformer_engine_available
 from megatron_qarl.qat.config import QuantConfig

@@ -1,18 +1,19 @@
-"""launch/slurm.py, the Python side of slurm/qarl.sbatch, without Slurm: node lists, node addresses, the Ray
-start command of each node, the interface variables, the job's environment and `qarl train` command (with
+"""megatron_qarl/launch/slurm.py, the Python side of slurm/qarl.sbatch, without Slurm: node lists, node addresses,
+the Ray start command of each node, the interface variables, the job's environment and `qarl train` command (with
 --resume when the run has a checkpoint), the sbatch command of `submit`, and the train_cli stop hook."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from launch import slurm
 from megatron_qarl import train_cli
 from megatron_qarl.errors import UserError
+from megatron_qarl.launch import slurm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,6 +149,14 @@ def test_submit_command(monkeypatch, tmp_path, capsys):
     assert "--nodes=2" in cpu and not any(a.startswith("--gpus-per-node") for a in cpu)
     assert slurm.main(["submit", "--dry-run", "configs/cpu_default.yaml"]) == 0
     assert capsys.readouterr().out.startswith("sbatch --parsable --job-name=qarl-cpu_default --nodes=1")
+
+
+def test_the_launcher_users_run_from_the_repository_root(tmp_path):
+    """``python -m launch.slurm`` (the top-level launch/ folder, not installed) reaches megatron_qarl.launch."""
+    proc = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "--dry-run", "configs/cpu_default.yaml",
+                           f"train.output_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("sbatch --parsable --job-name=qarl-cpu_default --nodes=1")
 
 
 def test_sbatch_script_header_and_syntax():

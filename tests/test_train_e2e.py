@@ -82,8 +82,8 @@ def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipp
     poisoned with NaN: the update is skipped and counted. Then three poisoned steps in a row end the run."""
     from transformers import AutoTokenizer
 
-    from launch.local import LocalLearnerGroup, LocalServers
     from megatron_qarl.data.prompts import PromptStream
+    from megatron_qarl.launch.local import LocalLearnerGroup, LocalServers
     from megatron_qarl.train_cli import rollout_model_dir
     from megatron_qarl.trainer import Trainer, TrainingAborted
 
@@ -141,7 +141,7 @@ def test_the_only_server_killed_mid_rollout_is_restarted_with_the_weights(tmp_pa
     """One server: it is restarted during the rollout, gets the current weights, and the step completes."""
     from transformers import AutoTokenizer
 
-    from launch.local import LocalLearnerGroup, LocalServers
+    from megatron_qarl.launch.local import LocalLearnerGroup, LocalServers
     from megatron_qarl.train_cli import rollout_model_dir
     from megatron_qarl.trainer import Trainer
 

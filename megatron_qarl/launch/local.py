@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from launch.fleet import log_dir, server_command, server_env
 from megatron_qarl.config import QarlConfig
+from megatron_qarl.launch.fleet import log_dir, server_command, server_env
 from megatron_qarl.learner_worker import LearnerWorker
 from megatron_qarl.moe.parallelize import free_port
 from megatron_qarl.rollout.process import ServerProcess
