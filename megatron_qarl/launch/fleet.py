@@ -1,24 +1,59 @@
-"""What the trainer sees of a launch: a learner group (one LearnerWorker per rank, called in lockstep)
-and a server fleet (rollout server URLs that can be checked and restarted). launch/local.py and
+"""What the trainer sees of a launch: the learner ranks (``LearnerRanks``: one LearnerWorker per rank, called in
+lockstep) and a server fleet (rollout server URLs that can be checked and restarted). launch/local.py and
 launch/ray_launcher.py implement both."""
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from megatron_qarl.config import QarlConfig
+from megatron_qarl.learner_worker import LearnerWorker
 from megatron_qarl.rollout.process import embedded_command
 from megatron_qarl.rollout.sglang_launcher import SGLangServerSpec, launch_command
 
+if TYPE_CHECKING:
+    import torch
 
-class LearnerGroup(Protocol):
+    from megatron_qarl.algo.policy_loss import PolicyLossConfig
+    from megatron_qarl.learner import Batch
+
+T = TypeVar("T")
+
+
+class LearnerRanks(abc.ABC):
+    """The trainer's handle to the learner ranks, the same over Ray and in one process. Each method runs the
+    LearnerWorker method of the same name on every rank at once (they are collectives) and returns rank 0's
+    result, the one that is meaningful. A launcher says only how to reach every rank (``on_every_rank``)."""
+
     world: int
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every rank at once; per-rank results in rank order."""
+    @abc.abstractmethod
+    def on_every_rank(self, method: Callable[..., T], *args: Any) -> list[T]:
+        """``method`` (a LearnerWorker method) called on every rank at once; per-rank results in rank order."""
 
-    def close(self) -> None: ...
+    def load(self, path: str, weight_version: int) -> None:
+        self.on_every_rank(LearnerWorker.load, path, weight_version)
+
+    def set_engines(self, urls: list[str], ranks_per_engine: int, api_key: str | None) -> None:
+        self.on_every_rank(LearnerWorker.set_engines, urls, ranks_per_engine, api_key)
+
+    def sync(self) -> dict:
+        return self.on_every_rank(LearnerWorker.sync)[0]
+
+    def logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.on_every_rank(LearnerWorker.logprobs, tokens_BS)[0]
+
+    def train(self, batch: Batch, loss_cfg: PolicyLossConfig, poison: bool = False) -> dict:
+        return self.on_every_rank(LearnerWorker.train, batch, loss_cfg, poison)[0]
+
+    def save(self, path: str) -> None:
+        self.on_every_rank(LearnerWorker.save, path)
+
+    def close(self) -> None:
+        self.on_every_rank(LearnerWorker.close)
 
 
 class ServerFleet(Protocol):
