@@ -155,9 +155,11 @@ class Trainer:
             except EveryServerDown:
                 if not self.cfg.rollout.restart_dead:
                     raise
-            self.tracker.console(f"every rollout server failed mid-rollout ({len(manager.finished)} samples "
-                                 "finished): restarting them, syncing the weights, re-sending the rest")
-            self._heal_servers()
+            for i in live:  # each one failed this round: dead, or running but not answering
+                self.tracker.console(f"restarting rollout server {i} ({self.servers.urls[i]}) mid-rollout "
+                                     f"({len(manager.finished)} samples finished)")
+                self.servers.restart(i)
+            self._heal_servers()  # any that were down before this rollout
             self._connect()
             self._sync()
             live = self._live()
