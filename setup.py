@@ -30,7 +30,7 @@ EXTRAS = {
     # msgspec, openai, dill: what SGLang's own code runs in tests/test_sglang_contract.py (sglang itself is
     # installed with --no-deps, README); openai pinned as sglang 0.5.23 pins it
     "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.8", "schemathesis>=3.36",
-             "msgspec>=0.19", "openai==2.8.0", "dill>=0.3"],
+             "msgspec>=0.19", "openai==2.8.0", "dill>=0.3", "vulture>=2.11"],
     # GPU clusters only: none of these installs on a CPU-only machine. Imported lazily.
     "gpu": ["transformer-engine[pytorch]>=2.4", "sglang[all]==0.5.23"],  # the version the contract tests check
 }
@@ -39,7 +39,8 @@ setup(
     name="megatron_qarl",
     version="0.1.0",
     description="QaRL: rollout-aligned quantization-aware RL for Mixture-of-Experts LMs on Megatron-Core",
-    packages=find_packages(include=["megatron_qarl", "megatron_qarl.*", "launch", "launch.*"]),
+    # only megatron_qarl: the top-level launch/ folder holds thin launchers run from a checkout, not a package
+    packages=find_packages(include=["megatron_qarl", "megatron_qarl.*"]),
     include_package_data=True,
     # the native kernels' sources, compiled on first use (megatron_qarl/rollout/native.py)
     package_data={"megatron_qarl.rollout": ["int8_gemv.c", "int4_gemv.c", "qarl_bf16.h"]},

@@ -58,7 +58,8 @@ class Batch:
 SUMMED_METRICS = ("loss", "num_responses", "num_tokens")
 
 
-# loss_fn(logp_BT, batch_slice, normalizer) -> (loss, metrics); normalizer is the global one
+# loss_fn(logp_BT, batch_slice) -> (loss, metrics): the slice's share of the global loss (normalised by the
+# whole batch's count, which the loss function holds; see policy_loss_fn)
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]
 
 

@@ -3,27 +3,32 @@
     qarl plan --model DIR [--scheme S] [--nodes 2 4] [--gpus-per-node 8] [--gpu-gib 79.65] [--json]
     qarl plan --config C [key.sub=value ...] [--gpu-gib 79.65] [--json]
 
-With ``--config`` it plans that run: its learner layout (parallel.*, world_size ranks), its rollout servers
-(rollout.servers x gpus_per_server, SGLang --tp-size), the step's shapes (prompts x samples, prompt + response
-tokens), whether each fits the GPU, and which other layouts of its launch.nodes x gpus_per_node GPUs fit.
+Every plan is made from a run's typed config (``megatron_qarl.config.QarlConfig``): its model, quant scheme, step
+shapes (train.prompts_per_step x rollout.sampling.n_samples responses of data.max_prompt_tokens +
+rollout.sampling.max_new_tokens tokens), learner micro-batches (learner.micro_batch_size) and SGLang
+mem_fraction_static. ``--config`` plans that run: its learner layout (parallel.*, world_size ranks), its rollout
+servers (rollout.servers x gpus_per_server, SGLang --tp-size), whether each fits the GPU, and which other layouts of
+its launch.nodes x gpus_per_node GPUs fit. ``--model`` plans the public Qwen3-30B-A3B recipe's step
+(``RECIPE``) for that model and scheme.
 
 For every cluster of ``nodes`` x ``gpus_per_node`` GPUs it tries each placement (learner and rollout
 colocated on all GPUs, or split: learner on a nodes, rollout servers on the others), every learner layout
 (TP in 1, 2, 4, 8 with sequence parallel when TP > 1, EP dividing the experts and the GPU count) and every
 rollout server layout (one server per TP GPUs inside a node, EP dividing TP), and reports the memory of each
-(formulas in ``megatron_qarl.plan``) and whether it fits. ``make_plan`` takes a typed ``PlanConfig`` so a
-run config can feed it directly.
+(formulas in ``megatron_qarl.plan``) and whether it fits. What a run config does not say, the GPU and the
+what-if learner options, is ``PlanOptions``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
+from megatron_qarl.config import QarlConfig, load_config, validate_config
 from megatron_qarl.errors import UserError
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.plan import (
@@ -40,67 +45,67 @@ from megatron_qarl.plan import (
 from megatron_qarl.qat.config import SCHEMES, QuantConfig
 
 TP_CHOICES = (1, 2, 4, 8)
+H100_GIB = 81559 / 1024  # an H100 SXM "80GB" as the driver reports it: 81559 MiB
+
+# ``qarl plan --model``: the step of a public Qwen3-30B-A3B GRPO recipe (32 prompts x 8 samples, prompt 1024 +
+# response 8192 tokens), the learner running one full-length sequence per forward/backward
+RECIPE = {
+    "train": {"prompts_per_step": 32},
+    "data": {"max_prompt_tokens": 1024},
+    "rollout": {"sampling": {"n_samples": 8, "max_new_tokens": 8192}},
+    "learner": {"micro_batch_size": 1},
+}
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """What a plan needs beyond the run config. ``gpu_gib``: memory the driver reports; the learner keeps
+    ``reserve_gib`` free (CUDA context, cuBLAS/NCCL buffers, allocator fragmentation). The learner options ask
+    "what if": ``micro_batch_tokens`` replaces the config's micro-batches (tokens per data-parallel rank),
+    ``distributed_optimizer`` shards Adam states over DP, ``recompute`` is full activation recompute,
+    ``expert_imbalance`` the busiest rank's routed tokens over the balanced share."""
+
+    gpu_gib: float = H100_GIB
+    reserve_gib: float = 2.0
+    micro_batch_tokens: int | None = None
+    distributed_optimizer: bool = False
+    recompute: bool = False
+    expert_imbalance: float = 1.0
 
 
-class WorkloadConfig(_Section):
-    """The RL step's shapes (defaults: the public Qwen3-30B-A3B recipe, 32 prompts x 8 samples)."""
-
-    prompts_per_step: int = Field(default=32, ge=1)
-    samples_per_prompt: int = Field(default=8, ge=1)
-    prompt_len: int = Field(default=1024, ge=1)
-    max_response_len: int = Field(default=8192, ge=1)
-    # tokens of one learner micro-batch per data-parallel rank (shared by its TP group, split by SP);
-    # None = one full-length sequence (prompt + max response), the least that holds a sequence without CP
-    micro_batch_tokens: int | None = Field(default=None, ge=1)
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.max_response_len
-
-    @property
-    def sequences(self) -> int:
-        return self.prompts_per_step * self.samples_per_prompt
-
-    @property
-    def tokens_per_micro_batch(self) -> int:
-        return self.micro_batch_tokens or self.seq_len
+def recipe_config(model: str | Path, scheme: str, mem_fraction_static: float = 0.8) -> QarlConfig:
+    """The run config ``qarl plan --model`` plans: ``RECIPE`` for ``model`` in ``scheme``."""
+    data = json.loads(json.dumps(RECIPE))
+    data["rollout"]["mem_fraction_static"] = mem_fraction_static
+    return validate_config({**data, "model": {"path": str(model)}, "quant": {"scheme": scheme}})
 
 
-class ClusterConfig(_Section):
-    """GPUs. ``gpu_gib``: memory the driver reports (H100 SXM "80GB": 81559 MiB = 79.65 GiB); the learner keeps
-    ``reserve_gib`` free (CUDA context, cuBLAS/NCCL buffers, allocator fragmentation); SGLang gives weights +
-    KV ``mem_fraction_static`` of the GPU and keeps the rest for activations and CUDA graphs."""
-
-    nodes: tuple[int, ...] = (2, 4)
-    gpus_per_node: int = Field(default=8, ge=1)
-    gpu_gib: float = Field(default=81559 / 1024, gt=0)
-    reserve_gib: float = Field(default=2.0, ge=0)
-    mem_fraction_static: float = Field(default=0.8, gt=0, lt=1)
+def step_shape(cfg: QarlConfig) -> tuple[int, int]:
+    """(responses per step, tokens of a full-length sequence: longest prompt + max new tokens)."""
+    s = cfg.rollout.sampling
+    return cfg.train.prompts_per_step * s.n_samples, cfg.data.max_prompt_tokens + s.max_new_tokens
 
 
-class LearnerOptions(_Section):
-    distributed_optimizer: bool = True
-    recompute: bool = False  # full activation recompute
-    expert_imbalance: float = Field(default=1.0, ge=1.0)  # busiest rank's routed tokens / the balanced share
+def micro_batch_sequences(cfg: QarlConfig, dp: int) -> int:
+    """Sequences of one learner forward/backward on a data-parallel rank of ``dp``: learner.micro_batch_size, at
+    most the rank's share of the step (None: the whole share at once)."""
+    share = math.ceil(step_shape(cfg)[0] / dp)
+    return min(cfg.learner.micro_batch_size or share, share)
 
 
-class PlanConfig(_Section):
-    workload: WorkloadConfig = WorkloadConfig()
-    cluster: ClusterConfig = ClusterConfig()
-    learner: LearnerOptions = LearnerOptions()
+def micro_batch_tokens(cfg: QarlConfig, dp: int, opts: PlanOptions) -> int:
+    """Tokens of one learner forward/backward on a data-parallel rank: ``opts.micro_batch_tokens``, else
+    ``micro_batch_sequences`` full-length sequences."""
+    return opts.micro_batch_tokens or micro_batch_sequences(cfg, dp) * step_shape(cfg)[1]
 
 
 def _gib(x: float) -> float:
     return round(x / GIB, 2)
 
 
-def learner_rows(arch: Qwen3MoeArch, quant: QuantConfig, gpus: int, cfg: PlanConfig) -> tuple[list[dict], list[str]]:
+def learner_rows(cfg: QarlConfig, arch: Qwen3MoeArch, gpus: int, opts: PlanOptions) -> tuple[list[dict], list[str]]:
     """(one row per runnable learner layout on ``gpus`` GPUs, reasons the other candidates were rejected)."""
-    usable = (cfg.cluster.gpu_gib - cfg.cluster.reserve_gib) * GIB
+    usable = (opts.gpu_gib - opts.reserve_gib) * GIB
     rows, rejected = [], []
     eps = [e for e in range(1, arch.num_experts + 1) if arch.num_experts % e == 0 and e <= gpus]
     for tp in TP_CHOICES:
@@ -112,34 +117,47 @@ def learner_rows(arch: Qwen3MoeArch, quant: QuantConfig, gpus: int, cfg: PlanCon
                 if gpus % (ep * lay.etp) == 0 and gpus % tp == 0:  # only report the non-obvious rejections
                     rejected.append(str(err))
                 continue
-            mem = learner_memory(arch, quant, lay, micro_batch_tokens=cfg.workload.tokens_per_micro_batch,
-                                 **cfg.learner.model_dump())
+            mem = _learner_memory(cfg, arch, lay, opts)
             rows.append({"tp": tp, "ep": ep, "etp": lay.etp, "dp": lay.dp, "edp": lay.edp, "sp": lay.sp,
                          **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": mem["total"] <= usable})
     return rows, sorted(set(rejected))
 
 
-def rollout_rows(arch: Qwen3MoeArch, quant: QuantConfig, gpus: int, cfg: PlanConfig) -> tuple[list[dict], list[str]]:
+def _learner_memory(cfg: QarlConfig, arch: Qwen3MoeArch, lay: LearnerLayout, opts: PlanOptions) -> dict[str, float]:
+    return learner_memory(arch, cfg.quant, lay, micro_batch_tokens=micro_batch_tokens(cfg, lay.dp, opts),
+                          distributed_optimizer=opts.distributed_optimizer, recompute=opts.recompute,
+                          expert_imbalance=opts.expert_imbalance)
+
+
+def _rollout_memory(cfg: QarlConfig, arch: Qwen3MoeArch, srv: ServerLayout, seqs: int, opts: PlanOptions):
+    return rollout_memory(arch, cfg.quant, srv, gpu_bytes=int(opts.gpu_gib * GIB),
+                          mem_fraction_static=cfg.rollout.mem_fraction_static, concurrent_seqs=seqs,
+                          seq_len=step_shape(cfg)[1])
+
+
+def _rollout_cells(mem) -> dict:
+    return {"weights_gib": _gib(mem.weights), "overhead_gib": _gib(mem.overhead),
+            "kv_pool_gib": _gib(max(mem.kv_pool, 0)), "kv_needed_gib": _gib(mem.kv_needed), "kv_tokens": mem.kv_tokens,
+            "seqs_at_full_length": mem.seqs_at_full_length, "fits": mem.fits, "fits_all": mem.fits_all}
+
+
+def rollout_rows(cfg: QarlConfig, arch: Qwen3MoeArch, gpus: int, gpus_per_node: int,
+                 opts: PlanOptions) -> tuple[list[dict], list[str]]:
     """(one row per runnable SGLang server layout on ``gpus`` GPUs, reasons for rejected candidates)."""
     rows, rejected = [], []
     for tp in TP_CHOICES:
-        if tp > cfg.cluster.gpus_per_node or gpus % tp:
+        if tp > gpus_per_node or gpus % tp:
             continue
         servers = gpus // tp
-        seqs = math.ceil(cfg.workload.sequences / servers)
+        seqs = math.ceil(step_shape(cfg)[0] / servers)
         for ep in (e for e in TP_CHOICES if e <= tp and tp % e == 0):
             try:
-                mem = rollout_memory(arch, quant, ServerLayout(tp=tp, ep=ep), gpu_bytes=int(cfg.cluster.gpu_gib * GIB),
-                                     mem_fraction_static=cfg.cluster.mem_fraction_static, concurrent_seqs=seqs,
-                                     seq_len=cfg.workload.seq_len)
+                mem = _rollout_memory(cfg, arch, ServerLayout(tp=tp, ep=ep), seqs, opts)
             except LayoutError as err:
                 rejected.append(str(err))
                 continue
             rows.append({"tp": tp, "ep": ep, "moe_tp": tp // ep, "servers": servers, "seqs_per_server": seqs,
-                         "weights_gib": _gib(mem.weights), "overhead_gib": _gib(mem.overhead),
-                         "kv_pool_gib": _gib(max(mem.kv_pool, 0)), "kv_needed_gib": _gib(mem.kv_needed),
-                         "kv_tokens": mem.kv_tokens, "seqs_at_full_length": mem.seqs_at_full_length,
-                         "fits": mem.fits, "fits_all": mem.fits_all})
+                         **_rollout_cells(mem)})
     return rows, sorted(set(rejected))
 
 
@@ -150,25 +168,40 @@ def placements(nodes: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def make_plan(arch: Qwen3MoeArch, quant: QuantConfig, cfg: PlanConfig) -> dict:
-    """The whole plan as a JSON-ready dict (``qarl plan --json`` prints it)."""
-    gpn = cfg.cluster.gpus_per_node
+def _checkpoint_gib(arch: Qwen3MoeArch, quant: QuantConfig) -> dict[str, float]:
+    return {"bf16": _gib(rollout_weight_bytes(arch, QuantConfig())),
+            quant.scheme: _gib(rollout_weight_bytes(arch, quant))}
+
+
+def make_plan(cfg: QarlConfig, *, nodes: Sequence[int], gpus_per_node: int, opts: PlanOptions) -> dict:
+    """Every placement and layout of ``cfg``'s step on clusters of ``nodes`` x ``gpus_per_node`` GPUs, as a
+    JSON-ready dict (``qarl plan --model --json`` prints it)."""
+    arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
+    gpn = gpus_per_node
     clusters = []
-    for nodes in cfg.cluster.nodes:
+    for n in nodes:
         rows = []
-        for name, ln, rn in placements(nodes):
-            learner, l_rej = learner_rows(arch, quant, ln * gpn, cfg)
-            rollout, r_rej = rollout_rows(arch, quant, rn * gpn, cfg)
+        for name, ln, rn in placements(n):
+            learner, l_rej = learner_rows(cfg, arch, ln * gpn, opts)
+            rollout, r_rej = rollout_rows(cfg, arch, rn * gpn, gpn, opts)
             rows.append({"placement": name, "learner_gpus": ln * gpn, "rollout_gpus": rn * gpn,
                          "learner": learner, "rollout": rollout, "rejected": l_rej + r_rej,
                          "fits": any(r["fits"] for r in learner) and any(r["fits"] for r in rollout)})
-        clusters.append({"nodes": nodes, "gpus_per_node": gpn, "placements": rows})
+        clusters.append({"nodes": n, "gpus_per_node": gpn, "placements": rows})
+    s = cfg.rollout.sampling
     return {
-        "scheme": quant.scheme,
+        "scheme": cfg.quant.scheme,
         "params": param_counts(arch),
-        "rollout_checkpoint_gib": {"bf16": _gib(rollout_weight_bytes(arch, QuantConfig())),
-                                   quant.scheme: _gib(rollout_weight_bytes(arch, quant))},
-        "config": cfg.model_dump(mode="json"),
+        "rollout_checkpoint_gib": _checkpoint_gib(arch, cfg.quant),
+        "config": {
+            "workload": {"prompts_per_step": cfg.train.prompts_per_step, "samples_per_prompt": s.n_samples,
+                         "prompt_len": cfg.data.max_prompt_tokens, "max_response_len": s.max_new_tokens,
+                         "micro_batch_tokens": opts.micro_batch_tokens},
+            "cluster": {"nodes": list(nodes), "gpus_per_node": gpn, "gpu_gib": opts.gpu_gib,
+                        "reserve_gib": opts.reserve_gib, "mem_fraction_static": cfg.rollout.mem_fraction_static},
+            "learner": {"distributed_optimizer": opts.distributed_optimizer, "recompute": opts.recompute,
+                        "expert_imbalance": opts.expert_imbalance},
+        },
         "clusters": clusters,
     }
 
@@ -223,55 +256,42 @@ def render_text(plan: dict, model: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ --config
-# The learner (learner.py) builds Megatron DDP with use_distributed_optimizer=False and no recompute, and runs a
-# data-parallel rank's whole share of the step's responses in one forward/backward (no micro-batching).
+# The learner (learner.py) builds Megatron DDP with use_distributed_optimizer=False and no activation recompute;
+# it runs a data-parallel rank's share of the step in micro-batches of learner.micro_batch_size responses
+# (None: the whole share in one forward/backward), accumulating gradients.
 LEARNER_DISTRIBUTED_OPTIMIZER = False
 
 
-def config_plan(cfg, *, gpu_gib: float, reserve_gib: float = 2.0, micro_batch_tokens: int | None = None,
-                distributed_optimizer: bool = LEARNER_DISTRIBUTED_OPTIMIZER, recompute: bool = False) -> dict:
-    """Per-GPU memory of one run config (a ``QarlConfig``): its learner layout (parallel.*, world_size ranks)
-    and its rollout servers (rollout.servers x gpus_per_server), whether each fits a ``gpu_gib`` GPU, and
-    which other layouts of ``launch.nodes`` x ``launch.gpus_per_node`` GPUs fit (``make_plan``)."""
+def config_plan(cfg: QarlConfig, opts: PlanOptions) -> dict:
+    """Per-GPU memory of one run config: its learner layout (parallel.*, world_size ranks) and its rollout servers
+    (rollout.servers x gpus_per_server), whether each fits an ``opts.gpu_gib`` GPU, and which other layouts of
+    ``launch.nodes`` x ``launch.gpus_per_node`` GPUs fit (``make_plan``)."""
     arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
-    quant, r, s = cfg.quant, cfg.rollout, cfg.rollout.sampling
-    seq_len = cfg.data.max_prompt_tokens + s.max_new_tokens
-    sequences = cfg.train.prompts_per_step * s.n_samples
+    r = cfg.rollout
+    sequences, seq_len = step_shape(cfg)
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
-    tokens = micro_batch_tokens or seq_len
-    mem = learner_memory(arch, quant, lay, micro_batch_tokens=tokens, distributed_optimizer=distributed_optimizer,
-                         recompute=recompute)
-    usable = (gpu_gib - reserve_gib) * GIB
+    mem = _learner_memory(cfg, arch, lay, opts)
+    usable = (opts.gpu_gib - opts.reserve_gib) * GIB
     learner = {"gpus": lay.gpus, "tp": lay.tp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp, "edp": lay.edp,
-               "sp": lay.sp, "micro_batch_tokens": tokens, "sequences_per_dp_rank": sequences // lay.dp,
+               "sp": lay.sp, "micro_batch_tokens": micro_batch_tokens(cfg, lay.dp, opts),
+               "micro_batch_sequences": None if opts.micro_batch_tokens else micro_batch_sequences(cfg, lay.dp),
+               "sequences_per_dp_rank": sequences // lay.dp,
                **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": mem["total"] <= usable}
     srv = ServerLayout(tp=max(r.gpus_per_server, 1))
     seqs = min(r.max_batch_size, math.ceil(sequences / r.servers))
-    rm = rollout_memory(arch, quant, srv, gpu_bytes=int(gpu_gib * GIB), mem_fraction_static=r.mem_fraction_static,
-                        concurrent_seqs=seqs, seq_len=seq_len)
     rollout = {"servers": r.servers, "gpus_per_server": r.gpus_per_server, "tp": srv.tp, "seqs_per_server": seqs,
-               "weights_gib": _gib(rm.weights), "overhead_gib": _gib(rm.overhead),
-               "kv_pool_gib": _gib(max(rm.kv_pool, 0)), "kv_needed_gib": _gib(rm.kv_needed),
-               "kv_tokens": rm.kv_tokens, "seqs_at_full_length": rm.seqs_at_full_length, "fits": rm.fits,
-               "fits_all": rm.fits_all}
+               **_rollout_cells(_rollout_memory(cfg, arch, srv, seqs, opts))}
     la = cfg.launch
-    gpn = la.gpus_per_node or 8
-    others = make_plan(arch, quant, PlanConfig(
-        workload=WorkloadConfig(prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=s.n_samples,
-                                prompt_len=cfg.data.max_prompt_tokens, max_response_len=s.max_new_tokens,
-                                micro_batch_tokens=micro_batch_tokens),
-        cluster=ClusterConfig(nodes=(la.nodes,), gpus_per_node=gpn, gpu_gib=gpu_gib, reserve_gib=reserve_gib,
-                              mem_fraction_static=r.mem_fraction_static),
-        learner=LearnerOptions(distributed_optimizer=distributed_optimizer, recompute=recompute)))
+    others = make_plan(cfg, nodes=(la.nodes,), gpus_per_node=la.gpus_per_node or 8, opts=opts)
     return {
-        "scheme": quant.scheme,
+        "scheme": cfg.quant.scheme,
         "params": param_counts(arch),
         "rollout_checkpoint_gib": others["rollout_checkpoint_gib"],
-        "gpu_gib": round(gpu_gib, 2), "reserve_gib": reserve_gib,
+        "gpu_gib": round(opts.gpu_gib, 2), "reserve_gib": opts.reserve_gib,
         "cluster": {"nodes": la.nodes, "gpus_per_node": la.gpus_per_node,
                     "gpus_used": lay.gpus + r.servers * r.gpus_per_server},
         "workload": {"sequences": sequences, "seq_len": seq_len},
-        "learner_options": {"distributed_optimizer": distributed_optimizer, "recompute": recompute},
+        "learner_options": {"distributed_optimizer": opts.distributed_optimizer, "recompute": opts.recompute},
         "learner": learner,
         "rollout": rollout,
         "fits": learner["fits"] and rollout["fits"],
@@ -281,6 +301,18 @@ def config_plan(cfg, *, gpu_gib: float, reserve_gib: float = 2.0, micro_batch_to
                           "rollout_fit": [f"tp{x['tp']}/ep{x['ep']}" for x in pl["rollout"] if x["fits"]]}
                          for pl in others["clusters"][0]["placements"]],
     }
+
+
+def _micro_batch_note(le: dict) -> str:
+    """What the learner's activations above are of."""
+    share, seqs = le["sequences_per_dp_rank"], le["micro_batch_sequences"]
+    if seqs is None:
+        return f"the activations above are of a {le['micro_batch_tokens']}-token micro-batch (--micro-batch-tokens)"
+    if seqs < share:
+        return (f"the learner runs a data-parallel rank's {share} sequences in micro-batches of {seqs} "
+                "(learner.micro_batch_size)")
+    return (f"the learner runs a data-parallel rank's whole share ({share} sequences) in one forward/backward "
+            "(learner.micro_batch_size)")
 
 
 def render_config_text(plan: dict, config: str) -> str:
@@ -307,9 +339,7 @@ def render_config_text(plan: dict, config: str) -> str:
         f"{'FITS' if ro['fits'] else 'DOES NOT FIT'}"
         f"{'' if ro['fits_all'] or not ro['fits'] else ' (some requests queue)'}",
         f"\n=> {'FITS' if plan['fits'] else 'DOES NOT FIT'} on {plan['gpu_gib']} GiB GPUs",
-        f"note: the learner today runs a data-parallel rank's whole share ({le['sequences_per_dp_rank']} sequences) "
-        "in one forward/backward; the activations above assume micro-batches of "
-        f"{le['micro_batch_tokens']} tokens",
+        f"note: {_micro_batch_note(le)}",
         f"\nlayouts of {cl['nodes']} x {cl['gpus_per_node'] or 8} GPUs that fit (qarl plan --model for the tables):",
     ]
     for alt in plan["alternatives"]:
@@ -319,13 +349,26 @@ def render_config_text(plan: dict, config: str) -> str:
     return "\n".join(out)
 
 
-def _run_config(args: argparse.Namespace) -> int:
-    from megatron_qarl.config import load_config
+def _check_flags(args: argparse.Namespace) -> None:
+    """The numeric flags, named as the user typed them."""
+    checks = [("--gpu-gib", args.gpu_gib, args.gpu_gib > 0, "must be > 0"),
+              ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node >= 1, "must be >= 1"),
+              ("--micro-batch-tokens", args.micro_batch_tokens,
+               args.micro_batch_tokens is None or args.micro_batch_tokens >= 1, "must be >= 1"),
+              ("--mem-fraction-static", args.mem_fraction_static, 0 < args.mem_fraction_static < 1,
+               "must be between 0 and 1"),
+              ("--nodes", args.nodes, all(n >= 1 for n in args.nodes), "each entry must be >= 1")]
+    for flag, value, ok, rule in checks:
+        if not ok:
+            raise UserError(f"{flag}: {rule}, got {value}")
 
+
+def _run_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    plan = config_plan(cfg, gpu_gib=args.gpu_gib, micro_batch_tokens=args.micro_batch_tokens,
+    opts = PlanOptions(gpu_gib=args.gpu_gib, micro_batch_tokens=args.micro_batch_tokens,
                        distributed_optimizer=args.distributed_optimizer or LEARNER_DISTRIBUTED_OPTIMIZER,
                        recompute=args.recompute)
+    plan = config_plan(cfg, opts)
     if args.json:
         print(json.dumps({"config": str(args.config), **plan}, indent=2))
     else:
@@ -346,9 +389,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--scheme", default="w4a16", help=f"rollout / QAT scheme: {', '.join(SCHEMES)} (w4a16)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="cluster sizes in nodes (2 4)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (8)")
-    parser.add_argument("--gpu-gib", type=float, default=81559 / 1024, help="GPU memory in GiB (79.65: H100 80GB)")
+    parser.add_argument("--gpu-gib", type=float, default=H100_GIB, help="GPU memory in GiB (79.65: H100 80GB)")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
-                        help="learner micro-batch tokens per DP rank (default: prompt + max response)")
+                        help="learner micro-batch tokens per DP rank (default: --config: learner.micro_batch_size "
+                             "sequences; --model: one full-length sequence)")
     parser.add_argument("--mem-fraction-static", type=float, default=0.8, help="SGLang mem_fraction_static (0.8)")
     parser.add_argument("--recompute", action="store_true", help="learner with full activation recompute")
     parser.add_argument("--no-distributed-optimizer", action="store_true", help="Adam states not sharded over DP")
@@ -359,6 +403,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``qarl plan``; bad input becomes a UserError (exit code 2)."""
+    _check_flags(args)
     if args.config is not None:
         return _run_config(args)
     if args.overrides:
@@ -367,20 +412,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--scheme: unknown scheme {args.scheme!r}; valid: {', '.join(SCHEMES)}")
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
-    arch = Qwen3MoeArch.from_model_dir(args.model)
-    try:
-        cfg = PlanConfig(
-            workload=WorkloadConfig(micro_batch_tokens=args.micro_batch_tokens),
-            cluster=ClusterConfig(nodes=tuple(args.nodes), gpus_per_node=args.gpus_per_node, gpu_gib=args.gpu_gib,
-                                  mem_fraction_static=args.mem_fraction_static),
-            learner=LearnerOptions(distributed_optimizer=not args.no_distributed_optimizer, recompute=args.recompute),
-        )
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise UserError(f"--{str(first['loc'][-1]).replace('_', '-')}: {first['msg']}") from None
-    if any(n < 1 for n in cfg.cluster.nodes):
-        raise UserError(f"--nodes: each entry must be >= 1, got {list(cfg.cluster.nodes)}")
-    plan = make_plan(arch, QuantConfig(scheme=args.scheme), cfg)
+    cfg = recipe_config(args.model, args.scheme, args.mem_fraction_static)
+    opts = PlanOptions(gpu_gib=args.gpu_gib, micro_batch_tokens=args.micro_batch_tokens,
+                       distributed_optimizer=not args.no_distributed_optimizer, recompute=args.recompute)
+    plan = make_plan(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node, opts=opts)
     if args.json:
         print(json.dumps({"model": str(args.model), **plan}, indent=2))
     else:

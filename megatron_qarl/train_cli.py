@@ -44,30 +44,6 @@ def rollout_model_dir(cfg: QarlConfig) -> str:
 EXIT_STOPPED = 75  # stopped early on SIGUSR1/SIGTERM with a checkpoint saved (EX_TEMPFAIL); --resume continues
 
 
-class StopRequested(Exception):
-    """A stop signal arrived: the trainer saved a checkpoint at a step boundary and ended the run."""
-
-
-def _stoppable(trainer_cls, stop: threading.Event):
-    """``trainer_cls`` whose loop ends at the next step boundary once ``stop`` is set, after checkpointing
-    the last finished step (unless it has one): Slurm's USR1 before the time limit or a preemption SIGTERM
-    costs no finished step. The previous step is complete then, its metrics logged."""
-
-    class Stoppable(trainer_cls):
-        def step(self):
-            if stop.is_set():
-                from megatron_qarl import checkpoint as ckpt
-
-                latest = ckpt.latest(self.ckpt_root)
-                if self.state.step and (latest is None or latest != ckpt.step_dir(self.ckpt_root, self.state.step)):
-                    self.save()
-                raise StopRequested(f"stopped on a signal after step {self.state.step} (checkpoint saved; "
-                                    f"--resume continues)")
-            return super().step()
-
-    return Stoppable
-
-
 def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
         stop: threading.Event | None = None) -> dict[str, float]:
     from transformers import AutoTokenizer
@@ -86,26 +62,25 @@ def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
     model_dir = rollout_model_dir(cfg)
     started = time.perf_counter()
     if cfg.launch.backend == "ray":
-        from launch.ray_launcher import RayCluster
+        from megatron_qarl.launch.ray_launcher import RayCluster
 
         cluster = RayCluster(cfg, model_dir)
         learners, servers, closers = cluster.learners, cluster.servers, [cluster.learners.close, cluster.close]
     else:
-        from launch.local import LocalLearnerGroup, LocalServers
+        from megatron_qarl.launch.local import LocalLearnerRanks, LocalServers
 
         servers = LocalServers(cfg, model_dir)
         try:
-            learners = LocalLearnerGroup(cfg)
+            learners = LocalLearnerRanks(cfg)
         except BaseException:
             servers.close()
             raise
         closers = [learners.close, servers.close]
     trainer = None
     try:
-        trainer_cls = _stoppable(Trainer, stop) if stop is not None else Trainer
-        trainer = trainer_cls(cfg, learners, servers, tokenizer=tokenizer, resume=resume, progress=progress,
-                              stream=stream)
-        summary = trainer.run()
+        trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, resume=resume, progress=progress,
+                          stream=stream)
+        summary = trainer.run(stop)
     finally:
         if trainer is not None:
             trainer.close()
@@ -146,6 +121,8 @@ def _run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    from megatron_qarl.trainer import StopRequested
+
     try:
         summary = run(cfg, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty(), stop=stop)
     except StopRequested as err:

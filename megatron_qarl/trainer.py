@@ -6,8 +6,12 @@
             -> policy update (TBPO or the configured baseline) -> weight sync -> next step
 
 The trainer is the driver: it holds the data stream, the reward workers and the metrics, and calls
-the learner ranks and rollout servers through launch/'s LearnerGroup and ServerFleet, so the same loop
-runs in one process on a laptop and on a Ray cluster started by Slurm.
+the learner ranks and rollout servers through megatron_qarl/launch/'s LearnerRanks and ServerFleet, so the same
+loop runs in one process on a laptop and on a Ray cluster started by Slurm.
+
+Server faults are steps of the loop too: a server that fails mid-rollout is dropped and its requests go to the
+others; when the last one fails, the rollout stops, the servers are restarted and get the current weights, and
+the missing requests are sent again (``_rollout``). Dead servers are restarted after each step, before the sync.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,9 +37,10 @@ from megatron_qarl.data.math_task import heldout_problems
 from megatron_qarl.data.prompts import PromptStream, render_prompt, tokenize, uses_chat_template
 from megatron_qarl.data.reward import RewardScorer, shuffle_rewards_in_groups
 from megatron_qarl.errors import UserError
+from megatron_qarl.launch.fleet import LearnerRanks, ServerFleet
 from megatron_qarl.learner import Batch
 from megatron_qarl.rollout.client import ClientConfig, SGLangClient
-from megatron_qarl.rollout.manager import RolloutManager, RoutesSpec, Sample, SamplingConfig
+from megatron_qarl.rollout.manager import EveryServerDown, RolloutManager, RoutesSpec, Sample, SamplingConfig
 from megatron_qarl.tracking import Tracker
 
 EVAL_SEED_OFFSET = 1 << 20  # eval sampling seeds never collide with training ones
@@ -42,6 +48,10 @@ EVAL_SEED_OFFSET = 1 << 20  # eval sampling seeds never collide with training on
 
 class TrainingAborted(UserError):
     """The run cannot go on (too many non-finite steps in a row, every rollout server gone, ...)."""
+
+
+class StopRequested(Exception):
+    """A stop was asked for (``Trainer.run``'s ``stop`` event): the run ended at a step boundary, checkpointed."""
 
 
 @dataclasses.dataclass
@@ -82,8 +92,8 @@ def _scalar(v: Any) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: QarlConfig, learners, servers, *, tokenizer, resume: bool = False,
-                 progress: bool = True, stream: PromptStream | None = None):
+    def __init__(self, cfg: QarlConfig, learners: LearnerRanks, servers: ServerFleet, *, tokenizer,
+                 resume: bool = False, progress: bool = True, stream: PromptStream | None = None):
         self.cfg, self.learners, self.servers = cfg, learners, servers
         self.tokenizer = tokenizer
         self.out = Path(cfg.train.output_dir)
@@ -101,7 +111,7 @@ class Trainer:
             self.state = TrainerState(**saved["trainer"])
             self.stream.load_state_dict(self.state.data)
             # the start sync re-sends the checkpoint's weights: under the checkpoint's version, not a new one
-            learners.call("load", str(path), self.state.weight_version - 1)
+            learners.load(str(path), self.state.weight_version - 1)
         self.progress = progress
         self.tracker: Tracker | None = None
         self.scorer = RewardScorer(cfg.reward)
@@ -120,48 +130,51 @@ class Trainer:
         conf = ClientConfig(timeout_s=r.timeout_s, retries=r.retries, max_concurrency=r.max_concurrency)
         return SGLangClient(url, api_key=r.api_key, config=conf)
 
-    def _clients(self) -> list[SGLangClient]:
-        return [self._client(u) for u in self.servers.urls]
+    def _live(self) -> list[int]:
+        return [i for i, a in enumerate(self.servers.alive()) if a]
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed_step: int,
-                  live: list[int], routes: RoutesSpec | None = None) -> tuple[list[list[Sample]], RolloutManager]:
-        manager: RolloutManager | None = None
-        extra: list[SGLangClient] = []  # clients of servers restarted during this rollout
-
-        async def restart(i: int) -> SGLangClient | None:
-            """The last live server died: restart it and push the current weights before re-sending
-            (with others alive it is dropped for this step and restarted after it)."""
-            others = [j for j, ok in enumerate(manager.alive) if ok and j != i]
-            if others or not self.cfg.rollout.restart_dead:
-                return None
-            self.tracker.console(f"restarting rollout server {live[i]} ({self.servers.urls[live[i]]}) mid-rollout")
-            await asyncio.get_running_loop().run_in_executor(None, self._restart_and_sync, live[i])
-            client = self._client(self.servers.urls[live[i]])
-            extra.append(client)
-            return client
+    def _generate(self, manager: RolloutManager, prompts: list[list[int]], seed_step: int,
+                  live: list[int]) -> list[list[Sample]]:
+        """One round of ``manager``'s requests to the ``live`` servers (clients live as long as the round)."""
 
         async def run():
-            nonlocal manager
-            clients = self._clients()
-            manager = RolloutManager([clients[i] for i in live], sampling, self.stop_ids, seed=self.cfg.seed,
-                                     restart=restart, routes=routes)
+            clients = [self._client(self.servers.urls[i]) for i in live]
             try:
-                return await manager.generate(prompts, seed_step), manager
+                return await manager.generate(clients, prompts, seed_step)
             finally:
-                for c in clients + extra:
+                for c in clients:
                     await c.close()
 
         return asyncio.run(run())
 
+    def _rollout(self, prompts: list[list[int]], sampling: SamplingConfig, seed_step: int,
+                 routes: RoutesSpec | None = None) -> tuple[list[list[Sample]], RolloutManager]:
+        """G samples per prompt from the live servers. A server that fails is dropped for this rollout and its
+        requests go to the others; when every one has failed (rollout.restart_dead), the servers are restarted,
+        get the current weights, and the requests that did not finish are sent again."""
+        manager = RolloutManager(sampling, self.stop_ids, seed=self.cfg.seed, routes=routes)
+        live = self._live()
+        if not live:
+            raise TrainingAborted("every rollout server is down")
+        while True:
+            try:
+                return self._generate(manager, prompts, seed_step, live), manager
+            except EveryServerDown:
+                if not self.cfg.rollout.restart_dead:
+                    raise
+            for i in live:  # each one failed this round: dead, or running but not answering
+                self.tracker.console(f"restarting rollout server {i} ({self.servers.urls[i]}) mid-rollout "
+                                     f"({len(manager.finished)} samples finished)")
+                self.servers.restart(i)
+            self._heal_servers()  # any that were down before this rollout
+            self._connect()
+            self._sync()
+            live = self._live()
+
     def _connect(self) -> None:
         """(Re)create the weight-update group with every live server and push the current weights."""
-        self.learners.call("set_engines", list(self.servers.urls), max(1, self.cfg.rollout.gpus_per_server),
-                           self.cfg.rollout.api_key)
-
-    def _restart_and_sync(self, i: int) -> None:
-        self.servers.restart(i)
-        self._connect()
-        self._sync()
+        self.learners.set_engines(list(self.servers.urls), max(1, self.cfg.rollout.gpus_per_server),
+                                  self.cfg.rollout.api_key)
 
     def _heal_servers(self) -> bool:
         """Restart (or drop) dead servers; True when the weight group must be rebuilt."""
@@ -178,7 +191,7 @@ class Trainer:
         return True
 
     def _sync(self) -> dict:
-        report = self.learners.call("sync")[0]
+        report = self.learners.sync()
         self.state.weight_version = int(report["weight_version"].lstrip("v"))
         return report
 
@@ -203,17 +216,16 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         ev = self.cfg.train.eval
         prompts, answers = self._eval_prompts()
-        live = [i for i, a in enumerate(self.servers.alive()) if a]
         out = {}
         start = time.perf_counter()
         greedy = SamplingConfig(n_samples=1, temperature=0.0, max_new_tokens=ev.max_new_tokens)
-        groups, _ = self._generate(prompts, greedy, EVAL_SEED_OFFSET + self.state.step, live)
+        groups, _ = self._rollout(prompts, greedy, EVAL_SEED_OFFSET + self.state.step)
         rewards, _ = self.scorer.score(self._texts(groups), answers)
         out["eval/greedy_accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
         if ev.sampled_n:
             sampled = SamplingConfig(n_samples=ev.sampled_n, temperature=ev.temperature,
                                      max_new_tokens=ev.max_new_tokens)
-            groups, _ = self._generate(prompts, sampled, EVAL_SEED_OFFSET + self.state.step, live)
+            groups, _ = self._rollout(prompts, sampled, EVAL_SEED_OFFSET + self.state.step)
             rewards, _ = self.scorer.score(self._texts(groups), [a for a in answers for _ in range(ev.sampled_n)])
             out["eval/sampled_accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
         out["time/eval_s"] = time.perf_counter() - start
@@ -242,11 +254,7 @@ class Trainer:
         m: dict[str, float] = {}
         t0 = time.perf_counter()
         prompts = self.stream.next_batch(cfg.train.prompts_per_step)
-        live = [i for i, a in enumerate(self.servers.alive()) if a]
-        if not live:
-            raise TrainingAborted("every rollout server is down")
-        groups, manager = self._generate([p.prompt_ids for p in prompts], cfg.rollout.sampling, step, live,
-                                         self.routes)
+        groups, manager = self._rollout([p.prompt_ids for p in prompts], cfg.rollout.sampling, step, self.routes)
         t_rollout = time.perf_counter()
         G = cfg.rollout.sampling.n_samples
         texts = self._texts(groups)
@@ -258,14 +266,14 @@ class Trainer:
 
         batch, logp_sampler_BT = build_batch(groups, self.pad_id)
         if self.routes is None:
-            logp_old_BT = self.learners.call("logprobs", batch.tokens_BS)[0]
+            logp_old_BT = self.learners.logprobs(batch.tokens_BS)
         else:
             logp_old_BT = self._routing(groups, batch, logp_sampler_BT, m)
         t_logp = time.perf_counter()
         adv_B = group_advantages(train_rewards, G, cfg.algo.advantage).float()
         batch.extra.update(adv_B=adv_B, logp_old_BT=logp_old_BT, logp_sampler_BT=logp_sampler_BT)
         poison = step in cfg.train.inject_nonfinite_steps
-        loss_metrics = self.learners.call("train", batch, cfg.algo.loss, poison)[0]
+        loss_metrics = self.learners.train(batch, cfg.algo.loss, poison)
         t_update = time.perf_counter()
 
         skipped = loss_metrics.get("skipped", 0.0) > 0
@@ -331,7 +339,7 @@ class Trainer:
         r = self.routes
         server_BSLK = routes_batch([s.routes for s in samples], batch.tokens_BS.shape[1], r.layers, r.topk)
         replay = self.cfg.algo.routing_replay
-        out = self.learners.call("routing_logprobs", batch.tokens_BS, server_BSLK if replay else None)[0]
+        out = self.learners.routing_logprobs(batch.tokens_BS, server_BSLK if replay else None)
         mask = batch.loss_mask_BT
         m.update({f"routing/{k}": v for k, v in routing_agreement(out["routes_BSLK"], server_BSLK, mask).items()})
         free = mismatch_metrics(out["logp_free_BT"], logp_sampler_BT, mask)
@@ -346,13 +354,22 @@ class Trainer:
 
     def save(self) -> Path:
         tmp = ckpt.tmp_dir(self.ckpt_root, self.state.step)
-        self.learners.call("save", str(tmp))
+        self.learners.save(str(tmp))
         return ckpt.commit(self.ckpt_root, self.state.step,
                            {"trainer": dataclasses.asdict(self.state), "config": self.cfg.model_dump(mode="json")},
                            self.cfg.train.checkpoint.keep)
 
-    def run(self) -> dict[str, float]:
-        """Train to ``train.steps``; returns the last step's metrics plus the first and last evaluation."""
+    def _stop(self) -> None:
+        """End the run at this step boundary: checkpoint the last finished step unless it has a checkpoint, then
+        raise StopRequested. Slurm's USR1 before the time limit, or a preemption's SIGTERM, costs no finished step."""
+        latest = ckpt.latest(self.ckpt_root)
+        if self.state.step and (latest is None or latest != ckpt.step_dir(self.ckpt_root, self.state.step)):
+            self.save()
+        raise StopRequested(f"stopped on a signal after step {self.state.step} (checkpoint saved; --resume continues)")
+
+    def run(self, stop: threading.Event | None = None) -> dict[str, float]:
+        """Train to ``train.steps``; returns the last step's metrics plus the first and last evaluation. Once
+        ``stop`` is set, the run ends at the next step boundary with a checkpoint (StopRequested)."""
         cfg = self.cfg
         tc = cfg.train
         self.tracker = Tracker(self.out, start_step=self.state.step, total=tc.steps, progress=self.progress)
@@ -366,6 +383,8 @@ class Trainer:
             summary.update({f"start/{k}": v for k, v in first.items()})
         try:
             while self.state.step < tc.steps:
+                if stop is not None and stop.is_set():
+                    self._stop()
                 metrics = self.step()
                 step = self.state.step
                 if (ev.every and step % ev.every == 0) or step == tc.steps:

@@ -13,14 +13,14 @@ cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 RC=0
 echo "== machine"
-"$PY" -m megatron_qarl.gpu report || RC=1
+"$PY" -m megatron_qarl.gpu_smoke report || RC=1
 echo "== Megatron CUDA step, NCCL broadcast, TE (+FP8) step"
-timeout 900 "$PY" -m megatron_qarl.gpu smoke || RC=1
+timeout 900 "$PY" -m megatron_qarl.gpu_smoke smoke || RC=1
 echo "== SGLang command of configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml"
 "$PY" - <<'PY' || RC=1
-from launch.fleet import server_command
+from megatron_qarl.launch.fleet import server_command
 from megatron_qarl.config import load_config
-from megatron_qarl.gpu import sglang_available
+from megatron_qarl.rollout.sglang_launcher import sglang_available
 cfg = load_config("configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml", ["rollout.api_key=smoke"])
 print(" ".join(server_command(cfg, cfg.model.path, "0.0.0.0", 30000)))
 print("sglang importable:", sglang_available())

@@ -63,7 +63,7 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
         "# (config.json): give the weights with model.path=/path/to/Qwen3-30B-A3B; data.source and train.eval.data\n"
         "# are dapo-math-17k and AIME 2024 in the DAPO parquet layout (prompt: chat messages,\n"
         "# reward_model.ground_truth).\n"
-        f"# Submit: python -m launch.slurm submit configs/qwen3-30b-a3b/{name}.yaml model.path=...\n"
+        f"# Submit (repository root): python -m launch.slurm submit configs/qwen3-30b-a3b/{name}.yaml model.path=...\n"
         f"# Memory per GPU: qarl plan --config configs/qwen3-30b-a3b/{name}.yaml\n"
     )
     if nodes == 2:
@@ -73,7 +73,7 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
         "model": {"path": "configs/models/qwen3-30b-a3b", "dtype": "bfloat16"},
         "parallel": {"tp": 4, "ep": ep, "world_size": learner, "sequence_parallel": True, "dispatcher": "alltoall"},
         "quant": {"scheme": scheme, "group_size": 128, "symmetric": True},
-        "learner": {"aligned": True},
+        "learner": {"aligned": True, "micro_batch_size": 1},
         "optim": {"lr": 1.0e-6, "weight_decay": 0.0, "clip_grad": 1.0},
         "algo": {"advantage": {"estimator": "grpo"}, "loss": dict(ALGOS[algo][1])},
         "data": {"source": "data/dapo-math-17k/dapo-math-17k.parquet", "prompt_key": "prompt",

@@ -33,24 +33,26 @@ def tiny_model_dir() -> str:
     return str(TINY_MODEL)
 
 
-def _write_random_moe(out: Path, eos_token_id: int | None = None) -> str:
+def _write_random_moe(out: Path) -> str:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
                          moe_intermediate_size=128, intermediate_size=256, max_position_embeddings=128,
-                         tie_word_embeddings=False, norm_topk_prob=True, rope_theta=10000.0,
-                         **({} if eos_token_id is None else {"eos_token_id": eos_token_id}))
+                         tie_word_embeddings=False, norm_topk_prob=True, rope_theta=10000.0)
     Qwen3MoeForCausalLM(cfg).save_pretrained(out)
     return str(out)
 
 
 def _private_tiny_copy(out: Path) -> str:
-    """A private copy of the trained tiny checkpoint in ``out`` (a colleague may be re-training it); a random
-    model with its shapes (eos 1) while it is being rebuilt."""
-    if not (TINY_MODEL / "model.safetensors").is_file():
-        return _write_random_moe(out, eos_token_id=1)
+    """A private copy of the trained tiny checkpoint in ``out`` (a colleague may be re-training it in place).
+    Fails when the checkpoint is missing: the rollout tests are meant for the trained model, and a random
+    stand-in would let them pass for the wrong reason."""
+    weights = TINY_MODEL / "model.safetensors"
+    if not weights.is_file():
+        pytest.fail(f"{weights} is missing: restore the committed checkpoint (git checkout -- "
+                    f"checkpoints/{TINY_MODEL.name}) or rebuild it with scripts/make_tiny_model.py", pytrace=False)
     for f in TINY_MODEL.iterdir():
         if f.is_file():
             (out / f.name).write_bytes(f.read_bytes())

@@ -1,18 +1,17 @@
-"""launch/slurm.py, the Python side of slurm/qarl.sbatch, without Slurm: node lists, node addresses, the Ray
-start command of each node, the interface variables, the job's environment and `qarl train` command (with
---resume when the run has a checkpoint), the sbatch command of `submit`, and the train_cli stop hook."""
+"""megatron_qarl/launch/slurm.py, the Python side of slurm/qarl.sbatch, without Slurm: node lists, node addresses,
+the Ray start command of each node, the interface variables, the job's environment and `qarl train` command (with
+--resume when the run has a checkpoint), and the sbatch command of `submit`."""
 
 from __future__ import annotations
 
 import subprocess
-import threading
+import sys
 from pathlib import Path
 
 import pytest
 
-from launch import slurm
-from megatron_qarl import train_cli
 from megatron_qarl.errors import UserError
+from megatron_qarl.launch import slurm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,43 +149,17 @@ def test_submit_command(monkeypatch, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("sbatch --parsable --job-name=qarl-cpu_default --nodes=1")
 
 
+def test_the_launcher_users_run_from_the_repository_root(tmp_path):
+    """``python -m launch.slurm`` (the top-level launch/ folder, not installed) reaches megatron_qarl.launch."""
+    proc = subprocess.run([sys.executable, "-m", "launch.slurm", "submit", "--dry-run", "configs/cpu_default.yaml",
+                           f"train.output_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("sbatch --parsable --job-name=qarl-cpu_default --nodes=1")
+
+
 def test_sbatch_script_header_and_syntax():
     script = (REPO / "slurm" / "qarl.sbatch").read_text()
     for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@300", "#SBATCH --open-mode=append"):
         assert line in script
     assert "ray stop" not in script.replace("(no `ray stop`", "")  # it would stop every Ray on the host
     subprocess.run(["bash", "-n", str(REPO / "slurm" / "qarl.sbatch")], check=True)
-
-
-class _FakeTrainer:
-    """The piece of Trainer the stop hook uses: step(), save(), state.step, ckpt_root."""
-
-    def __init__(self, root):
-        self.ckpt_root = root
-        self.state = type("S", (), {"step": 0})()
-        self.saved = []
-
-    def step(self):
-        self.state.step += 1
-        return {}
-
-    def save(self):
-        self.saved.append(self.state.step)
-
-
-def test_stop_hook_checkpoints_at_the_step_boundary(tmp_path):
-    stop = threading.Event()
-    trainer = train_cli._stoppable(_FakeTrainer, stop)(tmp_path)
-    trainer.step()
-    trainer.step()
-    stop.set()
-    with pytest.raises(train_cli.StopRequested, match="after step 2"):
-        trainer.step()
-    assert trainer.saved == [2] and trainer.state.step == 2
-    (tmp_path / "step_000002").mkdir()  # a checkpoint of step 2 exists already: nothing to save
-    (tmp_path / "step_000002" / "trainer_state.json").write_text("{}")
-    (tmp_path / "latest").write_text("step_000002")
-    trainer.saved = []
-    with pytest.raises(train_cli.StopRequested):
-        trainer.step()
-    assert trainer.saved == []

@@ -146,3 +146,17 @@ def test_plan_config_text_says_whether_it_fits(capsys):
     assert "parallel.ep: 3 does not divide" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "configs/models/qwen3-30b-a3b", "parallel.ep=3"]) == 2
     assert "need --config" in capsys.readouterr().err
+
+
+def test_plan_config_follows_the_runs_learner_micro_batches(capsys):
+    """The activations planned are those of the micro-batch the learner will run (learner.micro_batch_size)."""
+    path = str(REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_4x8.yaml")
+    plans = {}
+    for size in (1, 4):
+        assert cli.main(["plan", "--config", path, f"learner.micro_batch_size={size}", "--json"]) == 0
+        plans[size] = json.loads(capsys.readouterr().out)["learner"]
+    assert (plans[1]["micro_batch_sequences"], plans[1]["micro_batch_tokens"]) == (1, 1024 + 8192)
+    assert (plans[4]["micro_batch_sequences"], plans[4]["micro_batch_tokens"]) == (4, 4 * (1024 + 8192))
+    assert plans[4]["activations_gib"] > 3 * plans[1]["activations_gib"]
+    assert cli.main(["plan", "--config", path, "learner.micro_batch_size=null"]) == 0  # the whole share at once
+    assert "whole share (64 sequences) in one forward/backward" in capsys.readouterr().out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_qarl.rollout.client import ClientConfig, RolloutServerError, SGLangClient
-from megatron_qarl.rollout.manager import RolloutManager, SamplingConfig, sample_seed
+from megatron_qarl.rollout.manager import EveryServerDown, RolloutManager, SamplingConfig, sample_seed
 
 
 def _server(name: str, die_after: int | None = None):
@@ -35,8 +35,8 @@ def _server(name: str, die_after: int | None = None):
 def test_every_prompt_gets_g_samples_with_distinct_seeds():
     a, seen_a = _server("a")
     b, seen_b = _server("b")
-    mgr = RolloutManager([a, b], SamplingConfig(n_samples=4, max_new_tokens=8), stop_token_ids=[1], seed=9)
-    groups = asyncio.run(mgr.generate([[5, 6], [7, 8, 9], [10]], step=2))
+    mgr = RolloutManager(SamplingConfig(n_samples=4, max_new_tokens=8), stop_token_ids=[1], seed=9)
+    groups = asyncio.run(mgr.generate([a, b], [[5, 6], [7, 8, 9], [10]], step=2))
     assert [len(g) for g in groups] == [4, 4, 4]
     assert len(seen_a) + len(seen_b) == 12 and seen_a and seen_b  # both servers used
     for p, group in enumerate(groups):
@@ -51,9 +51,9 @@ def test_every_prompt_gets_g_samples_with_distinct_seeds():
 def test_a_server_dying_mid_rollout_loses_no_prompt():
     a, _ = _server("a")
     b, seen_b = _server("b", die_after=3)
-    mgr = RolloutManager([a, b], SamplingConfig(n_samples=8), stop_token_ids=[1])
+    mgr = RolloutManager(SamplingConfig(n_samples=8), stop_token_ids=[1])
     prompts = [[i + 4] for i in range(16)]
-    groups = asyncio.run(mgr.generate(prompts, step=0))
+    groups = asyncio.run(mgr.generate([a, b], prompts, step=0))
     assert sum(len(g) for g in groups) == 16 * 8
     assert {(s.prompt_index, s.sample_index) for g in groups for s in g} == {(p, j) for p in range(16)
                                                                            for j in range(8)}
@@ -62,23 +62,30 @@ def test_a_server_dying_mid_rollout_loses_no_prompt():
     assert servers.count("http://b") == len(seen_b) == 3 and servers.count("http://a") == 16 * 8 - 3
 
 
-def test_restart_callback_brings_a_server_back():
-    a, _ = _server("a", die_after=0)
-    replacement, seen = _server("a2")
+def test_every_server_down_keeps_the_finished_samples_and_a_new_call_sends_only_the_rest():
+    a, seen_a = _server("a", die_after=3)
+    mgr = RolloutManager(SamplingConfig(n_samples=4), stop_token_ids=[1])
+    prompts = [[4], [5]]
+    with pytest.raises(EveryServerDown, match="every server is down"):
+        asyncio.run(mgr.generate([a], prompts, step=0))
+    assert len(mgr.finished) == len(seen_a) == 3 and mgr.server_failures == 1 and mgr.resent == 5
+    restarted, seen = _server("a2")  # what the trainer does next: restart, sync, then call again
+    groups = asyncio.run(mgr.generate([restarted], prompts, step=0))
+    assert len(seen) == 8 - 3 and [len(g) for g in groups] == [4, 4]
+    assert {(s.prompt_index, s.sample_index) for g in groups for s in g} == {(p, j) for p in range(2) for j in range(4)}
+    assert [s.response_ids for g in groups for s in g] == [[sample_seed(0, 0, p, j) % 7 + 4, 1] for p in range(2)
+                                                           for j in range(4)]
 
-    async def restart(i):
-        return replacement
 
-    mgr = RolloutManager([a], SamplingConfig(n_samples=2), stop_token_ids=[1], restart=restart)
-    groups = asyncio.run(mgr.generate([[4]], step=0))
-    assert len(groups[0]) == 2 and len(seen) == 2 and mgr.alive == [True]
+def test_a_rejected_request_is_an_error_not_a_dead_server():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": "bad request"})
 
-
-def test_all_servers_down_is_an_error():
-    a, _ = _server("a", die_after=0)
-    mgr = RolloutManager([a], SamplingConfig(n_samples=1), stop_token_ids=[1])
-    with pytest.raises(RolloutServerError, match="every server is down"):
-        asyncio.run(mgr.generate([[4]], step=0))
+    client = SGLangClient("http://a", transport=httpx.MockTransport(handler), config=ClientConfig(retries=1))
+    mgr = RolloutManager(SamplingConfig(n_samples=1), stop_token_ids=[1])
+    with pytest.raises(RolloutServerError) as err:
+        asyncio.run(mgr.generate([client], [[4]], step=0))
+    assert not isinstance(err.value, EveryServerDown) and mgr.alive == [True] and mgr.server_failures == 0
 
 
 def _routed_server(routes_for):
@@ -112,10 +119,10 @@ def _b64(t: torch.Tensor) -> str:
 def test_bad_or_missing_routes_fail_naming_the_sample(routes_for, message):
     from megatron_qarl.rollout.manager import RoutesSpec
 
-    mgr = RolloutManager([_routed_server(routes_for)], SamplingConfig(n_samples=1), stop_token_ids=[1],
+    mgr = RolloutManager(SamplingConfig(n_samples=1), stop_token_ids=[1],
                          routes=RoutesSpec(layers=2, topk=2, num_experts=8))
     with pytest.raises(RolloutServerError, match=message):
-        asyncio.run(mgr.generate([[5]], step=0))
+        asyncio.run(mgr.generate([_routed_server(routes_for)], [[5]], step=0))
     assert mgr.resent == 0  # a contract error is not re-sent to another server
 
 
@@ -128,8 +135,8 @@ def test_routes_are_asked_for_and_decoded():
         seen.append(body)
         return _b64(torch.arange(4, dtype=torch.int32).repeat(n - 1, 1).view(n - 1, 2, 2))
 
-    mgr = RolloutManager([_routed_server(routes_for)], SamplingConfig(n_samples=1), stop_token_ids=[1],
+    mgr = RolloutManager(SamplingConfig(n_samples=1), stop_token_ids=[1],
                          routes=RoutesSpec(layers=2, topk=2, num_experts=8))
-    (group,) = asyncio.run(mgr.generate([[5, 6]], step=0))
+    (group,) = asyncio.run(mgr.generate([_routed_server(routes_for)], [[5, 6]], step=0))
     assert seen[0]["return_routed_experts"] is True
     assert group[0].routes.shape == (3, 2, 2) and group[0].routes[2].tolist() == [[0, 1], [2, 3]]

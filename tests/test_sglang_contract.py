@@ -145,8 +145,8 @@ COMMAND_CASES = [pytest.param(p, [], id=p.stem) for p in QWEN3_CONFIGS] + \
 @pytest.mark.parametrize(("path", "overrides"), COMMAND_CASES)
 def test_server_command_is_accepted_by_sglangs_parser_with_the_configs_values(path, overrides, sglang, tmp_path,
                                                                                monkeypatch):
-    from launch.fleet import server_command
     from megatron_qarl.config import load_config
+    from megatron_qarl.launch.fleet import server_command
 
     monkeypatch.chdir(REPO)
     cfg = load_config(path, overrides)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.local_slurm import FINAL_STATES, LocalSlurm, missing_binaries
+from megatron_qarl.launch.local_slurm import FINAL_STATES, LocalSlurm, missing_binaries
 from megatron_qarl.moe.parallelize import free_port
 
 pytestmark = pytest.mark.e2e

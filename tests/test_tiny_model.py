@@ -133,3 +133,12 @@ def test_make_tiny_model_script_runs(tmp_path):
     info = json.loads((out / "train_info.json").read_text())
     assert (info["chosen_step"], info["seed"], info["heldout_n"]) == (2, 3, 8)
     assert "--max-steps 2" in info["command"]
+
+
+def test_the_rollout_tests_fail_loudly_without_the_checkpoint(tmp_path, monkeypatch):
+    """No random stand-in: the rollout tests' copy of the tiny checkpoint fails naming the missing file."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "TINY_MODEL", tmp_path / "gone")
+    with pytest.raises(pytest.fail.Exception, match=r"gone/model\.safetensors is missing"):
+        conftest._private_tiny_copy(tmp_path)

@@ -82,8 +82,8 @@ def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipp
     poisoned with NaN: the update is skipped and counted. Then three poisoned steps in a row end the run."""
     from transformers import AutoTokenizer
 
-    from launch.local import LocalLearnerGroup, LocalServers
     from megatron_qarl.data.prompts import PromptStream
+    from megatron_qarl.launch.local import LocalLearnerRanks, LocalServers
     from megatron_qarl.train_cli import rollout_model_dir
     from megatron_qarl.trainer import Trainer, TrainingAborted
 
@@ -92,13 +92,13 @@ def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipp
                                     "train.max_nonfinite_in_row=2", "train.checkpoint.every=0"])
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     servers = LocalServers(cfg, rollout_model_dir(cfg))
-    learners = LocalLearnerGroup(cfg)
+    learners = LocalLearnerRanks(cfg)
     trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, progress=False,
                       stream=PromptStream(cfg.data, tokenizer))
     killed = {}
     generate = trainer._generate
 
-    def generate_and_kill(prompts, sampling, seed_step, live):
+    def generate_and_kill(manager, prompts, seed_step, live):
         if seed_step == 2 and not killed:  # step 2's rollout: kill server 1 once requests are in flight
             pid = servers.pids()[1]
 
@@ -108,7 +108,7 @@ def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipp
                 os.kill(pid, signal.SIGKILL)
 
             threading.Thread(target=kill, daemon=True).start()
-        return generate(prompts, sampling, seed_step, live)
+        return generate(manager, prompts, seed_step, live)
 
     trainer._generate = generate_and_kill
     try:
@@ -137,29 +137,33 @@ def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipp
         servers.close()
 
 
-def test_the_only_server_killed_mid_rollout_is_restarted_with_the_weights(tmp_path):
-    """One server: it is restarted during the rollout, gets the current weights, and the step completes."""
+def test_the_only_server_killed_mid_rollout_is_restarted_with_the_weights_and_a_stop_checkpoints(tmp_path):
+    """One server: it is restarted during the rollout, gets the current weights, and the step completes. Then a
+    stop request during step 3 ends the run after step 3 with a checkpoint of it (once)."""
     from transformers import AutoTokenizer
 
-    from launch.local import LocalLearnerGroup, LocalServers
+    from megatron_qarl.launch.local import LocalLearnerRanks, LocalServers
     from megatron_qarl.train_cli import rollout_model_dir
-    from megatron_qarl.trainer import Trainer
+    from megatron_qarl.trainer import StopRequested, Trainer
 
     cfg = load_config(CPU_DEFAULT, [f"train.output_dir={tmp_path / 'run'}", *SMALL, "train.steps=2",
                                     "train.prompts_per_step=8", "train.checkpoint.every=0"])
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     servers = LocalServers(cfg, rollout_model_dir(cfg))
-    learners = LocalLearnerGroup(cfg)
+    learners = LocalLearnerRanks(cfg)
     trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, progress=False)
     generate = trainer._generate
     killed = []
+    stop = threading.Event()
 
-    def generate_and_kill(prompts, sampling, seed_step, live):
+    def generate_and_kill(manager, prompts, seed_step, live):
         if seed_step == 2 and not killed:
             pid = servers.pids()[0]
             killed.append(pid)
             threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
-        return generate(prompts, sampling, seed_step, live)
+        if seed_step == 3:  # a stop request (Slurm's USR1, a preemption's SIGTERM) during step 3
+            stop.set()
+        return generate(manager, prompts, seed_step, live)
 
     trainer._generate = generate_and_kill
     try:
@@ -169,6 +173,17 @@ def test_the_only_server_killed_mid_rollout_is_restarted_with_the_weights(tmp_pa
         assert s2["faults/server_failures"] == 1 and s2["faults/resent_requests"] > 0
         assert s2["faults/prompts_lost"] == 0 and s2["loss/num_responses"] == 8 * 4
         assert s2["mismatch/mismatch_tok_abs_mean"] < 1e-4  # re-sent requests ran on the current weights
+
+        # a stop request ends the run at the next step boundary, with a checkpoint of the last finished step
+        trainer.cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 5})})
+        root = tmp_path / "run" / "checkpoints"
+        with pytest.raises(StopRequested, match="after step 3"):
+            trainer.run(stop)
+        assert (root / "latest").read_text().strip() == "step_000003"
+        saved = sorted(p.name for p in root.glob("step_*"))
+        with pytest.raises(StopRequested, match="after step 3"):  # that step has its checkpoint: none again
+            trainer.run(stop)
+        assert sorted(p.name for p in root.glob("step_*")) == saved
     finally:
         trainer.close()
         learners.close()

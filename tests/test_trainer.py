@@ -117,3 +117,16 @@ def test_checkpoint_writer_manager_dies_with_a_killed_trainer(tmp_path):
         time.sleep(0.1)
     os.kill(pid, 9)
     raise AssertionError(f"the Manager process {pid} outlived the killed trainer")
+
+
+def test_closing_ray_learner_ranks_logs_what_it_swallows(caplog):
+    """Shutting down after a failure: a rank that cannot close is reported, and the run's own error stays on top."""
+    from megatron_qarl.launch.ray_launcher import RayLearnerRanks
+
+    class GoneActors(RayLearnerRanks):
+        def on_every_rank(self, method, *args):
+            raise RuntimeError(f"{method.__name__}: the actor died")
+
+    with caplog.at_level("WARNING"):
+        GoneActors([]).close()
+    assert "closing the learner ranks failed: RuntimeError: close: the actor died" in caplog.text

@@ -29,11 +29,6 @@ def as_bool_mask(mask_BT: Tensor) -> Tensor:
     return mask_BT if mask_BT.dtype == torch.bool else mask_BT != 0
 
 
-def response_lengths_B(mask_BT: Tensor) -> Tensor:
-    """L_i = number of response tokens of each response (float, same device as the mask)."""
-    return as_bool_mask(mask_BT).sum(-1).to(torch.get_default_dtype())
-
-
 def masked_sum_B(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """sum_t x[i,t] over the response tokens of each response; padding ignored."""
     mask_BT = as_bool_mask(mask_BT)

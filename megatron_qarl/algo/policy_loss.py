@@ -53,7 +53,8 @@ _TOKEN_CORRECTIONS = ("tis_token", "mis_token")
 
 
 class PolicyLossConfig(BaseModel):
-    """The policy loss (``algo.loss`` in the run config). Defaults are TBPO's (qarl-algorithm.md)."""
+    """The policy loss (``algo.loss`` in the run config). Defaults are TBPO's (docs/algorithm.md, "Defaults and
+    why")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.moe.parallelize import all_gather_tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,14 +178,6 @@ def peer_expert_name(name: str, pm: ParamMap, lay: Layout, n_local: int, peer_ep
     return name.replace(f"experts.{e_local + lay.ep_rank * n_local}.", f"experts.{e_local + peer_ep_rank * n_local}.")
 
 
-def _gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
-    if size == 1:
-        return [t]
-    out = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(out, t.contiguous(), group=group)
-    return out
-
-
 @torch.no_grad()
 def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True,
                     include: Callable[[ParamMap], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -209,28 +201,13 @@ def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True,
             continue
         local = params[pm.mcore].detach()
         if pm.split not in ("fc1", "fc2"):
-            shards = _gather(local, tp_group, lay.tp) if pm.split != "replicated" else [local]
+            shards = all_gather_tensors(local, tp_group, lay.tp) if pm.split != "replicated" else [local]
             yield from shards_to_hf(pm, shards, arch).items()
             continue
-        full = shards_to_hf(pm, _gather(local, etp_group, lay.etp), arch)
+        full = shards_to_hf(pm, all_gather_tensors(local, etp_group, lay.etp), arch)
         if not all_experts or lay.ep == 1:
             yield from full.items()
             continue
         for name, tensor in full.items():
-            for r, t in enumerate(_gather(tensor, ep_group, lay.ep)):
+            for r, t in enumerate(all_gather_tensors(tensor, ep_group, lay.ep)):
                 yield peer_expert_name(name, pm, lay, n_local, r), t
-
-
-def save_hf(state: Mapping[str, torch.Tensor], model_dir: str | Path, out_dir: str | Path) -> None:
-    """Write ``state`` as model.safetensors beside copies of the source dir's config/tokenizer files."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for p in Path(model_dir).iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name != "model.safetensors.index.json":
-            shutil.copy2(p, out / p.name)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})

@@ -19,11 +19,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from megatron_qarl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_qarl.qat.config import QuantConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -170,11 +174,15 @@ def layer_spec(arch: Qwen3MoeArch):
 
 
 def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None = None,
-                dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", routing_replay: bool = False):
+                dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", te: QuantConfig | None = None,
+                routing_replay: bool = False):
     """This rank's shard of the Qwen3-MoE GPTModel. Parallel state must be initialised first.
 
+    ``te`` None: Megatron's local layers (``layer_spec``, CPU-safe). A QuantConfig: Transformer Engine layers
+    with that scheme's TE settings (``moe/te.py``; CUDA with TE installed, else ImportError naming the package).
     ``routing_replay``: every router gets a Megatron ``RouterReplay``; they register in a process-global list
-    in layer order, which is cleared first so that it holds this model's routers only."""
+    in layer order, which is cleared first so that it holds this model's routers only.
+    """
     from megatron.core.models.gpt import GPTModel
 
     from megatron_qarl import megatron_cpu
@@ -182,15 +190,23 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
     megatron_cpu.apply()
     if sp is None:
         sp = tp > 1
-    config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
-                                routing_replay=routing_replay)
+    if te is None:
+        config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
+                                    routing_replay=routing_replay)
+        spec = layer_spec(arch)
+    else:
+        from megatron_qarl.moe.te import te_layer_spec, te_transformer_config
+
+        config = te_transformer_config(arch, te, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
+                                       routing_replay=routing_replay)
+        spec = te_layer_spec(arch)
     if routing_replay:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         RouterReplay.clear_global_router_replay_instances()
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch),
+        transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=True,

@@ -1,5 +1,6 @@
-"""Process groups for the learner: torch.distributed (gloo on CPU, NCCL on GPUs) and Megatron's
-tensor / expert parallel groups, plus a helper that starts N local ranks for commands and tests."""
+"""Process groups: the torch.distributed backend (``dist_backend``: NCCL on GPUs, gloo on CPU) of the learner and
+of the weight-update group, the learner's Megatron tensor / expert parallel groups, the one all-gather helper the
+shard-gathering code uses, and a helper that starts N local ranks for commands and tests."""
 
 from __future__ import annotations
 
@@ -22,6 +23,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def dist_backend() -> str:
+    """torch.distributed backend of the learner's process group and of the weight-update group: nccl with CUDA,
+    else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def all_gather_tensors(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Collective over ``group`` (``size`` ranks): every rank's ``t`` (same shape and dtype), in rank order.
+    ``size`` 1 returns ``[t]`` without communicating."""
+    if size == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
 def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
     """Join the default process group (env:// variables) and create Megatron's parallel groups."""
     from megatron.core import parallel_state as ps
@@ -32,7 +49,7 @@ def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
 
     megatron_cpu.apply()
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = dist_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend=backend)

@@ -23,11 +23,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megatron_qarl.moe.convert import Layout, ParamMap, hf_to_shard, param_maps, shards_to_hf
 from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.moe.parallelize import all_gather_tensors
 from megatron_qarl.qat.config import QuantConfig, is_quantized
 from megatron_qarl.qat.fake_quant import fake_quant_act, straight_through
 from megatron_qarl.qat.quantizer import QuantizedWeight, quantize_weight
@@ -48,12 +48,6 @@ class _Target:
     version: tuple | None = None
     quantized: dict[str, QuantizedWeight] | None = None
     local_fq: Tensor | None = None  # dequantized local shard (no autograd)
-
-
-def _gather(t: Tensor, group, size: int) -> list[Tensor]:
-    out = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(out, t.contiguous(), group=group)
-    return out
 
 
 class FakeQuant:
@@ -98,7 +92,7 @@ class FakeQuant:
             return
         with torch.no_grad():
             w = master.detach()
-            shards = _gather(w, t.group, t.size) if t.group is not None else [w]
+            shards = all_gather_tensors(w, t.group, t.size) if t.group is not None else [w]
             hf = shards_to_hf(t.pm, shards, self.arch)
             t.quantized = {name: quantize_weight(tensor, self.cfg, name) for name, tensor in hf.items()}
             deq = {name: qw.dequantize(w.dtype) for name, qw in t.quantized.items()}
@@ -146,7 +140,7 @@ class FakeQuant:
         if not (t.splits_k and t.group is not None):
             return fake_quant_act(x, self.cfg)
         with torch.no_grad():  # per-token scales need the whole row: gather K, quantize, slice back
-            full = torch.cat(_gather(x.detach(), t.group, t.size), dim=-1)
+            full = torch.cat(all_gather_tensors(x.detach(), t.group, t.size), dim=-1)
             x_fq = fake_quant_act(full, self.cfg).chunk(t.size, dim=-1)[t.rank]
         return straight_through(x, x_fq.contiguous())
 

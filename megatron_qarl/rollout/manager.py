@@ -3,8 +3,10 @@
 Every (prompt, sample) pair is one /generate request with its own sampling_seed (derived from the
 run seed, the step, the prompt and the sample index, so a rerun draws the same samples). Requests go
 to the live server with the fewest in flight. When a server fails (connection refused, timeout, 5xx
-after the client's retries) it is marked dead, handed to the optional ``restart`` callback, and its
-unfinished requests are sent again to the others: no prompt is lost, and ``resent`` counts them.
+after the client's retries) it is marked dead and its unfinished requests are sent again to the others:
+no prompt is lost, and ``resent`` counts them. When the last one fails, ``generate`` raises
+``EveryServerDown`` and keeps the samples that finished: the caller restarts the servers and calls
+``generate`` again with new clients, which sends only the missing requests.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -88,56 +90,39 @@ def parse_response(resp: dict, prompt_index: int, sample_index: int, prompt_ids:
     return sample
 
 
+class EveryServerDown(RolloutServerError):
+    """Every server failed during a rollout; the samples that finished are kept for the next ``generate``."""
+
+
 class RolloutManager:
     """Fans a batch of prompts out to the servers and gathers G samples each."""
 
-    def __init__(self, clients: Sequence[SGLangClient], sampling: SamplingConfig, stop_token_ids: Sequence[int],
-                 *, seed: int = 0, restart: Callable[[int], Awaitable[SGLangClient | None]] | None = None,
+    def __init__(self, sampling: SamplingConfig, stop_token_ids: Sequence[int], *, seed: int = 0,
                  routes: RoutesSpec | None = None):
-        if not clients:
-            raise ValueError("rollout: at least one server is needed")
-        self.clients = list(clients)
-        self.alive = [True] * len(self.clients)
-        self.in_flight = [0] * len(self.clients)
-        self.assigned = [0] * len(self.clients)
         self.sampling, self.stop_token_ids, self.seed = sampling, list(stop_token_ids), seed
-        self.restart = restart
         self.routes = routes
-        self._restarting: dict[int, asyncio.Future] = {}
+        self.finished: dict[tuple[int, int], Sample] = {}  # (prompt, sample) -> its sample, across calls
+        self.clients: list[SGLangClient] = []  # this call's servers, with their state:
+        self.alive: list[bool] = []
+        self.in_flight: list[int] = []
+        self.assigned: list[int] = []
         self.resent = 0
         self.server_failures = 0
 
     def _pick(self) -> int:
         live = [i for i, ok in enumerate(self.alive) if ok]
         if not live:
-            raise RolloutServerError("rollout: every server is down")
+            raise EveryServerDown("rollout: every server is down")
         i = min(live, key=lambda i: (self.in_flight[i], self.assigned[i]))  # ties: the least used so far
         self.assigned[i] += 1
         return i
 
-    async def _fail(self, i: int) -> None:
-        if i in self._restarting:  # another request saw the same failure: wait for its restart
-            await self._restarting[i]
-            return
-        if not self.alive[i]:
-            return
-        self.alive[i] = False
-        self.server_failures += 1
-        if self.restart is None:
-            return
+    def _fail(self, i: int) -> None:
+        if self.alive[i]:
+            self.alive[i] = False
+            self.server_failures += 1
 
-        async def restart() -> None:
-            client = await self.restart(i)
-            if client is not None:
-                self.clients[i], self.alive[i] = client, True
-
-        self._restarting[i] = asyncio.ensure_future(restart())
-        try:
-            await self._restarting[i]
-        finally:
-            del self._restarting[i]
-
-    async def _one(self, step: int, p: int, j: int, prompt_ids: list[int]) -> Sample:
+    async def _one(self, step: int, p: int, j: int, prompt_ids: list[int]) -> None:
         params = self.sampling.params(sample_seed(self.seed, step, p, j), self.stop_token_ids)
         while True:
             i = self._pick()
@@ -145,18 +130,30 @@ class RolloutManager:
             try:
                 extra = {"return_routed_experts": True} if self.routes is not None else {}
                 resp = await self.clients[i].generate(prompt_ids, params, return_logprob=True, **extra)
-                return parse_response(resp, p, j, prompt_ids, self.clients[i].url, self.routes)
+                self.finished[(p, j)] = parse_response(resp, p, j, prompt_ids, self.clients[i].url, self.routes)
+                return
             except RolloutServerError as err:
                 if err.status is not None and err.status < 500:
                     raise  # our request is wrong: re-sending cannot help
-                await self._fail(i)
+                self._fail(i)
                 self.resent += 1
             finally:
                 self.in_flight[i] -= 1
 
-    async def generate(self, prompts: Sequence[list[int]], step: int) -> list[list[Sample]]:
-        """G samples for every prompt, grouped per prompt in order."""
+    async def generate(self, clients: Sequence[SGLangClient], prompts: Sequence[list[int]],
+                       step: int) -> list[list[Sample]]:
+        """G samples for every prompt from ``clients`` (the live servers), grouped per prompt in order.
+
+        Sends only the requests no earlier call finished. Raises ``EveryServerDown`` when every client failed
+        (after every request has either finished or found no server left), or the first other error."""
+        if not clients:
+            raise ValueError("rollout: at least one server is needed")
+        self.clients, self.alive = list(clients), [True] * len(clients)
+        self.in_flight, self.assigned = [0] * len(clients), [0] * len(clients)
         n = self.sampling.n_samples
-        samples = await asyncio.gather(*(self._one(step, p, j, ids) for p, ids in enumerate(prompts)
-                                         for j in range(n)))
-        return [list(samples[p * n:(p + 1) * n]) for p in range(len(prompts))]
+        todo = [(p, j) for p in range(len(prompts)) for j in range(n) if (p, j) not in self.finished]
+        results = await asyncio.gather(*(self._one(step, p, j, prompts[p]) for p, j in todo), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise next((e for e in errors if not isinstance(e, EveryServerDown)), errors[0])
+        return [[self.finished[(p, j)] for j in range(n)] for p in range(len(prompts))]

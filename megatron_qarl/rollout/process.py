@@ -1,8 +1,8 @@
 """One rollout server as a supervised child process: the embedded ``qarl serve`` or SGLang's launcher.
 
 ``ServerProcess`` starts the command, waits for ``/health``, says whether it is still alive and
-restarts it on the same port. The launchers (launch/local.py directly, launch/ray_launcher.py inside
-a Ray actor) own one per server; the trainer only sees URLs.
+restarts it on the same port. The launchers (megatron_qarl/launch/: local.py directly, ray_launcher.py inside a
+Ray actor) own one per server; the trainer only sees URLs.
 """
 
 from __future__ import annotations

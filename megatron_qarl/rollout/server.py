@@ -1,7 +1,7 @@
 """``qarl serve``: the embedded engine behind SGLang's native HTTP API (the subset RL trainers use).
 
-The field names, defaults and response shapes follow SGLang (docs: /work/shared/reference/sglang-protocol.md
-and docs/rollout.md), so one rollout client drives a real SGLang fleet and this CPU server alike.
+The field names, defaults and response shapes follow SGLang (docs/rollout.md, which cites the SGLang source
+files they were read from), so one rollout client drives a real SGLang fleet and this CPU server alike.
 Security: the server binds 127.0.0.1 by default. On any other host it refuses to start without an
 API key; with a key, every endpoint but GET /health needs ``Authorization: Bearer <key>`` (as SGLang's
 ``--api-key``), which in particular guards the admin and weight-update endpoints.

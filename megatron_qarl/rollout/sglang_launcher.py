@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -108,12 +107,3 @@ def launch_command(spec: SGLangServerSpec, python: str = sys.executable) -> list
 
 def sglang_available() -> bool:
     return importlib.util.find_spec("sglang") is not None
-
-
-def start_server(spec: SGLangServerSpec, log_path: str | Path) -> subprocess.Popen:
-    """Start the server process (GPU machines with the `gpu` extra installed)."""
-    if not sglang_available():
-        raise RuntimeError("sglang is not installed: `pip install -e .[gpu]` on a CUDA machine, or use "
-                           "`qarl serve` (the embedded CPU server) instead")
-    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
-    return subprocess.Popen(launch_command(spec), stdout=log, stderr=subprocess.STDOUT)

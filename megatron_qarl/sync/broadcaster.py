@@ -61,11 +61,11 @@ class DistributedBroadcaster:
                  backend: str | None = None, bucket_bytes: int = 512 << 20, group_name: str = "weight_update_group",
                  dtype: torch.dtype = torch.bfloat16, timeout_s: float = 300.0, verify: bool = False,
                  progress: Callable[[int, int], None] | None = None):
-        from megatron_qarl.moe.parallelize import free_port
+        from megatron_qarl.moe.parallelize import dist_backend, free_port
 
         self.engines = list(engines)
         self.master_addr, self.master_port = master_addr, master_port or free_port()
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.backend = backend or dist_backend()
         self.bucket_bytes, self.group_name, self.dtype = bucket_bytes, group_name, dtype
         self.timeout_s, self.verify = timeout_s, verify
         self.progress = progress  # called as progress(buckets_sent, bytes_sent) after every bucket

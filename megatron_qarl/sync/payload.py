@@ -14,20 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
-from megatron_qarl.moe.convert import Layout, ParamMap, iter_hf_tensors, peer_expert_name
+from megatron_qarl.moe.convert import ParamMap, iter_hf_tensors, peer_expert_name
+from megatron_qarl.moe.parallelize import all_gather_tensors
 from megatron_qarl.qat.export import to_sglang_tensors
-
-
-def _gather_ep(t: torch.Tensor, lay: Layout) -> list[torch.Tensor]:
-    from megatron.core import parallel_state as ps
-
-    if lay.ep == 1:
-        return [t]
-    out = [torch.empty_like(t) for _ in range(lay.ep)]
-    dist.all_gather(out, t.contiguous(), group=ps.get_expert_model_parallel_group())
-    return out
 
 
 def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
@@ -42,7 +32,10 @@ def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16) -> Iterator[
         yield name, tensor.to(dtype)
     if not fq:
         return
+    from megatron.core import parallel_state as ps
+
     lay = fq.layout
+    ep_group = ps.get_expert_model_parallel_group() if lay.ep > 1 else None
     n_local = learner.arch.num_experts // lay.ep
     for t in fq.targets:
         fq._refresh(t)
@@ -52,5 +45,5 @@ def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16) -> Iterator[
                 yield from tensors.items()
                 continue
             for name, tensor in tensors.items():
-                for r, peer in enumerate(_gather_ep(tensor, lay)):
+                for r, peer in enumerate(all_gather_tensors(tensor, ep_group, lay.ep)):
                     yield peer_expert_name(name, t.pm, lay, n_local, r), peer

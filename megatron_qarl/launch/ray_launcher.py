@@ -9,14 +9,18 @@ process (``qarl serve`` or SGLang) and restarts it on request; Ray supervises th
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
-from launch.fleet import log_dir, server_command, server_env
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
+from megatron_qarl.launch.fleet import LearnerRanks, log_dir, server_command, server_env
 from megatron_qarl.learner_worker import LearnerWorker
 from megatron_qarl.rollout.process import ServerProcess
+
+log = logging.getLogger(__name__)
 
 
 class _ServerActor:
@@ -115,11 +119,11 @@ class RayCluster:
                               .remote(cfg, rollout_model_dir, i) for i in range(servers)]
         if not single_node:
             print(f"ray: {placement_summary(self.pg, world)}", flush=True)
-        self.learners = _RayLearners(self.actors)
+        self.learners = RayLearnerRanks(self.actors)
         self.servers = _RayServers(self.server_actors)
         try:
             addr, port = ray.get(self.actors[0].address.remote())
-            self.learners.call("setup", addr, port)
+            self.learners.on_every_rank(LearnerWorker.setup, addr, port)
         except BaseException:
             self.close()
             raise
@@ -137,21 +141,26 @@ class RayCluster:
         ray.util.remove_placement_group(self.pg)
 
 
-class _RayLearners:
+class RayLearnerRanks(LearnerRanks):
+    """The learner ranks as Ray actors (one LearnerWorker each)."""
+
     def __init__(self, actors):
         self.actors = actors
         self.world = len(actors)
 
-    def call(self, method: str, *args: Any) -> list[Any]:
+    def on_every_rank(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         import ray
 
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        return ray.get([getattr(a, method.__name__).remote(*args) for a in self.actors])
 
     def close(self) -> None:
+        """Close every rank's process groups; a rank that fails to (its actor already gone, say) is logged, and
+        RayCluster.close kills the actors next either way."""
         try:
-            self.call("close")
-        except Exception:  # noqa: BLE001
-            pass
+            super().close()
+        except Exception as err:  # noqa: BLE001 - shutting down: say what failed, do not mask the run's own error
+            log.warning("closing the learner ranks failed: %s: %s (their actors are killed next)",
+                        type(err).__name__, err)
 
 
 class _RayServers:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
-from launch.fleet import log_dir, server_command, server_env
 from megatron_qarl.config import QarlConfig
+from megatron_qarl.launch.fleet import LearnerRanks, log_dir, server_command, server_env
 from megatron_qarl.learner_worker import LearnerWorker
 from megatron_qarl.moe.parallelize import free_port
 from megatron_qarl.rollout.process import ServerProcess
 
 
-class LocalLearnerGroup:
+class LocalLearnerRanks(LearnerRanks):
+    """The one learner rank, a LearnerWorker in this process."""
+
     def __init__(self, cfg: QarlConfig):
         if cfg.world_size != 1:
             raise ValueError(f"local launch runs one learner rank, the config needs {cfg.world_size}")
@@ -20,11 +23,8 @@ class LocalLearnerGroup:
         self.worker = LearnerWorker(cfg, 0, 1, cfg.train.learner_threads or os.cpu_count())
         self.worker.setup(*self.worker.address())
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(self.worker, method)(*args)]
-
-    def close(self) -> None:
-        self.worker.close()
+    def on_every_rank(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        return [method(self.worker, *args)]
 
 
 class LocalServers:

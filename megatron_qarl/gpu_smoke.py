@@ -1,18 +1,13 @@
-"""GPU adapters: what changes when the learner and the rollout servers run on CUDA. Thin, and every GPU-only
-package (Transformer Engine, SGLang) is imported lazily, so this module imports on CPU machines.
+"""The GPU machine check behind scripts/gpu_smoke.sh (``python -m megatron_qarl.gpu_smoke report|smoke``).
 
-- Megatron with Transformer Engine layers: ``te_layer_spec`` (Megatron's TE spec for Qwen3-MoE: fused TE
-  linears with the RMSNorm folded into linear_qkv / linear_fc1, qk-norm, TE grouped-GEMM experts) and
-  ``te_transformer_config`` (the CPU-safe ``transformer_config`` with CUDA fusions back on and, for w8a8_fp8,
-  TE's FP8 recipe from ``qat.te``).
-- NCCL: ``dist_backend`` (what ``init_parallel`` and the weight broadcaster pick: nccl with CUDA, else gloo)
-  and ``nccl_env`` (the socket interface variables slurm/qarl.sbatch exports).
-- SGLang servers: ``launch.fleet.server_command`` builds ``python -m sglang.launch_server`` for a run config
-  (``rollout/sglang_launcher.py``); ``sglang_available`` says whether it can start here.
+``report``: what this machine offers (CUDA devices, NCCL, Transformer Engine, SGLang, the torch.distributed
+backend the learner would pick). ``smoke``: every check it can run there: one CUDA Megatron train step of the
+tiny model (local spec, then Transformer Engine spec and TE FP8 when TE is installed) and an NCCL broadcast over
+the visible GPUs; on a machine without CUDA it says so and exits 0.
 
-``python -m megatron_qarl.gpu smoke`` (what scripts/gpu_smoke.sh runs) checks them on a GPU machine: one CUDA
-Megatron train step of the tiny model (local spec, then TE spec and FP8 when TE is installed) and an NCCL
-broadcast over the visible GPUs; on a machine without CUDA it says so and exits 0.
+The GPU code it checks lives with its concept: the Transformer Engine model in ``moe/te.py`` (built by
+``moe.model.build_model(..., te=quant)``), the backend choice in ``moe/parallelize.py``, the SGLang command in
+``rollout/sglang_launcher.py``, the NCCL/gloo socket variables of a Slurm job in ``megatron_qarl/launch/slurm.py``.
 """
 
 from __future__ import annotations
@@ -30,68 +25,13 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "checkpoints" / "tiny-qwen3-moe"
 
 
-def dist_backend() -> str:
-    """torch.distributed backend of the learner and of the weight-update group: nccl with CUDA, else gloo."""
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def nccl_env(ifname: str | None) -> dict[str, str]:
-    """Socket interface variables for NCCL and gloo (bootstrap and TCP fallback) on interface ``ifname``."""
-    return {"NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname} if ifname else {}
-
-
-def te_layer_spec(arch, *, grouped_gemm: bool = True):
-    """Megatron's Transformer Engine layer spec for Qwen3-MoE (RMSNorm via the config, qk-norm, MoE experts
-    as TE grouped GEMMs). ImportError naming the package when TE is absent (CPU machines)."""
-    from megatron_qarl.qat.te import require_transformer_engine
-
-    require_transformer_engine()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-    return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts, moe_grouped_gemm=grouped_gemm,
-                                                      qk_layernorm=True)
-
-
-# TransformerConfig fields that moe/model.py turns off for CPU-only torch and that CUDA runs want on
-CUDA_FUSIONS = {"apply_rope_fusion": True, "masked_softmax_fusion": True, "bias_activation_fusion": True,
-                "bias_dropout_fusion": True, "gradient_accumulation_fusion": False, "moe_permute_fusion": True,
-                "moe_grouped_gemm": True}
-
-
-def te_config_overrides(quant: QuantConfig, *, fused: bool = True) -> dict[str, Any]:
-    """TransformerConfig fields the TE path changes: CUDA fusions (``CUDA_FUSIONS``) and, for w8a8_fp8, TE's
-    blockwise FP8 recipe (``qat.te.te_fp8_settings``). Pure: testable without TE."""
-    from megatron_qarl.qat.te import te_fp8_settings
-
-    fp8 = te_fp8_settings(quant)
-    # FP8 grouped GEMMs need each expert's token count padded to a multiple of 16: the router pads
-    return {**(CUDA_FUSIONS if fused else {}), **fp8, **({"moe_router_padding_for_fp8": True} if fp8 else {})}
-
-
-def te_transformer_config(arch, quant: QuantConfig, **kwargs):
-    """``moe.model.transformer_config`` for the TE spec on CUDA (requires TE when FP8 is on)."""
-    import dataclasses
-
-    from megatron_qarl.moe.model import transformer_config
-    from megatron_qarl.qat.te import apply_te_fp8
-
-    base = transformer_config(arch, **kwargs)
-    return dataclasses.replace(base, **apply_te_fp8(te_config_overrides(quant, fused=True), quant))
-
-
-def sglang_available() -> bool:
-    from megatron_qarl.rollout.sglang_launcher import sglang_available as available
-
-    return available()
-
-
 def report() -> dict[str, Any]:
     """What this machine offers: CUDA devices, NCCL, Transformer Engine, SGLang."""
     import torch
 
-    from megatron_qarl.qat.te import transformer_engine_available
+    from megatron_qarl.moe.parallelize import dist_backend
+    from megatron_qarl.moe.te import transformer_engine_available
+    from megatron_qarl.rollout.sglang_launcher import sglang_available
 
     cuda = torch.cuda.is_available()
     return {
@@ -109,7 +49,6 @@ def _megatron_step(te: bool, fp8: bool) -> dict[str, float]:
     """One Adam step of the tiny Qwen3-MoE as a Megatron GPTModel on GPU 0 (world size 1, NCCL)."""
     import torch
     import torch.nn.functional as F
-    from megatron.core.models.gpt import GPTModel
 
     from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
     from megatron_qarl.moe.parallelize import destroy_parallel, free_port, init_parallel
@@ -120,15 +59,8 @@ def _megatron_step(te: bool, fp8: bool) -> dict[str, float]:
     try:
         arch = Qwen3MoeArch.from_model_dir(TINY_MODEL)
         quant = QuantConfig(scheme="w8a8_fp8" if fp8 else "bf16")
-        if te:
-            config = te_transformer_config(arch, quant, dtype=torch.bfloat16)
-            model = GPTModel(config=config, transformer_layer_spec=te_layer_spec(arch), vocab_size=arch.vocab_size,
-                             max_sequence_length=arch.max_position_embeddings,
-                             share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                             rotary_base=int(arch.rope_theta))
-        else:
-            model = build_model(arch, dtype=torch.bfloat16)  # the local spec, as on CPU
-        model = model.cuda()
+        # te False: the local spec, as on CPU
+        model = build_model(arch, dtype=torch.bfloat16, te=quant if te else None).cuda()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         torch.manual_seed(0)
         seq = 128  # FP8 GEMMs want dimensions that are multiples of 16
@@ -216,7 +148,7 @@ def smoke() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_qarl.gpu", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_qarl.gpu_smoke", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["report", "smoke"])
     args = parser.parse_args(argv)
     if args.command == "report":

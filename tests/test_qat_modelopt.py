@@ -1,8 +1,7 @@
-"""ModelOpt configs as an input format, ModelOpt's stock INT4 fake quant vs ours, TE FP8 settings on CPU."""
+"""ModelOpt configs as an input format, ModelOpt's stock INT4 fake quant vs ours."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import warnings
 
@@ -12,7 +11,6 @@ import torch
 from megatron_qarl.qat.config import QuantConfig, is_quantized
 from megatron_qarl.qat.fake_quant import fake_quant_weight
 from megatron_qarl.qat.modelopt_compat import modelopt_int4_fake_quant, quant_config_from_modelopt
-from megatron_qarl.qat.te import apply_te_fp8, require_transformer_engine, te_fp8_settings
 
 # ModelOpt and Megatron warn about absent TE / Apex / tested transformers versions on import
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -86,31 +84,3 @@ def test_modelopt_stock_int4_differs_from_sglang_numerics(mtq):
     ours, _ = fake_quant_weight(w, QuantConfig(scheme="w4a16"))
     frac = (mo != ours).float().mean().item()
     assert 0.5 < frac < 0.95  # measured 84.9% (docs/quantization.md)
-
-
-def test_te_fp8_settings_are_megatron_transformer_config_fields():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.transformer import TransformerConfig
-
-    settings = te_fp8_settings(QuantConfig(scheme="w8a8_fp8"))
-    assert settings["fp8"] == "e4m3" and settings["fp8_recipe"] == "blockwise"
-    assert set(settings) <= {f.name for f in dataclasses.fields(TransformerConfig)}
-    config = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, **settings)
-    assert (config.fp8, config.fp8_recipe) == ("e4m3", "blockwise")
-    for scheme in ["bf16", "w4a16", "w8a8_int8"]:
-        assert te_fp8_settings(QuantConfig(scheme=scheme)) == {}
-    with pytest.raises(ValueError, match="group_size: TE blockwise FP8 uses 128"):
-        te_fp8_settings(QuantConfig(scheme="w8a8_fp8", group_size=64))
-
-
-def test_transformer_engine_is_imported_lazily_with_a_clear_error():
-    try:
-        require_transformer_engine()
-    except ImportError as err:
-        assert "transformer-engine" in str(err)
-        with pytest.raises(ImportError, match="transformer-engine"):
-            apply_te_fp8({"num_layers": 2}, QuantConfig(scheme="w8a8_fp8"))
-    else:  # a GPU machine with TE
-        assert apply_te_fp8({}, QuantConfig(scheme="w8a8_fp8"))["fp8_recipe"] == "blockwise"
-    assert apply_te_fp8({"num_layers": 2}, QuantConfig(scheme="w4a16")) == {"num_layers": 2}

@@ -1,0 +1,99 @@
+"""Transformer Engine (TE) for the learner's Megatron model on CUDA. TE is imported lazily, so this module
+imports on CPU machines; ``moe.model.build_model(..., te=quant)`` builds the model with it.
+
+- ``te_layer_spec``: Megatron's TE layer spec for Qwen3-MoE (fused TE linears with the RMSNorm folded into
+  linear_qkv / linear_fc1, qk-norm, TE grouped-GEMM experts).
+- ``te_transformer_config``: ``moe.model.transformer_config`` with ``te_config_overrides``: the CUDA fusions back
+  on and, for w8a8_fp8, TE's blockwise FP8 recipe (``te_fp8_settings``).
+- ``te_fp8_settings``: the TransformerConfig kwargs that run the learner's GEMMs in TE FP8 with the block-wise
+  recipe (Float8BlockScaling: 1 x 128 activation tiles, 128 x 128 weight blocks, the DeepSeek-V3 layout SGLang's
+  ``fp8`` block method serves). It is a speed path: TE quantizes with its own kernels (power-of-two scales unless
+  NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1, its own rounding), so its operands are close to, not identical with, the
+  exported codes. The rollout-aligned path of QaRL is the fake-quant forward (``qat/fake_quant.py``), whose
+  operands are exactly the exported ones.
+Field names checked against megatron-core 0.16.1 (``TransformerConfig.fp8``, ``fp8_recipe``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+from typing import Any
+
+from megatron_qarl.qat.config import QuantConfig
+
+TE_BLOCK = 128  # Float8BlockScaling's tile edge
+
+# TransformerConfig fields that moe/model.py turns off for CPU-only torch and that CUDA runs want on
+CUDA_FUSIONS = {"apply_rope_fusion": True, "masked_softmax_fusion": True, "bias_activation_fusion": True,
+                "bias_dropout_fusion": True, "gradient_accumulation_fusion": False, "moe_permute_fusion": True,
+                "moe_grouped_gemm": True}
+
+
+def te_fp8_settings(cfg: QuantConfig) -> dict[str, Any]:
+    """Megatron TransformerConfig kwargs for ``cfg`` (empty for schemes TE FP8 does not serve).
+
+    w8a8_fp8 -> fp8 "e4m3" (forward and backward tensors in e4m3, as SGLang serves e4m3), fp8_recipe
+    "blockwise", weights kept in BF16 master params (fp8_param False), wgrad in FP8, no BF16 first/last
+    layers. Group sizes other than 128 have no TE recipe: ValueError.
+    """
+    if cfg.scheme != "w8a8_fp8":
+        return {}
+    if cfg.group_size != TE_BLOCK:
+        raise ValueError(f"group_size: TE blockwise FP8 uses {TE_BLOCK}-wide blocks, got {cfg.group_size}")
+    return {
+        "fp8": "e4m3",
+        "fp8_recipe": "blockwise",
+        "fp8_param": False,
+        "fp8_wgrad": True,
+        "first_last_layers_bf16": False,
+    }
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine's PyTorch package imports (never on the CPU-only machines)."""
+    try:
+        require_transformer_engine()
+    except ImportError:
+        return False
+    return True
+
+
+def require_transformer_engine() -> ModuleType:
+    """Import and return ``transformer_engine.pytorch``; ImportError with the reason when it cannot."""
+    try:
+        import transformer_engine.pytorch as te_pytorch  # noqa: PLC0415 - lazy: GPU clusters only
+    except Exception as err:  # TE's meta package raises RuntimeError / ImportError when the wheel is empty
+        raise ImportError(
+            "the Transformer Engine model needs transformer-engine[pytorch]>=2.4 on a CUDA machine "
+            f"(pip install 'megatron_qarl[gpu]'); importing it failed: {err}"
+        ) from err
+    return te_pytorch
+
+
+def te_layer_spec(arch, *, grouped_gemm: bool = True):
+    """Megatron's Transformer Engine layer spec for Qwen3-MoE (RMSNorm via the config, qk-norm, MoE experts
+    as TE grouped GEMMs). ImportError naming the package when TE is absent (CPU machines)."""
+    require_transformer_engine()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts, moe_grouped_gemm=grouped_gemm,
+                                                      qk_layernorm=True)
+
+
+def te_config_overrides(quant: QuantConfig) -> dict[str, Any]:
+    """The TransformerConfig fields the TE path changes: the CUDA fusions and, for w8a8_fp8, TE's blockwise FP8
+    recipe (FP8 grouped GEMMs need each expert's token count padded to a multiple of 16: the router pads).
+    Pure: checked against Megatron's fields without TE."""
+    fp8 = te_fp8_settings(quant)
+    return {**CUDA_FUSIONS, **fp8, **({"moe_router_padding_for_fp8": True} if fp8 else {})}
+
+
+def te_transformer_config(arch, quant: QuantConfig, **kwargs):
+    """``moe.model.transformer_config(arch, **kwargs)`` with ``te_config_overrides(quant)``, for the TE spec on
+    CUDA. ImportError naming the package when TE is absent."""
+    from megatron_qarl.moe.model import transformer_config
+
+    overrides = te_config_overrides(quant)
+    require_transformer_engine()
+    return dataclasses.replace(transformer_config(arch, **kwargs), **overrides)
