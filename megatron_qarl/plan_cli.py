@@ -277,7 +277,7 @@ def config_plan(cfg: QarlConfig, opts: PlanOptions) -> dict:
                "micro_batch_sequences": None if opts.micro_batch_tokens else micro_batch_sequences(cfg, lay.dp),
                "sequences_per_dp_rank": sequences // lay.dp,
                **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": mem["total"] <= usable}
-    srv = ServerLayout(tp=max(r.gpus_per_server, 1))
+    srv = ServerLayout(tp=max(r.gpus_per_server, 1), ep=r.ep_size)
     seqs = min(r.max_batch_size, math.ceil(sequences / r.servers))
     rollout = {"servers": r.servers, "gpus_per_server": r.gpus_per_server, "tp": srv.tp, "seqs_per_server": seqs,
                **_rollout_cells(_rollout_memory(cfg, arch, srv, seqs, opts))}
