@@ -381,7 +381,7 @@ def manager_requests() -> list[Sent]:
         async def run(samplings=samplings, rec=rec, stop_ids=stop_ids, seed=cfg.seed):
             for sampling in samplings:
                 async with rec.client() as c:
-                    await RolloutManager([c], sampling, stop_ids, seed=seed).generate([[3, 4, 5, 6]], step=7)
+                    await RolloutManager(sampling, stop_ids, seed=seed).generate([c], [[3, 4, 5, 6]], step=7)
 
         asyncio.run(run())
         sent += rec.sent
