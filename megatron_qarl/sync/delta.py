@@ -49,10 +49,6 @@ class Delta:
     def block(self) -> int:
         return int(self.values.shape[1])
 
-    @property
-    def nbytes(self) -> int:
-        return self.index.numel() * self.index.element_size() + self.values.numel() * self.values.element_size()
-
     def wire(self) -> list[tuple[str, Tensor]]:
         """The two tensors that go on the wire, under their derived names."""
         return [(self.name + INDEX, self.index), (self.name + VALUES, self.values)]
