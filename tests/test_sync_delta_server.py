@@ -169,14 +169,16 @@ def test_every_doubt_falls_back_to_a_full_sync(tiny_model_dir, w4a16_dir, w4a16_
     def body():
         init_parallel(seed=4)
         learner = _learner(tiny_model_dir)
-        b = DistributedBroadcaster([Engine(url)], dtype=torch.float32, bucket_bytes=128 << 10, delta=True)
+        b = DistributedBroadcaster([Engine(url)], dtype=torch.float32, bucket_bytes=128 << 10, delta=True,
+                                   verify=True)
         gen = torch.Generator().manual_seed(6)
         seen = []
 
         def sync(label: str) -> SyncReport:
             _step(learner, gen)
             report = b.sync(learner)
-            exact = held_checksums(url)[1] == weight_checksums(b.baseline.tensors)
+            held = held_checksums(url)[1]
+            exact = held == weight_checksums(b.baseline.tensors) == report.checksums  # verify: the full state
             seen.append((label, report.mode, report.full_reason, report.bytes, exact))
             return report
 
@@ -197,13 +199,17 @@ def test_every_doubt_falls_back_to_a_full_sync(tiny_model_dir, w4a16_dir, w4a16_
         b._send = real_send
         sync("after a failed sync")
         b.close()
+        b = DistributedBroadcaster([Engine(url)], dtype=torch.bfloat16, delta=True)  # verify would refuse the casts
+        sync("bf16 to a float32 server: first")
+        sync("bf16 to a float32 server: second")
+        b.close()
         return seen
 
     seen = run_ranks(1, body)[0]
     for row in seen:
         print("\n", row)
     modes = {label: (mode, reason) for label, mode, reason, _, _ in seen}
-    assert all(exact for *_, exact in seen)
+    assert all(exact for *_, exact in seen[:-2])
     assert modes["first"][0] == "full" and modes["first"][1].startswith("no baseline")
     assert modes["next"] == ("delta", "")
     assert modes["version gap"][0] == "full" and "version gap" in modes["version gap"][1]
@@ -212,3 +218,5 @@ def test_every_doubt_falls_back_to_a_full_sync(tiny_model_dir, w4a16_dir, w4a16_
     assert modes["restarted server"][0] == "full" and "holds weight_version 'default'" in modes["restarted server"][1]
     assert modes["after the restart"] == ("delta", "")
     assert modes["after a failed sync"][0] == "full" and modes["after a failed sync"][1].startswith("no baseline")
+    second = modes["bf16 to a float32 server: second"]
+    assert second[0] == "full" and "computes in float32, the sync sends bfloat16" in second[1]
