@@ -60,9 +60,13 @@ def test_the_cheapest_block_is_chosen():
     group.view(-1, 16)[[5, 77]] += 1
     everything = packed + 1
     for new, want in ((scattered, 1), (group, 16), (everything, packed.numel())):
-        b, costs = delta.choose_block(delta.changed_mask(packed, new), packed.shape, 4)
+        elements = delta.changed_elements(packed, new)
+        b, costs = delta.choose_block(elements, packed.shape, 4)
         assert b == want and costs[b] == min(costs.values())
-    b, _ = delta.choose_block(delta.changed_mask(packed, packed.clone()), packed.shape, 4)
+        mask = delta.changed_mask(packed, new)  # |C_b| from the positions equals counting on the mask
+        assert all(k == int(mask.view(-1, b).any(dim=1).sum()) for b, k in delta.changed_blocks(
+            elements, delta.candidate_blocks(packed.shape)).items())
+    b, _ = delta.choose_block(delta.changed_elements(packed, packed.clone()), packed.shape, 4)
     assert b == 0
 
 

@@ -67,6 +67,22 @@ def changed_mask(old: Tensor, new: Tensor) -> Tensor:
     return old.contiguous().reshape(-1).view(kind) != new.contiguous().reshape(-1).view(kind)
 
 
+def changed_elements(old: Tensor, new: Tensor) -> Tensor:
+    """int64 [k]: the sorted flat positions of the elements that differ (one pass over the tensors; every
+    block size is then counted from these k positions alone)."""
+    return changed_mask(old, new).nonzero().squeeze(1)
+
+
+def block_numbers(elements: Tensor, block: int) -> Tensor:
+    """The sorted, distinct numbers j of the blocks of ``block`` elements holding the changed ``elements``."""
+    blocks = elements // block
+    if blocks.numel() < 2:
+        return blocks
+    first = torch.ones_like(blocks, dtype=torch.bool)
+    first[1:] = blocks[1:] != blocks[:-1]
+    return blocks[first]
+
+
 def candidate_blocks(shape: torch.Size | tuple[int, ...]) -> list[int]:
     """Block sizes tried for a tensor of this shape: 1, powers of two dividing the row, the row, the tensor."""
     n = 1
@@ -80,9 +96,9 @@ def candidate_blocks(shape: torch.Size | tuple[int, ...]) -> list[int]:
     return sorted({*out, max(row, 1), max(n, 1)})
 
 
-def changed_blocks(mask: Tensor, blocks: Iterable[int]) -> dict[int, int]:
-    """|C_b| for every b (b must divide the mask's length)."""
-    return {b: int(mask.view(-1, b).any(dim=1).sum()) if b > 1 else int(mask.sum()) for b in blocks}
+def changed_blocks(elements: Tensor, blocks: Iterable[int]) -> dict[int, int]:
+    """|C_b| for every b, from the changed elements' positions."""
+    return {b: int(block_numbers(elements, b).numel()) for b in blocks}
 
 
 def wire_bytes(changed: int, block: int, numel: int, itemsize: int) -> int:
@@ -90,32 +106,31 @@ def wire_bytes(changed: int, block: int, numel: int, itemsize: int) -> int:
     return changed * (block * itemsize + (4 if index_dtype(numel // block) == torch.int32 else 8))
 
 
-def choose_block(mask: Tensor, shape: torch.Size | tuple[int, ...], itemsize: int) -> tuple[int, dict[int, int]]:
-    """(the b of least wire bytes, wire(b) for every candidate b) for a change mask; b = 0 if nothing changed.
-    Ties go to the larger block (fewer index entries for the same bytes)."""
-    counts = changed_blocks(mask, candidate_blocks(shape))
-    costs = {b: wire_bytes(k, b, mask.numel(), itemsize) for b, k in counts.items()}
-    if counts[1] == 0:
+def choose_block(elements: Tensor, shape: torch.Size | tuple[int, ...], itemsize: int) -> tuple[int, dict[int, int]]:
+    """(the b of least wire bytes, wire(b) for every candidate b) for the changed elements of a tensor of this
+    shape; b = 0 if nothing changed. Ties go to the larger block (fewer index entries for the same bytes)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    counts = changed_blocks(elements, candidate_blocks(shape))
+    costs = {b: wire_bytes(k, b, n, itemsize) for b, k in counts.items()}
+    if not elements.numel():
         return 0, costs
     return min(costs, key=lambda b: (costs[b], -b)), costs
 
 
 def diff(name: str, old: Tensor, new: Tensor, block: int | None = None) -> Delta | None:
     """The delta taking ``old`` to ``new`` at block size ``block`` (None: the cheapest); None if equal."""
-    mask = changed_mask(old, new)
-    if block is None:
-        block, _ = choose_block(mask, new.shape, new.element_size())
-        if block == 0:
-            return None
-    if mask.numel() % block:
-        raise ValueError(f"{name}: block {block} does not divide its {mask.numel()} elements")
-    blocks = mask.view(-1, block).any(dim=1) if block > 1 else mask
-    index = blocks.nonzero().squeeze(1)
-    if not index.numel():
+    elements = changed_elements(old, new)
+    if not elements.numel():
         return None
+    if block is None:
+        block, _ = choose_block(elements, new.shape, new.element_size())
+    if new.numel() % block:
+        raise ValueError(f"{name}: block {block} does not divide its {new.numel()} elements")
+    index = block_numbers(elements, block)
     values = new.contiguous().reshape(-1).view(_INT[new.element_size()]).view(-1, block).index_select(0, index)
-    values = values.view(new.dtype)
-    return Delta(name, index.to(index_dtype(blocks.numel())), values)
+    return Delta(name, index.to(index_dtype(new.numel() // block)), values.view(new.dtype))
 
 
 def apply(held: Tensor, index: Tensor, values: Tensor) -> None:
