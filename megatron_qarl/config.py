@@ -145,6 +145,7 @@ class SyncConfig(_Section):
 
     bucket_mb: int = Field(default=512, ge=1)
     verify: bool = False  # servers report checksums of what they received; a difference fails the run
+    delta: bool = False  # after a full sync, send only changed blocks (embedded servers; docs/rollout.md)
     timeout_s: float = Field(default=300.0, gt=0)
 
 
@@ -265,6 +266,10 @@ class QarlConfig(_Section):
             raise ConfigError("rollout.sync.verify: a real SGLang server checksums its own fused, repacked and "
                               "sharded parameters, which the learner cannot reproduce; verification is for the "
                               "embedded server (docs/rollout.md, 'Against a real SGLang server')")
+        if self.rollout.backend == "sglang" and self.rollout.sync.delta:
+            raise ConfigError("rollout.sync.delta: SGLang 0.5.23 has no delta load format (its distributed update "
+                              "loads every received tensor whole); delta sync is for the embedded server "
+                              "(docs/rollout.md, 'Delta weight sync')")
         if self.rollout.backend == "sglang" and self.rollout.gpus_per_server < 1:
             raise ConfigError("rollout.gpus_per_server: sglang servers need at least 1 GPU")
         return self

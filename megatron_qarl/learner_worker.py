@@ -104,7 +104,8 @@ class LearnerWorker:
         dtype = torch.bfloat16 if self.cfg.rollout.dtype == "bfloat16" else torch.float32
         self.broadcaster = DistributedBroadcaster(
             [Engine(u, ranks_per_engine, api_key) for u in urls], master_addr=self.master_addr,
-            bucket_bytes=sync.bucket_mb << 20, dtype=dtype, timeout_s=sync.timeout_s, verify=sync.verify)
+            bucket_bytes=sync.bucket_mb << 20, dtype=dtype, timeout_s=sync.timeout_s, verify=sync.verify,
+            delta=sync.delta)
         self.broadcaster.version = self.weight_version
 
     def sync(self) -> dict | None:
@@ -113,7 +114,7 @@ class LearnerWorker:
         if report is None:
             return None
         return {"weight_version": report.weight_version, "bytes": report.bytes, "tensors": report.tensors,
-                "buckets": report.buckets, "seconds": report.seconds}
+                "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode}
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, path: str) -> None:

@@ -78,3 +78,11 @@ def test_bad_override_syntax():
 def test_tp_without_sequence_parallel_is_refused(tiny_model_dir):
     with pytest.raises(ConfigError, match="parallel.sequence_parallel: must be on when tp > 1"):
         validate_config({"model": {"path": tiny_model_dir}, "parallel": {"tp": 2, "sequence_parallel": False}})
+
+
+def test_delta_sync_is_refused_for_real_sglang_servers():
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml", ["rollout.sync.delta=true"])
+    assert cfg.rollout.sync.delta
+    with pytest.raises(ConfigError, match=r"^rollout\.sync\.delta: SGLang 0\.5\.23 has no delta load format"):
+        load_config(REPO / "configs" / "cpu_default.yaml",
+                    ["rollout.backend=sglang", "rollout.gpus_per_server=1", "rollout.sync.delta=true"])

@@ -288,6 +288,14 @@ class Engine:
             if weight_version is not None:
                 self.weight_version = weight_version
 
+    def apply_deltas(self, parts: dict[str, tuple[torch.Tensor, torch.Tensor]], weight_version: str | None) -> None:
+        """Apply one bucket of a delta sync in place (``Qwen3MoeEngineModel.apply_deltas``); finalized at
+        ``finalize_weights`` like a loaded bucket."""
+        with self.lock:
+            self.model.apply_deltas(parts)
+            if weight_version is not None:
+                self.weight_version = weight_version
+
     def finalize_weights(self) -> int:
         """End of a weight-update session: repack / prepack what was loaded (returns the linears rebuilt)."""
         with self.lock:

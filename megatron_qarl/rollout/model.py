@@ -30,6 +30,7 @@ from megatron_qarl.errors import ConfigError
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.export import iter_safetensors, scheme_of
 from megatron_qarl.rollout.kernels import DenseLinear, Linear, Store, make_linear
+from megatron_qarl.sync import delta
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -152,6 +153,23 @@ class Qwen3MoeEngineModel:
                 if name in self.owner:
                     self._dirty[id(self.owner[name])] = self.owner[name]
         self._loaded = self._loaded or bool(tensors)
+
+    def apply_deltas(self, parts: dict[str, tuple[Tensor, Tensor]]) -> None:
+        """Apply delta-sync parts (name -> (block index, block values), sync/delta.py) to the store in place:
+        ``T.view(n / b, b)[index] = values``; the linears they feed are marked for ``finalize_weights``, as
+        ``load_tensors`` does. Validates every part (a tensor of this checkpoint; index and values that fit
+        it; the same dtype rule as ``load_tensors``) before writing anything."""
+        for name, (index, values) in parts.items():
+            held = self.store.get(name)
+            if held is None:
+                raise ValueError(f"{name}: not a tensor of this server's checkpoint (format {self.scheme})")
+            delta.check(name, held, index, values, castable=held.dtype == self.dtype)
+        with torch.no_grad():
+            for name, (index, values) in parts.items():
+                delta.apply(self.store[name], index, values)
+                if name in self.owner:
+                    self._dirty[id(self.owner[name])] = self.owner[name]
+        self._loaded = self._loaded or bool(parts)
 
     def finalize_weights(self) -> int:
         """Rebuild the derived operands (prepacked / repacked low-bit weights, fused norms) of everything

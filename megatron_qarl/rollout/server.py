@@ -30,6 +30,7 @@ from megatron_qarl.errors import UserError
 from megatron_qarl.qat.export import iter_safetensors
 from megatron_qarl.rollout import weight_sync
 from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams, in_fresh_thread
+from megatron_qarl.sync import delta
 from megatron_qarl.sync.checksum import engine_checksum, overall_checksum, weight_checksums
 
 # SGLang 0.5.23's answers, word for word (sglang/srt/managers/scheduler_components/weight_updater.py)
@@ -298,7 +299,9 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
     @app.post("/update_weights_from_distributed", dependencies=guarded)
     def update_weights_from_distributed(body: UpdateFromDistributedReq) -> JSONResponse:
         """SGLang's order: refuse outside a session or without the group (before receiving anything); else
-        receive the whole bucket, then load it (a refusal after that leaves no broadcast pending)."""
+        receive the whole bucket, then load it (a refusal after that leaves no broadcast pending).
+        ``load_format="delta"`` (ours, not SGLang's): the bucket holds changed blocks, applied in place into the
+        held tensors (sync/delta.py; docs/rollout.md, 'Delta weight sync')."""
         if not session["open"]:
             return _answer(False, OUTSIDE_SESSION)
         pg = groups.get(body.group_name)
@@ -307,8 +310,9 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
                                   "Please call `init_weights_update_group` first.")
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
             return _answer(False, "names, dtypes, shapes differ in length")
-        if body.load_format not in (None, "direct"):
-            return _answer(False, f"load_format {body.load_format!r} unsupported")
+        if body.load_format not in (None, "direct", delta.LOAD_FORMAT):
+            return _answer(False, f"load_format {body.load_format!r} unsupported (None, 'direct' or "
+                                  f"{delta.LOAD_FORMAT!r}: docs/rollout.md, 'Delta weight sync')")
         try:
             dtypes = [weight_sync.parse_dtype(d) for d in body.dtypes]
         except ValueError as err:
@@ -321,7 +325,10 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         try:
             if body.abort_all_requests:
                 engine.abort_all("aborted by update_weights_from_distributed")
-            engine.load_tensors(received, body.weight_version)
+            if body.load_format == delta.LOAD_FORMAT:  # changed blocks only, into the held tensors in place
+                engine.apply_deltas(delta.pair_parts(received), body.weight_version)
+            else:
+                engine.load_tensors(received, body.weight_version)
         except ValueError as err:
             return _answer(False, f"Failed to update parameter online: {err}. The full weights of the ModelRunner "
                                   "are partially updated. Please discard the whole weights.")
