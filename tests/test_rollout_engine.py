@@ -305,7 +305,7 @@ def test_seed_reproduces_and_batching_does_not_change_fp32_greedy(model_dirs):
 TRAINER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from megatron_qarl.qat.export import iter_safetensors
-    from megatron_qarl.rollout.weight_sync import init_custom_process_group
+    from megatron_qarl.wire import init_custom_process_group
     port, model_dir = int(sys.argv[1]), sys.argv[2]
     pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "weight_update_group")
     for name, t in sorted(iter_safetensors(model_dir)):

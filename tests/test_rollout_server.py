@@ -330,12 +330,12 @@ def test_openapi_fuzz_never_500(model_dir, monkeypatch):
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
-    from megatron_qarl.rollout import weight_sync
+    from megatron_qarl import wire
 
     def no_peer(*_args, **_kw):
         raise RuntimeError("rendezvous refused (fuzz stand-in)")
 
-    monkeypatch.setattr(weight_sync, "init_custom_process_group", no_peer)
+    monkeypatch.setattr(wire, "init_custom_process_group", no_peer)
     engine = Engine(EngineConfig(model_path=model_dir, dtype="bfloat16", max_batch_size=4, max_seq_len=24))
     app = build_app(engine, ServerConfig())
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)

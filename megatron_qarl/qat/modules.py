@@ -104,6 +104,12 @@ class FakeQuant:
         for t in self.targets:
             t.version = t.quantized = t.local_fq = None
 
+    def target_codes(self, t: _Target) -> dict[str, QuantizedWeight]:
+        """Hugging Face name -> the QuantizedWeight of one target, as this rank's forward uses it (the very
+        codes a weight sync sends; quantized once per optimizer step)."""
+        self._refresh(t)
+        return t.quantized
+
     def quantized_weights(self) -> dict[str, QuantizedWeight]:
         """Hugging Face name -> the QuantizedWeight this rank's forward uses (its own experts only)."""
         out = {}

@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from megatron_qarl.wire import response_body
+
 
 class RolloutServerError(RuntimeError):
     """A request to a rollout server failed; the message names the server and the endpoint."""
@@ -29,16 +31,6 @@ class ClientConfig:
     retries: int = 3
     backoff_s: float = 0.5
     max_concurrency: int = 64
-
-
-def _body(r: httpx.Response) -> Any:
-    """JSON, or the text of the answers SGLang sends as plain text (/flush_cache, /health)."""
-    if not r.content:
-        return None
-    try:
-        return r.json()
-    except ValueError:
-        return r.text
 
 
 class SGLangClient:
@@ -73,7 +65,7 @@ class SGLangClient:
                 last = RolloutServerError(f"{self.url}{path}: {type(err).__name__}: {err}")
             else:
                 if r.status_code < 400:
-                    return _body(r)
+                    return response_body(r)
                 last = RolloutServerError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}", r.status_code)
                 if r.status_code < 500:
                     raise last

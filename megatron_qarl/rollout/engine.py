@@ -31,10 +31,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_qarl.rollout.model import Qwen3MoeEngineModel
+from megatron_qarl.wire import parse_dtype
 
 SAMPLING_EPS = 1e-6
 T = TypeVar("T")
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def in_fresh_thread(fn: Callable[..., T], *args, **kwargs) -> T:
@@ -163,8 +163,8 @@ class Engine:
         self.cfg = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.model = model or in_fresh_thread(Qwen3MoeEngineModel.from_model_dir, cfg.model_path, DTYPES[cfg.dtype],
-                                              cfg.max_batch_size, cfg.max_seq_len)
+        self.model = model or in_fresh_thread(Qwen3MoeEngineModel.from_model_dir, cfg.model_path,
+                                              parse_dtype(cfg.dtype), cfg.max_batch_size, cfg.max_seq_len)
         self.weight_version = "default"
         self.eos_ids = _eos_ids(cfg.model_path)
         self.lock = threading.RLock()  # model work and weight updates

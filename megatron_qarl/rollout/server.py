@@ -26,9 +26,9 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from megatron_qarl import wire
 from megatron_qarl.errors import UserError
 from megatron_qarl.qat.export import iter_safetensors
-from megatron_qarl.rollout import weight_sync
 from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams, in_fresh_thread
 from megatron_qarl.sync import delta
 from megatron_qarl.sync.checksum import engine_checksum, overall_checksum, weight_checksums
@@ -263,7 +263,7 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
             return JSONResponse({"success": False, "message": "rank_offset must be < world_size"}, 400)
         backend = "gloo" if body.backend == "nccl" and not torch.cuda.is_available() else body.backend
         try:
-            groups[body.group_name] = weight_sync.init_custom_process_group(
+            groups[body.group_name] = wire.init_custom_process_group(
                 backend, f"tcp://{body.master_address}:{body.master_port}", body.world_size, body.rank_offset,
                 body.group_name)
         except Exception as err:  # noqa: BLE001 - a failed rendezvous is the caller's problem, reported
@@ -314,7 +314,7 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
             return _answer(False, f"load_format {body.load_format!r} unsupported (None, 'direct' or "
                                   f"{delta.LOAD_FORMAT!r}: docs/rollout.md, 'Delta weight sync')")
         try:
-            dtypes = [weight_sync.parse_dtype(d) for d in body.dtypes]
+            dtypes = [wire.parse_dtype(d) for d in body.dtypes]
         except ValueError as err:
             return _answer(False, str(err))
         received = {}
@@ -342,7 +342,7 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         pg = groups.pop(name, None)
         if pg is None:
             return JSONResponse({"success": False, "message": f"no weight update group {name!r}"}, 400)
-        weight_sync.destroy_process_group(pg)
+        wire.destroy_process_group(pg)
         return JSONResponse({"success": True, "message": f"destroyed {name}"})
 
     @app.post("/weights_checker", dependencies=guarded)

@@ -47,9 +47,7 @@ import torch.distributed as dist
 from megatron_qarl.sync import delta
 from megatron_qarl.sync.checksum import ChecksumAccumulator, weight_checksums
 from megatron_qarl.sync.payload import iter_sync_tensors
-
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16",
-               torch.int32: "int32", torch.int8: "int8", torch.uint8: "uint8", torch.float8_e4m3fn: "float8_e4m3fn"}
+from megatron_qarl.wire import dtype_name, response_body
 
 
 class SyncError(RuntimeError):
@@ -110,7 +108,8 @@ class DistributedBroadcaster:
             raise SyncError(f"{engine.url}{path}: {type(err).__name__}: {err}") from None
         if r.status_code >= 400:
             raise SyncError(f"{engine.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
-        return _body(r)
+        body = response_body(r)
+        return body if isinstance(body, dict) else {"text": body}
 
     def _get(self, engine: Engine, path: str) -> dict:
         headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else {}
@@ -120,7 +119,8 @@ class DistributedBroadcaster:
             raise SyncError(f"{engine.url}{path}: {type(err).__name__}: {err}") from None
         if r.status_code >= 400:
             raise SyncError(f"{engine.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
-        return _body(r)
+        body = response_body(r)
+        return body if isinstance(body, dict) else {"text": body}
 
     def _start_all(self, path: str, payloads: list[dict]) -> _Calls:
         """POST to every engine concurrently; the calls block server-side until the broadcasts end."""
@@ -133,7 +133,7 @@ class DistributedBroadcaster:
         """Create the weight-update group with every engine (learner rank 0 only)."""
         if not self._is_sender or self.group is not None:
             return
-        from megatron_qarl.rollout.weight_sync import init_custom_process_group
+        from megatron_qarl.wire import init_custom_process_group
 
         for engine in self.engines:  # fail fast, naming the server, rather than wait for a group that never forms
             try:
@@ -243,8 +243,8 @@ class DistributedBroadcaster:
                 self.close()  # a restarted server has no group, another trainer's has its own
                 return (f"{engine.url} holds weight_version {held!r}, not {sent!r} sent last (restarted, or "
                         "updated by another client)")
-            if info.get("dtype") != DTYPE_NAMES[self.dtype]:
-                return (f"{engine.url} computes in {info.get('dtype')}, the sync sends {DTYPE_NAMES[self.dtype]}: "
+            if info.get("dtype") != dtype_name(self.dtype):
+                return (f"{engine.url} computes in {info.get('dtype')}, the sync sends {dtype_name(self.dtype)}: "
                         "its held high-precision tensors are casts the checksum check cannot reproduce")
         return ""
 
@@ -325,7 +325,7 @@ class DistributedBroadcaster:
         """One bucket: the update calls go out, then the broadcasts. A server that answers before the
         broadcasts are through (it refused, or died) means they can never complete: the group is
         destroyed on every side, which ends them, and the error names the server."""
-        payload = {"names": [n for n, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
+        payload = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                    "flush_cache": True, "weight_version": version}
         if load_format is not None:
@@ -368,15 +368,6 @@ class DistributedBroadcaster:
             wrong = [n for n, h in report.checksums.items() if held[n] != h]
             if wrong:
                 raise SyncError(f"{engine.url}: {len(wrong)} tensors differ after sync, e.g. {wrong[:3]}")
-
-
-def _body(r: httpx.Response) -> dict:
-    """SGLang answers some admin calls with plain text (e.g. /flush_cache)."""
-    try:
-        body = r.json() if r.content else {}
-    except ValueError:
-        return {"text": r.text}
-    return body if isinstance(body, dict) else {"body": body}
 
 
 class _Calls:

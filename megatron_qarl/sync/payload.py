@@ -38,8 +38,7 @@ def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16) -> Iterator[
     ep_group = ps.get_expert_model_parallel_group() if lay.ep > 1 else None
     n_local = learner.arch.num_experts // lay.ep
     for t in fq.targets:
-        fq._refresh(t)
-        for hf_name, qw in t.quantized.items():
+        for hf_name, qw in fq.target_codes(t).items():
             tensors = to_sglang_tensors(hf_name.removesuffix(".weight"), qw)
             if t.pm.split not in ("fc1", "fc2"):
                 yield from tensors.items()

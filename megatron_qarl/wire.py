@@ -1,6 +1,11 @@
-"""The receiving side of SGLang's distributed weight update: a process group of its own.
+"""What both ends of SGLang's HTTP protocol share: dtype names, response bodies, and the process group of
+the distributed weight update. The trainer side (sync/broadcaster.py, rollout/client.py) and the server
+side (rollout/server.py) both import it; neither imports the other.
 
-A trainer (rank 0) and every rollout engine rank form a group through ``tcp://addr:port``; the engine
+dtype names are SGLang's: ``getattr(torch, name)`` (its weight receiver), and ``str(dtype)`` without the
+``torch.`` prefix on the sending side.
+
+The update group: a trainer (rank 0) and every rollout engine rank form a group through ``tcp://addr:port``; the engine
 must not touch the process's default group (a test or a colocated learner may own it), so the group
 is built as SGLang's ``init_custom_process_group`` does: rendezvous on the URL, a store prefixed with
 the group name, then torch's ``_new_process_group_helper`` (the function ``init_process_group`` calls
@@ -11,6 +16,7 @@ The trainer side of a test or of our own broadcaster calls the same function wit
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +27,25 @@ DTYPES: dict[str, torch.dtype] = {
     for name in ("bfloat16", "float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64",
                  "float8_e4m3fn", "bool")
 }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> ``"bfloat16"`` (the name SGLang's receiver passes to ``getattr(torch, name)``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype} has no SGLang name here; known: {', '.join(DTYPES)}")
+    return name
+
+
+def response_body(r) -> Any:
+    """An httpx response's body: JSON, the text of the answers SGLang sends as plain text (/flush_cache,
+    /health), or None when empty."""
+    if not r.content:
+        return None
+    try:
+        return r.json()
+    except ValueError:
+        return r.text
 
 
 def parse_dtype(name: str) -> torch.dtype:
