@@ -101,20 +101,19 @@ class DistributedBroadcaster:
 
     # --------------------------------------------------------------------------------------- HTTP
     def _post(self, engine: Engine, path: str, payload: dict | None = None) -> dict:
-        headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else {}
-        try:
-            r = httpx.post(engine.url + path, json=payload or {}, headers=headers, timeout=self.timeout_s)
-        except httpx.HTTPError as err:
-            raise SyncError(f"{engine.url}{path}: {type(err).__name__}: {err}") from None
-        if r.status_code >= 400:
-            raise SyncError(f"{engine.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
-        body = response_body(r)
-        return body if isinstance(body, dict) else {"text": body}
+        return self._call("POST", engine, path, payload or {})
 
     def _get(self, engine: Engine, path: str) -> dict:
+        return self._call("GET", engine, path, None)
+
+    def _call(self, method: str, engine: Engine, path: str, payload: dict | None) -> dict:
+        """One HTTP call; a transport error or a 4xx/5xx is a SyncError naming the server and the endpoint."""
         headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else {}
         try:
-            r = httpx.get(engine.url + path, headers=headers, timeout=self.timeout_s)
+            if method == "POST":
+                r = httpx.post(engine.url + path, json=payload, headers=headers, timeout=self.timeout_s)
+            else:
+                r = httpx.get(engine.url + path, headers=headers, timeout=self.timeout_s)
         except httpx.HTTPError as err:
             raise SyncError(f"{engine.url}{path}: {type(err).__name__}: {err}") from None
         if r.status_code >= 400:
