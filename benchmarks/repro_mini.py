@@ -79,6 +79,9 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
 ]}  # fmt: skip
 
 
+PAPER_ARMS = ("fp", "unaligned_tis", "qarl_grpo", "qarl_tbpo")  # the default study; the R3 arms on request
+
+
 @dataclass(frozen=True)
 class Cell:
     """One arm at one bit width (None for the full-precision arm), with true or shuffled rewards."""
@@ -720,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="training steps per run (40; smoke 2)")
     p.add_argument("--seeds", help="comma-separated seeds (1,2,3; smoke 1)")
     p.add_argument("--bits", default="4,3,2", help="weight bit widths of the low-bit arms (4,3,2)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"arms to run ({','.join(ARMS)})")
+    p.add_argument("--arms", default=",".join(PAPER_ARMS),
+                   help=f"arms to run (default the paper's {','.join(PAPER_ARMS)}; all: {','.join(ARMS)})")
     p.add_argument("--controls", default="fp,qarl_tbpo@2",
                    help="cells whose shuffled-reward control is run: arm or arm@bits, comma-separated "
                         "(fp,qarl_tbpo@2; '' for none)")

@@ -29,7 +29,7 @@ def repro():
 def _setting(repro, argv: list[str]):
     import argparse
 
-    ns = argparse.Namespace(smoke=False, steps=None, seeds=None, bits="4,3,2", arms=",".join(repro.ARMS),
+    ns = argparse.Namespace(smoke=False, steps=None, seeds=None, bits="4,3,2", arms=",".join(repro.PAPER_ARMS),
                             controls="fp,qarl_tbpo@2", eval_every=None, eval_n=None, set=[],
                             rollout_dtype="float32")
     for item in argv:
@@ -50,7 +50,8 @@ def test_cells_cover_arms_bits_and_controls(repro):
 
 
 @pytest.mark.parametrize("cell_args", [("fp", None, False), ("unaligned_tis", 3, False), ("qarl_grpo", 2, False),
-                                       ("qarl_tbpo", 4, False), ("qarl_tbpo", 2, True)])  # fmt: skip
+                                       ("qarl_tbpo", 4, False), ("qarl_tbpo", 2, True), ("unaligned_tis_r3", 2, False),
+                                       ("qarl_tbpo_r3", 3, False)])  # fmt: skip
 def test_every_cell_is_a_valid_qarl_config(repro, cell_args, tmp_path):
     s = _setting(repro, ["seeds=7"])
     cell = repro.Cell(*cell_args)
@@ -59,7 +60,8 @@ def test_every_cell_is_a_valid_qarl_config(repro, cell_args, tmp_path):
     assert cfg.launch.backend == "local" and cfg.train.save_log_ratios and cfg.train.steps == 40
     assert cfg.rollout.dtype == "float32"  # pinned: the configs' default may change
     assert cfg.reward.shuffle == cell.shuffled
-    arm = cell.arm
+    arm = cell.arm.removesuffix("_r3")
+    assert cfg.algo.routing_replay == cell.arm.endswith("_r3")
     assert cfg.quant.enabled == (arm != "fp")
     if cfg.quant.enabled:
         assert cfg.quant.num_bits == cell.bits
