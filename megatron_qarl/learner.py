@@ -23,6 +23,7 @@ import torch
 from megatron_qarl.algo.policy_loss import PolicyLossConfig, loss_normalizer, policy_loss
 from megatron_qarl.config import OptimConfig, ParallelConfig
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
+from megatron_qarl.moe.parallelize import all_gather_tensors
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.modules import apply_fake_quant
 
@@ -175,7 +176,6 @@ class Learner:
         return self._dp_forward(tokens_BS, routes_BSLK, record=True)
 
     def _dp_forward(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool):
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         self.model.eval()
@@ -191,26 +191,20 @@ class Learner:
         size = self.micro_batch_size or rows_BS.shape[0]
         parts = [self._logprobs(rows_BS[i:i + size], None if routes_mine is None else routes_mine[i:i + size],
                                 record) for i in range(0, rows_BS.shape[0], size)]
-        out = [torch.cat([p[0] for p in parts]).to(_group_device())]
+        out = [torch.cat([p[0] for p in parts])]  # on the model's device, the one its process groups use
         if record:
             out.append(self._gather_seq(torch.cat([p[1] for p in parts]))[:, : tokens_BS.shape[1]])
-        if self.dp_size > 1:
-            for i, mine_t in enumerate(out):
-                gathered = [torch.empty_like(mine_t) for _ in range(self.dp_size)]
-                dist.all_gather(gathered, mine_t.contiguous(), group=ps.get_data_parallel_group())
-                out[i] = torch.cat(gathered)
-        return tuple(t[:rows].cpu() for t in out) if record else (out[0][:rows].cpu(), None)
+        dp_group = ps.get_data_parallel_group() if self.dp_size > 1 else None
+        out = [torch.cat(all_gather_tensors(t, dp_group, self.dp_size))[:rows].cpu() for t in out]
+        return (out[0], out[1]) if record else (out[0], None)
 
     def _gather_seq(self, local_BSLK: torch.Tensor) -> torch.Tensor:
         """Sequence-parallel routers see this TP rank's chunk of positions: all-gather them along S."""
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         if not (self.parallel.sp and self.tp > 1):
             return local_BSLK
-        parts = [torch.empty_like(local_BSLK) for _ in range(self.tp)]
-        dist.all_gather(parts, local_BSLK.contiguous(), group=ps.get_tensor_model_parallel_group())
-        return torch.cat(parts, dim=1)
+        return torch.cat(all_gather_tensors(local_BSLK, ps.get_tensor_model_parallel_group(), self.tp), dim=1)
 
     def my_rows(self, batch_size: int) -> slice:
         """The responses this data-parallel rank trains on (contiguous, equal split)."""
@@ -278,11 +272,6 @@ class Learner:
         if self.dp_size > 1:
             dist.all_reduce(v, group=ps.get_data_parallel_group())
         return v.item()
-
-
-def _group_device() -> torch.device:
-    """Where the data-parallel group's collectives take tensors (gloo: CPU, NCCL: the current GPU)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class _Replay:

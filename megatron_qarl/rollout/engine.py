@@ -276,23 +276,21 @@ class Engine:
 
     def update_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
         """Load and finalize at once (an update from disk)."""
-        with self.lock:
-            in_fresh_thread(self.model.update_tensors, tensors)
-            if weight_version is not None:
-                self.weight_version = weight_version
+        self._update(lambda: in_fresh_thread(self.model.update_tensors, tensors), weight_version)
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
         """Load one bucket of a weight-update session; the low-bit layers are rebuilt at ``finalize_weights``."""
-        with self.lock:
-            self.model.load_tensors(tensors)
-            if weight_version is not None:
-                self.weight_version = weight_version
+        self._update(lambda: self.model.load_tensors(tensors), weight_version)
 
     def apply_deltas(self, parts: dict[str, tuple[torch.Tensor, torch.Tensor]], weight_version: str | None) -> None:
         """Apply one bucket of a delta sync in place (``Qwen3MoeEngineModel.apply_deltas``); finalized at
         ``finalize_weights`` like a loaded bucket."""
+        self._update(lambda: self.model.apply_deltas(parts), weight_version)
+
+    def _update(self, change: Callable[[], None], weight_version: str | None) -> None:
+        """A weight change between two engine steps; the version moves only once it succeeded."""
         with self.lock:
-            self.model.apply_deltas(parts)
+            change()
             if weight_version is not None:
                 self.weight_version = weight_version
 
