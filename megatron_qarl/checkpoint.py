@@ -80,6 +80,13 @@ def results_queue_dies_with_trainer() -> None:
     fa._get_write_results_queue = get_write_results_queue
 
 
+# How the distributed optimizer lays out its shards in a checkpoint (Megatron-LM's default): every DP rank writes
+# its own buckets in parallel; a resume may change the data-parallel size, not TP / EP. The non-distributed
+# optimizers ignore it. (0.16.1's own default, fully_sharded_model_space, fails there: "ShardedTensor.flattened_range
+# is not supported".)
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def save_learner(path: str | Path, module, optimizer) -> None:
     """Collective over the learner ranks: model + optimizer shards (dist-checkpointing) and RNG."""
     import torch.distributed as dist
@@ -92,9 +99,51 @@ def save_learner(path: str | Path, module, optimizer) -> None:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     model_sd = module.sharded_state_dict()
-    dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, str(path))
+    dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+        model_sd, metadata=OPTIMIZER_METADATA)}, str(path))
     torch.save(rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
     dist.barrier()
+
+
+def allocate_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer over torch's Adam the state its first step would make, so that a
+    checkpoint can be loaded into it. Megatron's DistributedOptimizer falls back to torch.optim.AdamW when
+    neither Transformer Engine nor Apex is installed (a CPU learner, or a GPU node without TE), and on that path
+    builds even the state dict it loads into from the per-parameter 'step' of the inner optimizer's state
+    (distrib_optimizer.py, state_dict: ``assert len(steps) == 1``), which a fresh optimizer does not have yet.
+    Allocate Adam's zero moments and step 0; the load overwrites the moments, ``restore_adam_steps`` the step."""
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    if do.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, do.DistributedOptimizer) and not opt.optimizer.state:
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    opt.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                              "exp_avg_sq": torch.zeros_like(p)}
+
+
+def restore_adam_steps(optimizer) -> None:
+    """After a load on the same fallback path (torch's Adam under Megatron's DistributedOptimizer), set every
+    parameter's Adam step count from its parameter group. Megatron stores the step in the groups of the
+    checkpoint's common state (torch's Adam keeps one per parameter; TE's FusedAdam, the path Megatron is built
+    for, keeps it in the group), and on load (distrib_optimizer.py, load_state_dict) first hands all states one
+    shared step tensor, which torch's Adam would then increment once per parameter per step, and then overwrites
+    it with the per-parameter 'step' its dp_reshardable bucket state carries, a scalar that format does not
+    restore (the loading template's value comes back). A resumed run would drift from the uninterrupted one."""
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    if do.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, do.DistributedOptimizer):
+            for group in opt.optimizer.param_groups:
+                if group.get("step") is None:
+                    continue
+                for p in group["params"]:
+                    if p in opt.optimizer.state:
+                        opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
 def load_learner(path: str | Path, module, optimizer) -> None:
@@ -102,11 +151,14 @@ def load_learner(path: str | Path, module, optimizer) -> None:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    allocate_optimizer_state(optimizer)
     model_sd = module.sharded_state_dict()
-    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)},
-                                     str(path))
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+        model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)}, str(path))
     module.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # with fp32 parameters the distributed optimizer's shards are views of them, which it
+        optimizer.load_state_dict(loaded["optimizer"])  # copies into in place (an autograd error outside no_grad)
+    restore_adam_steps(optimizer)
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))

@@ -128,16 +128,37 @@ class AlgoConfig(_Section):
 
 
 class LearnerConfig(_Section):
-    """How the learner uses the quantizer.
+    """How the learner uses the quantizer, and how it fits in memory (``qarl plan`` counts each of these).
 
     aligned: true (QaRL) runs the learner's forward on the very low-bit weights the rollout servers hold
         (fake quant with a straight-through backward); false keeps a full-precision forward and quantizes
         only what is sent to the servers (quantized-rollout training; pair it with algo.loss.mismatch=tis).
+    micro_batch_size: rows per forward/backward on a learner rank; gradients accumulate over micro-batches
+        (None: the rank's whole share of the step at once).
+    distributed_optimizer: Megatron's distributed optimizer: fp32 master weights and Adam moments sharded over
+        the data-parallel ranks (dense parameters over DP, experts over expert DP).
+    optimizer_cpu_offload: Megatron's optimizer CPU offload (HybridDeviceOptimizer, with the distributed
+        optimizer): ``optimizer_offload_fraction`` of this rank's optimizer shard lives and steps on the host
+        (CPU Adam). GPU learners only.
+    recompute: activation recompute (Megatron TransformerConfig): none; selective = the core attention
+        (recompute_modules ["core_attn"]: the unfused attention's s^2 scores are not kept); full = every layer,
+        keeping only the input of each chunk of ``recompute_num_layers`` layers (recompute_method uniform).
     """
 
     aligned: bool = True
-    micro_batch_size: int | None = Field(default=None, ge=1)  # rows per forward/backward on a learner rank
-    # (gradients accumulate over micro-batches; None: the rank's whole share of the step at once)
+    micro_batch_size: int | None = Field(default=None, ge=1)
+    distributed_optimizer: bool = True
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = Field(default=1.0, gt=0, le=1)
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_num_layers: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        if self.optimizer_cpu_offload and not self.distributed_optimizer:
+            raise ValueError("optimizer_cpu_offload: needs learner.distributed_optimizer=true (Megatron offloads "
+                             "through its precision-aware distributed optimizer)")
+        return self
 
 
 class SyncConfig(_Section):
@@ -229,6 +250,10 @@ class LaunchConfig(_Section):
     # must use every GPU of nodes * gpus_per_node, and a server must fit in one node.
     nodes: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=0, ge=0)
+    # memory of one GPU in GiB as the driver reports it (qarl plan --config, qarl train's memory check); None:
+    # qarl train measures a GPU of its node (torch.cuda), qarl plan assumes an H100 80GB (79.65)
+    gpu_gib: float | None = Field(default=None, gt=0)
+    memory_check: bool = True  # qarl train refuses a GPU learner run that qarl plan says does not fit
 
 
 class QarlConfig(_Section):
@@ -272,7 +297,25 @@ class QarlConfig(_Section):
                               "(docs/rollout.md, 'Delta weight sync')")
         if self.rollout.backend == "sglang" and self.rollout.gpus_per_server < 1:
             raise ConfigError("rollout.gpus_per_server: sglang servers need at least 1 GPU")
+        self._check_learner_memory_options()
         return self
+
+    @property
+    def learner_on_gpus(self) -> bool:
+        """Whether the learner ranks run on GPUs: launch.gpus_per_learner_rank >= 1 (GPU nodes require 1)."""
+        return self.launch.gpus_per_learner_rank >= 1
+
+    def _check_learner_memory_options(self) -> None:
+        le = self.learner
+        if le.optimizer_cpu_offload and not self.learner_on_gpus:
+            raise ConfigError("learner.optimizer_cpu_offload: moves optimizer states from the GPU to the host "
+                              "(Megatron's HybridDeviceOptimizer needs CUDA streams and pinned memory), but this "
+                              "learner runs on CPUs (launch.gpus_per_learner_rank=0), where its states are on the "
+                              "host already; set it false")
+        if le.recompute == "full" and self.algo.routing_replay:
+            raise ConfigError("learner.recompute: 'full' reruns each layer's router in the backward, which would "
+                              "route on its own instead of replaying the servers' routes (algo.routing_replay); "
+                              "use 'selective' or 'none' with routing replay")
 
     def _check_sizes(self) -> None:
         """world_size against TP/EP, the batch against data parallelism, and GPU accounting."""
@@ -318,6 +361,9 @@ class QarlConfig(_Section):
         if arch.num_experts % ep:
             raise ConfigError(f"parallel.ep: {ep} does not divide the model's num_experts "
                               f"({arch.num_experts}, {self.model.path}/config.json)")
+        if self.learner.recompute == "full" and arch.num_hidden_layers % self.learner.recompute_num_layers:
+            raise ConfigError(f"learner.recompute_num_layers: {self.learner.recompute_num_layers} does not divide the "
+                              f"model's {arch.num_hidden_layers} layers (full recompute runs chunks of that many)")
         self._check_sizes()
         if self.rollout.backend == "sglang":
             from megatron_qarl.plan import LayoutError, ServerLayout, check_server_layout

@@ -64,12 +64,34 @@ SUMMED_METRICS = ("loss", "num_responses", "num_tokens")
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict]]
 
 
+def offload_kwargs(cpu_offload: bool, fraction: float = 1.0) -> dict:
+    """Megatron OptimizerConfig fields of optimizer CPU offload, as slime sets them to train Qwen3-30B-A3B on 8
+    H100s (THUDM/slime scripts/run-qwen3-30B-A3B.sh: --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d
+    --use-precision-aware-optimizer): Megatron's HybridDeviceOptimizer keeps ``fraction`` of this rank's
+    (distributed-optimizer) shard of fp32 master weights and Adam moments on the CPU and steps them with torch's
+    CPU AdamW, overlapping the gradient copies to the host and the parameter copies back. The precision-aware
+    flag makes the distributed optimizer leave the fp32 master copies to HybridDeviceOptimizer, so the
+    offloaded part keeps none on the GPU. Needs the distributed optimizer and CUDA."""
+    if not cpu_offload:
+        return {}
+    return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": fraction,
+            "overlap_cpu_optimizer_d2h_h2d": True, "use_precision_aware_optimizer": True}
+
+
 class Learner:
-    """One rank's shard of the policy with its optimizer (parallel state must be initialised)."""
+    """One rank's shard of the policy with its optimizer (parallel state must be initialised).
+
+    Memory (config.LearnerConfig, counted by ``qarl plan``): ``distributed_optimizer`` shards the fp32 master
+    weights and Adam moments over data parallelism (Megatron's DistributedOptimizer: gradients reduce-scattered,
+    parameters all-gathered after the step); ``optimizer_cpu_offload`` keeps ``optimizer_offload_fraction`` of the
+    shard on the host (``offload_kwargs``; CUDA only); ``recompute`` / ``recompute_num_layers``: Megatron's
+    activation recompute (``moe.model.recompute_kwargs``)."""
 
     def __init__(self, arch: Qwen3MoeArch, parallel: ParallelConfig, optim: OptimConfig,
                  dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None, aligned: bool = True,
-                 micro_batch_size: int | None = None, temperature: float = 1.0, routing_replay: bool = False):
+                 micro_batch_size: int | None = None, temperature: float = 1.0, routing_replay: bool = False,
+                 distributed_optimizer: bool = True, optimizer_cpu_offload: bool = False,
+                 optimizer_offload_fraction: float = 1.0, recompute: str = "none", recompute_num_layers: int = 1):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -79,8 +101,15 @@ class Learner:
         self.arch = arch
         self.parallel = parallel
         self.temperature = float(temperature)
+        if routing_replay and recompute == "full":
+            raise ValueError("recompute: 'full' reruns the routers in the backward, where they would route on their "
+                             "own instead of replaying (routing_replay); use 'selective' or 'none'")
+        if optimizer_cpu_offload and not torch.cuda.is_available():
+            raise ValueError("optimizer_cpu_offload: Megatron's HybridDeviceOptimizer moves optimizer states from the "
+                             "GPU to the CPU and needs CUDA (streams, pinned memory); this torch has no CUDA device")
         self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
-                                  dispatcher=parallel.dispatcher, routing_replay=routing_replay)
+                                  dispatcher=parallel.dispatcher, routing_replay=routing_replay, recompute=recompute,
+                                  recompute_num_layers=recompute_num_layers)
         self.routing_replay = routing_replay  # R3: routes given to logprobs() are replayed by Megatron's routers
         # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
         # the same quantizer only produces what the rollout servers load
@@ -89,14 +118,15 @@ class Learner:
         self.model = DistributedDataParallel(
             self.module.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                          use_distributed_optimizer=False),
+                                          use_distributed_optimizer=distributed_optimizer),
             self.module,
         )
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
                             adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                             clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16,
-                            params_dtype=dtype),
+                            params_dtype=dtype, use_distributed_optimizer=distributed_optimizer,
+                            **offload_kwargs(optimizer_cpu_offload, optimizer_offload_fraction)),
             [self.model],
         )
         self.dp_rank = ps.get_data_parallel_rank()

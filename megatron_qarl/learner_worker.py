@@ -58,7 +58,11 @@ class LearnerWorker:
         self.learner = Learner(arch, cfg.parallel, cfg.optim, dtype=dtype, quant=cfg.quant,
                                aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size,
                                temperature=cfg.rollout.sampling.temperature,
-                               routing_replay=cfg.algo.wants_routes)
+                               routing_replay=cfg.algo.wants_routes,
+                               distributed_optimizer=cfg.learner.distributed_optimizer,
+                               optimizer_cpu_offload=cfg.learner.optimizer_cpu_offload,
+                               optimizer_offload_fraction=cfg.learner.optimizer_offload_fraction,
+                               recompute=cfg.learner.recompute, recompute_num_layers=cfg.learner.recompute_num_layers)
         self.learner.load_hf(cfg.model.path)
 
     # ------------------------------------------------------------------------------- compute

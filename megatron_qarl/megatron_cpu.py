@@ -134,6 +134,45 @@ def fix_checkpoint_preload() -> None:
     fa.FileSystemWriterAsync.preload_tensors = staticmethod(preload_tensors)
 
 
+def fix_distributed_optimizer_types() -> None:
+    """Megatron's DistributedOptimizer sorts the parameters it shards by ``param.type()`` and accepts only
+    'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor' and 'torch.cuda.BFloat16Tensor' (distrib_optimizer.py,
+    _build_model_and_main_param_groups: "TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor,
+    ..."), so learner.distributed_optimizer cannot be built on CPU. Run its __init__ (which does all that
+    sorting) in a torch-function mode where ``type()`` of a CPU tensor, called without arguments, reports the
+    CUDA name of its dtype; nothing else changes, and the mode ends with __init__."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    class _CpuTypesAsCuda(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs and not args[0].is_cuda:
+                return "torch.cuda." + func(args[0]).rsplit(".", 1)[1]
+            return func(*args, **kwargs)
+
+    init = DistributedOptimizer.__init__
+
+    def __init__(self, *args, **kwargs):
+        with _CpuTypesAsCuda():
+            init(self, *args, **kwargs)
+
+    __init__.__wrapped__ = init
+    DistributedOptimizer.__init__ = __init__
+
+
+def fix_recompute_rng() -> None:
+    """Activation recompute (learner.recompute: Megatron's tensor_parallel.checkpoint, used by both full and
+    selective recompute) saves the CUDA generator's state before the forward and restores it around the
+    recomputation, through tensor_parallel.random's _get_cuda_rng_state / _set_cuda_rng_state, which call
+    torch.cuda.random.get_rng_state and raise "Torch not compiled with CUDA enabled". Without CUDA there is no
+    CUDA generator: the CPU generator and the tracker's states, which the same code saves and restores beside
+    it, are all there is. Make the two CUDA-generator calls save nothing and restore nothing."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """Fix by replacement (used in megatron_qarl.moe.model.layer_spec, on CPU and on GPUs without
     Transformer Engine): Megatron's WrappedTorchNorm, the only norm without TE or apex, asserts
@@ -157,7 +196,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_optimizer_device, fix_clip_grads,
-         fix_checkpoint_preload)
+         fix_checkpoint_preload, fix_distributed_optimizer_types, fix_recompute_rng)
 
 
 def apply() -> list[str]:

@@ -202,31 +202,105 @@ def learner_local_params(arch: Qwen3MoeArch, lay: LearnerLayout) -> tuple[float,
     return dense, s["expert"].numel / (lay.ep * lay.etp)
 
 
-def activation_bytes(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, *, recompute: bool = False,
-                     expert_imbalance: float = 1.0) -> int:
-    """Activations one rank keeps for the backward of a micro-batch of ``tokens`` (flash attention, BF16).
+ATTENTIONS = ("flash", "unfused")
+RECOMPUTES = ("none", "selective", "full")
 
-    After Korthikanti et al. 2022 (per layer s*b*h*(34 + 5*a*s/h)/tp with TP + SP), recounted for Qwen3-MoE:
-    no dropout masks; flash attention keeps no s^2 scores, only its fp32 log-sum-exp; GQA; top-k experts.
-    Elements per token and layer, each over TP (sequence parallel splits the hidden-size ones):
+
+def attention_score_elements(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, seq_len: int) -> float:
+    """Elements of one layer's attention scores on a rank: (tokens / seq_len) sequences x a/TP heads x seq_len^2
+    (the query heads split over TP; every head sees the whole sequence, sequence parallel or not)."""
+    return tokens * seq_len * arch.num_attention_heads / lay.tp
+
+
+def local_spec_activation_parts(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, *, seq_len: int,
+                                selective: bool = False, expert_imbalance: float = 1.0) -> dict[str, float]:
+    """Bytes Megatron's local spec (the learner's ``moe.model.layer_spec``: our fp32 RMSNorm, DotProductAttention,
+    SequentialMLP) saves for the backward of ``tokens`` tokens in sequences of ``seq_len``, BF16, by part; what
+    tests/test_plan.py measures with torch's saved-tensor hooks on the same code. Per token, with t = T/tp the
+    rank's tokens under sequence parallelism and heads split over TP:
+      layer    t * (2 * (6h + 4) + 2h + 2h)  input / pre-MLP norms (fp32 copy, bf16 output, fp32 1/rms), qkv and
+                                             router inputs
+               + T/tp * ((a + g)(6d + 4)     q / k norms, per head
+                         + 6ad               core attention: q, and k, v repeated to every query head (GQA)
+                                             (selective recompute: 2(2a+3g)d, its checkpointed inputs q, k, v
+                                             and the roped q, k)
+                         + 2ad)              output projection input
+               + seq_len * 8d                rotary cos / sin of q and k (per position, whole sequence on every rank)
+               + t * (20k + 5E)              top-k ids and probabilities, routing map and probabilities, permutation
+               + pairs * (2h + 12F/etp + 4)  per (token, expert) pair: expert input, fc1 / SwiGLU outputs, weight
+    "scores": 6 B per score element (fp32 softmax + bf16 probabilities; 0 under selective recompute); "mask":
+    the boolean causal mask, seq_len^2 B once; "final": t * (6h + 4 + 2h) (final norm, output layer input)."""
+    h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    e, k, f = arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size
+    t = tokens / lay.tp
+    pairs = tokens * k * lay.etp / lay.tp * expert_imbalance
+    core = 2 * (2 * a + 3 * g) * d if selective else 6 * a * d
+    layer = (t * (2 * (6 * h + 4) + 4 * h) + tokens / lay.tp * ((a + g) * (6 * d + 4) + core + 2 * a * d)
+             + seq_len * 8 * d + t * (20 * k + 5 * e) + pairs * (2 * h + 12 * f / lay.etp + 4))
+    scores = 0 if selective else 6 * attention_score_elements(arch, lay, tokens, seq_len)
+    return {"layer": layer, "scores": scores, "mask": seq_len**2, "final": t * (8 * h + 4)}
+
+
+def activation_bytes(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, *, seq_len: int | None = None,
+                     attention: str = "flash", recompute: str = "none", recompute_num_layers: int = 1,
+                     expert_imbalance: float = 1.0) -> int:
+    """Activation bytes one rank holds at the peak of a micro-batch's forward/backward: ``tokens`` tokens in
+    sequences of ``seq_len`` (None: one sequence of ``tokens``), BF16.
+
+    ``attention`` ``flash``: the TE spec (Transformer Engine's fused norms + linears, flash attention), an estimate
+    after Korthikanti et al. 2022 (per layer s*b*h*(34 + 5*a*s/h)/tp with TP + SP), recounted for Qwen3-MoE: no
+    dropout masks, GQA, top-k experts, flash attention keeping no s^2 scores, only its fp32 log-sum-exp. Elements
+    per token and layer, each over TP (sequence parallel splits the hidden-size ones):
       attention  2h (norm input, qkv input) + (a+2g)d (q,k,v) + (a+g)d (normed, roped q,k) + a*d (output) + 2a
       moe        2h (norm input, router input) + 2E (fp32 router logits)
                  + per (token, expert) pair 2h + 3F/etp (expert input, fc1 output, swiglu output, fc2 output);
                  pairs per rank = T*k*etp/tp * expert_imbalance (balanced routing = 1.0)
-    bytes = 2 * elements. Logits: T*V_pad/tp * (2 + 4) (bf16 logits + the fp32 softmax the vocab-parallel
-    cross entropy keeps). Full recompute keeps 2*T*h/tp per layer (the layer input) + one layer's activations.
+    "layer" = 2 * elements; no score bytes.
+
+    ``unfused``: the local spec (DotProductAttention: baddbmm + softmax in fp32 + bmm), counted as that code saves
+    it (``local_spec_activation_parts``, measured in tests/test_plan.py): "layer", "scores" (6 B per score
+    element), the mask and the final norm; while a layer runs, its bf16 raw scores and their fp32 copy add 6 B
+    per score element more ("work", transient, one layer at a time).
+
+    Both: logits T*V_pad/tp * (2 + 4) (bf16 logits + the fp32 softmax the vocab-parallel cross entropy keeps).
+    ``recompute`` (Megatron's activation recompute):
+      none       L * (layer + scores) + work + logits
+      selective  core attention recomputed (recompute_modules ["core_attn"]): L * layer (its checkpointed inputs
+                 instead of the core attention's tensors) + the one layer whose attention is being recomputed
+                 (scores + work) + logits
+      full       uniform chunks of N = ``recompute_num_layers`` layers keep their input, 2*T*h/tp each:
+                 ceil(L/N) * 2*T*h/tp + N * (layer + scores) + work + logits (the chunk being recomputed)
     Not counted: gradients in flight and dispatcher buffers (transient; see the planner's reserve).
     """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention: {attention!r} is not one of {', '.join(ATTENTIONS)}")
+    if recompute not in RECOMPUTES:
+        raise ValueError(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTES)}")
     h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
-    attn = (2 * h + (a + 2 * g) * d + (a + g) * d + a * d + 2 * a) * tokens / lay.tp
-    router = (2 * h + 2 * arch.num_experts) * tokens / lay.tp
-    pairs = tokens * arch.num_experts_per_tok * lay.etp / lay.tp * expert_imbalance
-    experts = pairs * (2 * h + 3 * arch.moe_intermediate_size / lay.etp)
-    layer = 2 * (attn + router + experts)
+    seq_len = seq_len or tokens
     logits = tokens * padded_vocab(arch.vocab_size, lay.tp) / lay.tp * 6
-    if recompute:
-        return int(arch.num_hidden_layers * 2 * tokens * h / lay.tp + layer + logits)
-    return int(arch.num_hidden_layers * layer + logits)
+    if attention == "flash":
+        attn = (2 * h + (a + 2 * g) * d + (a + g) * d + a * d + 2 * a) * tokens / lay.tp
+        router = (2 * h + 2 * arch.num_experts) * tokens / lay.tp
+        pairs = tokens * arch.num_experts_per_tok * lay.etp / lay.tp * expert_imbalance
+        experts = pairs * (2 * h + 3 * arch.moe_intermediate_size / lay.etp)
+        layer = 2 * (attn + router + experts)
+        layer_selective, scores, once = layer, 0.0, 0.0
+    else:
+        parts = local_spec_activation_parts(arch, lay, tokens, seq_len=seq_len, expert_imbalance=expert_imbalance)
+        layer, scores, once = parts["layer"], parts["scores"], parts["mask"] + parts["final"]
+        layer_selective = local_spec_activation_parts(arch, lay, tokens, seq_len=seq_len, selective=True,
+                                                      expert_imbalance=expert_imbalance)["layer"]
+    work = scores
+    n_layers = arch.num_hidden_layers
+    if recompute == "full":
+        n = recompute_num_layers
+        total = math.ceil(n_layers / n) * 2 * tokens * h / lay.tp + n * (layer + scores) + work
+    elif recompute == "selective":
+        total = n_layers * layer_selective + (layer - layer_selective) + scores + work
+    else:
+        total = n_layers * (layer + scores) + work
+    return int(total + once + logits)
 
 
 def qat_cache_bytes(arch: Qwen3MoeArch, quant: QuantConfig, lay: LearnerLayout) -> int:
@@ -247,29 +321,48 @@ def qat_cache_bytes(arch: Qwen3MoeArch, quant: QuantConfig, lay: LearnerLayout) 
     return int(total)
 
 
+def optimizer_shard_params(arch: Qwen3MoeArch, lay: LearnerLayout, *, distributed_optimizer: bool = True) -> float:
+    """Parameters whose fp32 master copy and Adam moments one rank keeps: its local P, or with the distributed
+    optimizer P_dense / DP + P_expert / expert-DP."""
+    dense, expert = learner_local_params(arch, lay)
+    return dense / lay.dp + expert / lay.edp if distributed_optimizer else dense + expert
+
+
 def learner_memory(arch: Qwen3MoeArch, quant: QuantConfig, lay: LearnerLayout, *, micro_batch_tokens: int,
-                   distributed_optimizer: bool = True, recompute: bool = False,
+                   seq_len: int | None = None, attention: str = "flash", distributed_optimizer: bool = True,
+                   offload_fraction: float = 0.0, recompute: str = "none", recompute_num_layers: int = 1,
                    expert_imbalance: float = 1.0) -> dict[str, int]:
-    """Bytes per GPU of the Megatron learner (bf16 params, fp32 grads and Adam), by part, with ``total``.
+    """GPU bytes per rank of the Megatron learner (bf16 params, fp32 grads and Adam), by part, with ``total``.
 
     P = local params (``learner_local_params``):  weights 2P; gradients 4P (Megatron DDP main_grad buffer,
-    grad_reduce_in_fp32, full size even with the distributed optimizer); optimizer 12P (fp32 master, m, v),
-    or with the distributed optimizer 12 * (P_dense / DP + P_expert / expert-DP); activations
-    (``activation_bytes``); qat_cache (``qat_cache_bytes``).
+    grad_reduce_in_fp32, full size even with the distributed optimizer); optimizer 12 B (fp32 master, m, v) per
+    ``optimizer_shard_params``, of which ``offload_fraction`` lives on the host with optimizer CPU offload
+    (``optimizer_host_bytes``; the precision-aware distributed optimizer keeps no GPU master copy of it);
+    activations (``activation_bytes``); qat_cache (``qat_cache_bytes``).
     """
     check_learner_layout(arch, lay)
+    if offload_fraction and not distributed_optimizer:
+        raise ValueError("offload_fraction: optimizer CPU offload needs the distributed optimizer")
     dense, expert = learner_local_params(arch, lay)
-    optim = 12 * (dense / lay.dp + expert / lay.edp) if distributed_optimizer else 12 * (dense + expert)
+    shard = optimizer_shard_params(arch, lay, distributed_optimizer=distributed_optimizer)
     out = {
         "weights": int(2 * (dense + expert)),
         "gradients": int(4 * (dense + expert)),
-        "optimizer": int(optim),
-        "activations": activation_bytes(arch, lay, micro_batch_tokens, recompute=recompute,
+        "optimizer": int(12 * shard * (1 - offload_fraction)),
+        "activations": activation_bytes(arch, lay, micro_batch_tokens, seq_len=seq_len, attention=attention,
+                                        recompute=recompute, recompute_num_layers=recompute_num_layers,
                                         expert_imbalance=expert_imbalance),
         "qat_cache": qat_cache_bytes(arch, quant, lay),
     }
     out["total"] = sum(out.values())
     return out
+
+
+def optimizer_host_bytes(arch: Qwen3MoeArch, lay: LearnerLayout, offload_fraction: float) -> int:
+    """Host bytes per rank of optimizer CPU offload (Megatron's HybridDeviceOptimizer): for the offloaded
+    ``offload_fraction`` of the shard, the fp32 master copy, Adam's m and v, and the pinned fp32 gradient copy
+    it steps from: 16 B per parameter."""
+    return int(16 * optimizer_shard_params(arch, lay) * offload_fraction)
 
 
 # ------------------------------------------------------------------------------------------------ rollout

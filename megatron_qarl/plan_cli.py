@@ -5,8 +5,9 @@
 
 Every plan is made from a run's typed config (``megatron_qarl.config.QarlConfig``): its model, quant scheme, step
 shapes (train.prompts_per_step x rollout.sampling.n_samples responses of data.max_prompt_tokens +
-rollout.sampling.max_new_tokens tokens), learner micro-batches (learner.micro_batch_size) and SGLang
-mem_fraction_static. ``--config`` plans that run: its learner layout (parallel.*, world_size ranks), its rollout
+rollout.sampling.max_new_tokens tokens), the learner's memory settings (learner.micro_batch_size,
+distributed_optimizer, optimizer_cpu_offload, recompute; its attention from model.impl: ``learner_attention``) and
+SGLang mem_fraction_static. ``--config`` plans that run: its learner layout (parallel.*, world_size ranks), its rollout
 servers (rollout.servers x gpus_per_server, SGLang --tp-size), whether each fits the GPU, and which other layouts of
 its launch.nodes x gpus_per_node GPUs fit. ``--model`` plans the public Qwen3-30B-A3B recipe's step
 (``RECIPE``) for that model and scheme.
@@ -32,12 +33,15 @@ from megatron_qarl.config import QarlConfig, load_config, validate_config
 from megatron_qarl.errors import UserError
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.plan import (
+    ATTENTIONS,
     GIB,
+    RECOMPUTES,
     LayoutError,
     LearnerLayout,
     ServerLayout,
     check_learner_layout,
     learner_memory,
+    optimizer_host_bytes,
     param_counts,
     rollout_memory,
     rollout_weight_bytes,
@@ -46,6 +50,7 @@ from megatron_qarl.qat.config import SCHEMES, QuantConfig
 
 TP_CHOICES = (1, 2, 4, 8)
 H100_GIB = 81559 / 1024  # an H100 SXM "80GB" as the driver reports it: 81559 MiB
+H200_GIB = 143771 / 1024  # an H200 SXM "141GB" as nvidia-smi reports it: 143771 MiB
 
 # ``qarl plan --model``: the step of a public Qwen3-30B-A3B GRPO recipe (32 prompts x 8 samples, prompt 1024 +
 # response 8192 tokens), the learner running one full-length sequence per forward/backward
@@ -54,23 +59,83 @@ RECIPE = {
     "data": {"max_prompt_tokens": 1024},
     "rollout": {"sampling": {"n_samples": 8, "max_new_tokens": 8192}},
     "learner": {"micro_batch_size": 1},
+    "launch": {"gpus_per_learner_rank": 1},  # a GPU learner (its attention: see learner_attention)
 }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanOptions:
-    """What a plan needs beyond the run config. ``gpu_gib``: memory the driver reports; the learner keeps
-    ``reserve_gib`` free (CUDA context, cuBLAS/NCCL buffers, allocator fragmentation). The learner options ask
-    "what if": ``micro_batch_tokens`` replaces the config's micro-batches (tokens per data-parallel rank),
-    ``distributed_optimizer`` shards Adam states over DP, ``recompute`` is full activation recompute,
-    ``expert_imbalance`` the busiest rank's routed tokens over the balanced share."""
+    """What a plan needs beyond the run config, and what-if overrides of it. ``gpu_gib``: memory the driver
+    reports; the learner keeps ``reserve_gib`` free (CUDA context, cuBLAS/NCCL buffers, allocator
+    fragmentation). Every learner option left None is the config's own (``learner_settings``):
+    ``micro_batch_tokens`` (tokens per data-parallel rank, else learner.micro_batch_size sequences),
+    ``distributed_optimizer``, ``optimizer_cpu_offload``, ``recompute`` (none / selective / full), ``attention``
+    (flash / unfused, else ``learner_attention``). ``te_available``: whether transformer_engine is installed where
+    the learner runs (None: assumed on GPU nodes). ``expert_imbalance``: the busiest rank's routed tokens over the
+    balanced share."""
 
     gpu_gib: float = H100_GIB
     reserve_gib: float = 2.0
     micro_batch_tokens: int | None = None
-    distributed_optimizer: bool = False
-    recompute: bool = False
+    distributed_optimizer: bool | None = None
+    optimizer_cpu_offload: bool | None = None
+    recompute: str | None = None
+    attention: str | None = None
+    te_available: bool | None = None
     expert_imbalance: float = 1.0
+
+
+def learner_attention(cfg: QarlConfig, te_available: bool | None = None) -> tuple[str, str]:
+    """(the learner's attention as the planner counts it, why): ``flash`` for Transformer Engine's fused
+    attention (the TE spec), ``unfused`` for Megatron's local spec (DotProductAttention materialises the s^2
+    scores). model.impl te / local decide; auto (or a config without model.impl) is the TE spec where
+    transformer_engine imports, which needs CUDA: the local spec for a CPU learner
+    (launch.gpus_per_learner_rank=0) or where ``te_available`` is False; flash on GPUs otherwise (``te_available``
+    None: TE assumed installed on the GPU nodes)."""
+    impl = getattr(cfg.model, "impl", "auto")
+    if impl == "te":
+        return "flash", "model.impl=te: Transformer Engine's fused attention"
+    if impl == "local":
+        return "unfused", "model.impl=local: Megatron's local spec, s^2 scores in memory"
+    if not cfg.learner_on_gpus:
+        return "unfused", "model.impl=auto on a CPU learner: the local spec, s^2 scores in memory"
+    if te_available is False:
+        return "unfused", "model.impl=auto without transformer_engine: the local spec, s^2 scores in memory"
+    return "flash", ("model.impl=auto on GPUs with transformer_engine: the TE spec" if te_available else
+                     "model.impl=auto on GPUs: the TE spec, assuming transformer_engine is installed there")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerSettings:
+    """The learner's memory settings a plan uses: the config's (learner.*), or ``PlanOptions``' overrides."""
+
+    distributed_optimizer: bool
+    offload_fraction: float  # of the optimizer shard kept on the host (0: no CPU offload)
+    recompute: str
+    recompute_num_layers: int
+    attention: str
+    attention_why: str
+
+
+def learner_settings(cfg: QarlConfig, opts: PlanOptions) -> LearnerSettings:
+    """``opts``' overrides, else the config's learner memory settings; UserError naming the flag on a
+    combination Megatron cannot build."""
+    le = cfg.learner
+    dist_opt = le.distributed_optimizer if opts.distributed_optimizer is None else opts.distributed_optimizer
+    offload = le.optimizer_cpu_offload if opts.optimizer_cpu_offload is None else opts.optimizer_cpu_offload
+    if offload and not dist_opt:
+        raise UserError("--no-distributed-optimizer: optimizer CPU offload (learner.optimizer_cpu_offload or "
+                        "--optimizer-cpu-offload) needs the distributed optimizer")
+    if opts.recompute not in (None, *RECOMPUTES):
+        raise UserError(f"--recompute: {opts.recompute!r} is not one of {', '.join(RECOMPUTES)}")
+    if opts.attention not in (None, *ATTENTIONS):
+        raise UserError(f"--attention: {opts.attention!r} is not one of {', '.join(ATTENTIONS)}")
+    attention, why = learner_attention(cfg, opts.te_available)
+    if opts.attention is not None:
+        attention, why = opts.attention, "--attention"
+    return LearnerSettings(distributed_optimizer=dist_opt, offload_fraction=le.optimizer_offload_fraction if offload
+                           else 0.0, recompute=opts.recompute or le.recompute,
+                           recompute_num_layers=le.recompute_num_layers, attention=attention, attention_why=why)
 
 
 def recipe_config(model: str | Path, scheme: str, mem_fraction_static: float = 0.8) -> QarlConfig:
@@ -124,8 +189,11 @@ def learner_rows(cfg: QarlConfig, arch: Qwen3MoeArch, gpus: int, opts: PlanOptio
 
 
 def _learner_memory(cfg: QarlConfig, arch: Qwen3MoeArch, lay: LearnerLayout, opts: PlanOptions) -> dict[str, float]:
+    st = learner_settings(cfg, opts)
     return learner_memory(arch, cfg.quant, lay, micro_batch_tokens=micro_batch_tokens(cfg, lay.dp, opts),
-                          distributed_optimizer=opts.distributed_optimizer, recompute=opts.recompute,
+                          seq_len=step_shape(cfg)[1], attention=st.attention,
+                          distributed_optimizer=st.distributed_optimizer, offload_fraction=st.offload_fraction,
+                          recompute=st.recompute, recompute_num_layers=st.recompute_num_layers,
                           expert_imbalance=opts.expert_imbalance)
 
 
@@ -199,11 +267,19 @@ def make_plan(cfg: QarlConfig, *, nodes: Sequence[int], gpus_per_node: int, opts
                          "micro_batch_tokens": opts.micro_batch_tokens},
             "cluster": {"nodes": list(nodes), "gpus_per_node": gpn, "gpu_gib": opts.gpu_gib,
                         "reserve_gib": opts.reserve_gib, "mem_fraction_static": cfg.rollout.mem_fraction_static},
-            "learner": {"distributed_optimizer": opts.distributed_optimizer, "recompute": opts.recompute,
-                        "expert_imbalance": opts.expert_imbalance},
+            "learner": {**dataclasses.asdict(learner_settings(cfg, opts)), "expert_imbalance": opts.expert_imbalance},
         },
         "clusters": clusters,
     }
+
+
+def _settings_text(st: LearnerSettings) -> str:
+    """One line of the learner's memory settings."""
+    offload = (f"optimizer CPU offload of {st.offload_fraction:.0%} of its shard" if st.offload_fraction
+               else "no optimizer CPU offload")
+    chunk = f" ({st.recompute_num_layers}-layer chunks)" if st.recompute == "full" else ""
+    return (f"distributed optimizer {'on' if st.distributed_optimizer else 'off'}, {offload}, recompute "
+            f"{st.recompute}{chunk}, attention {st.attention} ({st.attention_why})")
 
 
 def _table(rows: list[dict], cols: list[str]) -> list[str]:
@@ -235,8 +311,8 @@ def render_text(plan: dict, model: str) -> str:
         f"GPU {cl['gpu_gib']:.2f} GiB (learner keeps {cl['reserve_gib']} GiB free; SGLang mem_fraction_static "
         f"{cl['mem_fraction_static']}); {w['prompts_per_step']} prompts x {w['samples_per_prompt']} samples, "
         f"prompt {w['prompt_len']} + response {w['max_response_len']} tokens, micro-batch "
-        f"{w['micro_batch_tokens'] or w['prompt_len'] + w['max_response_len']} tokens per DP rank; "
-        f"distributed optimizer {lo['distributed_optimizer']}, full recompute {lo['recompute']}",
+        f"{w['micro_batch_tokens'] or w['prompt_len'] + w['max_response_len']} tokens per DP rank",
+        f"learner: {_settings_text(LearnerSettings(**{k: v for k, v in lo.items() if k != 'expert_imbalance'}))}",
     ]
     for cluster in plan["clusters"]:
         out.append(f"\n== {cluster['nodes']} x {cluster['gpus_per_node']} GPUs ==")
@@ -256,81 +332,93 @@ def render_text(plan: dict, model: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ --config
-# The learner (learner.py) builds Megatron DDP with use_distributed_optimizer=False and no activation recompute;
-# it runs a data-parallel rank's share of the step in micro-batches of learner.micro_batch_size responses
-# (None: the whole share in one forward/backward), accumulating gradients.
-LEARNER_DISTRIBUTED_OPTIMIZER = False
-
-
-def config_plan(cfg: QarlConfig, opts: PlanOptions) -> dict:
-    """Per-GPU memory of one run config: its learner layout (parallel.*, world_size ranks) and its rollout servers
-    (rollout.servers x gpus_per_server), whether each fits an ``opts.gpu_gib`` GPU, and which other layouts of
-    ``launch.nodes`` x ``launch.gpus_per_node`` GPUs fit (``make_plan``)."""
+def config_plan(cfg: QarlConfig, opts: PlanOptions, *, alternatives: bool = True) -> dict:
+    """Per-GPU memory of one run config: its learner layout (parallel.*, world_size ranks) with its memory settings
+    (``learner_settings``) and its rollout servers (rollout.servers x gpus_per_server), whether each fits an
+    ``opts.gpu_gib`` GPU, and (``alternatives``) which other layouts of ``launch.nodes`` x
+    ``launch.gpus_per_node`` GPUs fit (``make_plan``)."""
     arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
     r = cfg.rollout
     sequences, seq_len = step_shape(cfg)
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
+    st = learner_settings(cfg, opts)
     mem = _learner_memory(cfg, arch, lay, opts)
     usable = (opts.gpu_gib - opts.reserve_gib) * GIB
+    host = optimizer_host_bytes(arch, lay, st.offload_fraction)
     learner = {"gpus": lay.gpus, "tp": lay.tp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp, "edp": lay.edp,
                "sp": lay.sp, "micro_batch_tokens": micro_batch_tokens(cfg, lay.dp, opts),
                "micro_batch_sequences": None if opts.micro_batch_tokens else micro_batch_sequences(cfg, lay.dp),
                "sequences_per_dp_rank": sequences // lay.dp,
-               **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": mem["total"] <= usable}
+               **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": mem["total"] <= usable,
+               "optimizer_host_gib_per_rank": _gib(host)}
     srv = ServerLayout(tp=max(r.gpus_per_server, 1), ep=r.ep_size)
     seqs = min(r.max_batch_size, math.ceil(sequences / r.servers))
     rollout = {"servers": r.servers, "gpus_per_server": r.gpus_per_server, "tp": srv.tp, "seqs_per_server": seqs,
                **_rollout_cells(_rollout_memory(cfg, arch, srv, seqs, opts))}
     la = cfg.launch
-    others = make_plan(cfg, nodes=(la.nodes,), gpus_per_node=la.gpus_per_node or 8, opts=opts)
-    return {
+    checkpoint = _checkpoint_gib(arch, cfg.quant)
+    plan = {
         "scheme": cfg.quant.scheme,
         "params": param_counts(arch),
-        "rollout_checkpoint_gib": others["rollout_checkpoint_gib"],
+        "rollout_checkpoint_gib": checkpoint,
         "gpu_gib": round(opts.gpu_gib, 2), "reserve_gib": opts.reserve_gib,
         "cluster": {"nodes": la.nodes, "gpus_per_node": la.gpus_per_node,
                     "gpus_used": lay.gpus + r.servers * r.gpus_per_server},
         "workload": {"sequences": sequences, "seq_len": seq_len},
-        "learner_options": {"distributed_optimizer": opts.distributed_optimizer, "recompute": opts.recompute},
+        "learner_options": dataclasses.asdict(st),
         "learner": learner,
         "rollout": rollout,
         "fits": learner["fits"] and rollout["fits"],
-        "alternatives": [{"placement": pl["placement"], "learner_gpus": pl["learner_gpus"],
-                          "rollout_gpus": pl["rollout_gpus"], "fits": pl["fits"],
-                          "learner_fit": [f"tp{x['tp']}/ep{x['ep']}" for x in pl["learner"] if x["fits"]],
-                          "rollout_fit": [f"tp{x['tp']}/ep{x['ep']}" for x in pl["rollout"] if x["fits"]]}
-                         for pl in others["clusters"][0]["placements"]],
     }
+    if alternatives:
+        others = make_plan(cfg, nodes=(la.nodes,), gpus_per_node=la.gpus_per_node or 8, opts=opts)
+        plan["alternatives"] = [
+            {"placement": pl["placement"], "learner_gpus": pl["learner_gpus"], "rollout_gpus": pl["rollout_gpus"],
+             "fits": pl["fits"], "learner_fit": [f"tp{x['tp']}/ep{x['ep']}" for x in pl["learner"] if x["fits"]],
+             "rollout_fit": [f"tp{x['tp']}/ep{x['ep']}" for x in pl["rollout"] if x["fits"]]}
+            for pl in others["clusters"][0]["placements"]]
+    return plan
 
 
-def _micro_batch_note(le: dict) -> str:
-    """What the learner's activations above are of."""
-    share, seqs = le["sequences_per_dp_rank"], le["micro_batch_sequences"]
+def _micro_batch_text(le: dict) -> str:
+    """The learner's micro-batch: what one forward/backward on a data-parallel rank holds."""
+    share, seqs, tokens = le["sequences_per_dp_rank"], le["micro_batch_sequences"], le["micro_batch_tokens"]
     if seqs is None:
-        return f"the activations above are of a {le['micro_batch_tokens']}-token micro-batch (--micro-batch-tokens)"
-    if seqs < share:
-        return (f"the learner runs a data-parallel rank's {share} sequences in micro-batches of {seqs} "
-                "(learner.micro_batch_size)")
-    return (f"the learner runs a data-parallel rank's whole share ({share} sequences) in one forward/backward "
-            "(learner.micro_batch_size)")
+        return f"{tokens} tokens per forward/backward (--micro-batch-tokens)"
+    n = -(-share // seqs)
+    return (f"{seqs} sequence{'s' if seqs > 1 else ''} x {tokens // seqs} tokens = {tokens} tokens per "
+            f"forward/backward (learner.micro_batch_size); a data-parallel rank's {share} sequences in {n} "
+            f"micro-batch{'es' if n > 1 else ''}")
+
+
+def learner_memory_line(le: dict, plan: dict) -> str:
+    """weights + gradients + optimizer + activations + qat cache = total (usable) -> FITS / DOES NOT FIT."""
+    return (f"weights {le['weights_gib']} + gradients {le['gradients_gib']} + optimizer {le['optimizer_gib']} + "
+            f"activations {le['activations_gib']} + qat cache {le['qat_cache_gib']} = {le['total_gib']} GiB per GPU "
+            f"(usable {plan['gpu_gib'] - plan['reserve_gib']:.2f})")
 
 
 def render_config_text(plan: dict, config: str) -> str:
     p, le, ro, cl = plan["params"], plan["learner"], plan["rollout"], plan["cluster"]
     ckpt = ", ".join(f"{k} {v} GiB" for k, v in plan["rollout_checkpoint_gib"].items())
     gpus = f"{cl['nodes']} x {cl['gpus_per_node']} GPUs" if cl["gpus_per_node"] else "CPU nodes"
-    lo = plan["learner_options"]
+    st = LearnerSettings(**plan["learner_options"])
     out = [
         f"config {config}: {p['total'] / 1e9:.2f}B params, scheme {plan['scheme']}, {gpus}; per GPU of "
         f"{plan['gpu_gib']} GiB",
         f"rollout checkpoint: {ckpt}",
         f"\nlearner: {le['gpus']} ranks, tp{le['tp']} (sequence parallel {'on' if le['sp'] else 'off'}) ep{le['ep']} "
-        f"etp{le['etp']}, dense DP {le['dp']}, expert DP {le['edp']}; distributed optimizer "
-        f"{lo['distributed_optimizer']}, recompute {lo['recompute']}; activations of a {le['micro_batch_tokens']}-"
-        f"token micro-batch",
-        f"  weights {le['weights_gib']} + gradients {le['gradients_gib']} + optimizer {le['optimizer_gib']} + "
-        f"activations {le['activations_gib']} + qat cache {le['qat_cache_gib']} = {le['total_gib']} GiB "
-        f"(usable {plan['gpu_gib'] - plan['reserve_gib']:.2f}) -> {'FITS' if le['fits'] else 'DOES NOT FIT'}",
+        f"etp{le['etp']}, dense DP {le['dp']}, expert DP {le['edp']}",
+        f"  settings: {_settings_text(st)}",
+        f"  micro-batch: {_micro_batch_text(le)}",
+        f"  activation memory: {le['activations_gib']} GiB per GPU",
+        f"  {learner_memory_line(le, plan)} -> {'FITS' if le['fits'] else 'DOES NOT FIT'}",
+    ]
+    if st.offload_fraction:
+        per_node = le["optimizer_host_gib_per_rank"] * min(le["gpus"], cl["gpus_per_node"] or 1)
+        out.append(f"  host memory of the offloaded optimizer: {le['optimizer_host_gib_per_rank']} GiB per rank, "
+                   f"{per_node:.2f} GiB per learner node")
+    out += [
         f"\nrollout: {ro['servers']} servers x {ro['gpus_per_server']} GPU (SGLang --tp-size {ro['tp']}), "
         f"{ro['seqs_per_server']} sequences of up to {plan['workload']['seq_len']} tokens each",
         f"  weights {ro['weights_gib']} GiB, KV pool {ro['kv_pool_gib']} GiB ({ro['kv_tokens']} tokens, "
@@ -339,19 +427,42 @@ def render_config_text(plan: dict, config: str) -> str:
         f"{'FITS' if ro['fits'] else 'DOES NOT FIT'}"
         f"{'' if ro['fits_all'] or not ro['fits'] else ' (some requests queue)'}",
         f"\n=> {'FITS' if plan['fits'] else 'DOES NOT FIT'} on {plan['gpu_gib']} GiB GPUs",
-        f"note: {_micro_batch_note(le)}",
-        f"\nlayouts of {cl['nodes']} x {cl['gpus_per_node'] or 8} GPUs that fit (qarl plan --model for the tables):",
     ]
-    for alt in plan["alternatives"]:
-        out.append(f"  {alt['placement']}: learner on {alt['learner_gpus']}, rollout on {alt['rollout_gpus']} -> "
-                   f"{'FITS' if alt['fits'] else 'does not fit'}; learner {', '.join(alt['learner_fit']) or 'none'}"
-                   f"; rollout {', '.join(alt['rollout_fit']) or 'none'}")
+    if "alternatives" in plan:
+        out.append(f"\nlayouts of {cl['nodes']} x {cl['gpus_per_node'] or 8} GPUs that fit with these settings "
+                   "(qarl plan --model for the tables):")
+        for alt in plan["alternatives"]:
+            out.append(f"  {alt['placement']}: learner on {alt['learner_gpus']}, rollout on {alt['rollout_gpus']} -> "
+                       f"{'FITS' if alt['fits'] else 'does not fit'}; learner "
+                       f"{', '.join(alt['learner_fit']) or 'none'}; rollout {', '.join(alt['rollout_fit']) or 'none'}")
     return "\n".join(out)
+
+
+def refusal(plan: dict, config: str) -> str | None:
+    """Why ``qarl train`` must not start a GPU run whose ``config_plan`` does not fit, with the plan's figures
+    (None when it fits)."""
+    if plan["fits"]:
+        return None
+    le, ro = plan["learner"], plan["rollout"]
+    why = []
+    if not le["fits"]:
+        why.append(f"the learner (tp{le['tp']}/ep{le['ep']} on {le['gpus']} GPUs) needs {learner_memory_line(le, plan)}"
+                   f"; micro-batch: {_micro_batch_text(le)}; "
+                   f"{_settings_text(LearnerSettings(**plan['learner_options']))}")
+    if not ro["fits"]:
+        why.append(f"a rollout server (SGLang --tp-size {ro['tp']}) holds {ro['weights_gib']} GiB of weights per GPU, "
+                   f"leaving a KV pool of {ro['kv_pool_gib']} GiB: not one full-length sequence "
+                   f"({plan['workload']['seq_len']} tokens)")
+    attention = plan["learner_options"]["attention"]
+    return (f"{config}: does not fit {plan['gpu_gib']} GiB GPUs (qarl plan --config {config} --attention {attention}"
+            f"): " + "; and ".join(why)
+            + ". Lower learner.micro_batch_size, set learner.recompute, learner.optimizer_cpu_offload, or use more "
+              "learner GPUs (launch.memory_check=false starts it anyway)")
 
 
 def _check_flags(args: argparse.Namespace) -> None:
     """The numeric flags, named as the user typed them."""
-    checks = [("--gpu-gib", args.gpu_gib, args.gpu_gib > 0, "must be > 0"),
+    checks = [("--gpu-gib", args.gpu_gib, args.gpu_gib is None or args.gpu_gib > 0, "must be > 0"),
               ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node >= 1, "must be >= 1"),
               ("--micro-batch-tokens", args.micro_batch_tokens,
                args.micro_batch_tokens is None or args.micro_batch_tokens >= 1, "must be >= 1"),
@@ -363,12 +474,16 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise UserError(f"{flag}: {rule}, got {value}")
 
 
+def _options(args: argparse.Namespace, gpu_gib: float) -> PlanOptions:
+    return PlanOptions(gpu_gib=gpu_gib, micro_batch_tokens=args.micro_batch_tokens,
+                       distributed_optimizer=args.distributed_optimizer,
+                       optimizer_cpu_offload=args.optimizer_cpu_offload, recompute=args.recompute,
+                       attention=args.attention)
+
+
 def _run_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    opts = PlanOptions(gpu_gib=args.gpu_gib, micro_batch_tokens=args.micro_batch_tokens,
-                       distributed_optimizer=args.distributed_optimizer or LEARNER_DISTRIBUTED_OPTIMIZER,
-                       recompute=args.recompute)
-    plan = config_plan(cfg, opts)
+    plan = config_plan(cfg, _options(args, args.gpu_gib or cfg.launch.gpu_gib or H100_GIB))
     if args.json:
         print(json.dumps({"config": str(args.config), **plan}, indent=2))
     else:
@@ -384,18 +499,25 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     source.add_argument("--model", type=Path, help="Hugging Face model directory (config.json): every layout")
     source.add_argument("--config", type=Path, help="a run config: its learner and rollout layout")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (--config)")
-    parser.add_argument("--distributed-optimizer", action="store_true",
-                        help="--config: Adam states sharded over DP (the learner does not shard them today)")
     parser.add_argument("--scheme", default="w4a16", help=f"rollout / QAT scheme: {', '.join(SCHEMES)} (w4a16)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="cluster sizes in nodes (2 4)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (8)")
-    parser.add_argument("--gpu-gib", type=float, default=H100_GIB, help="GPU memory in GiB (79.65: H100 80GB)")
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help=f"GPU memory in GiB (default: launch.gpu_gib, else {H100_GIB:.2f}: H100 80GB; "
+                             f"{H200_GIB:.2f}: H200 141GB)")
+    what_if = "what if (default: the config's learner.* keys; --model: the recipe's)"
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
-                        help="learner micro-batch tokens per DP rank (default: --config: learner.micro_batch_size "
-                             "sequences; --model: one full-length sequence)")
+                        help=f"{what_if}: learner micro-batch tokens per DP rank (default: learner.micro_batch_size "
+                             "full-length sequences; --model: one)")
     parser.add_argument("--mem-fraction-static", type=float, default=0.8, help="SGLang mem_fraction_static (0.8)")
-    parser.add_argument("--recompute", action="store_true", help="learner with full activation recompute")
-    parser.add_argument("--no-distributed-optimizer", action="store_true", help="Adam states not sharded over DP")
+    parser.add_argument("--recompute", choices=RECOMPUTES, default=None, help=f"{what_if}: activation recompute")
+    parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                        help=f"{what_if}: Adam states sharded over DP")
+    parser.add_argument("--optimizer-cpu-offload", action=argparse.BooleanOptionalAction, default=None,
+                        help=f"{what_if}: optimizer states on the host (learner.optimizer_offload_fraction)")
+    parser.add_argument("--attention", choices=ATTENTIONS, default=None,
+                        help=f"{what_if}: flash (TE spec) or unfused (local spec; default: from model.impl and "
+                             "where the learner runs)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
     return parser
@@ -413,9 +535,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
     cfg = recipe_config(args.model, args.scheme, args.mem_fraction_static)
-    opts = PlanOptions(gpu_gib=args.gpu_gib, micro_batch_tokens=args.micro_batch_tokens,
-                       distributed_optimizer=not args.no_distributed_optimizer, recompute=args.recompute)
-    plan = make_plan(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node, opts=opts)
+    plan = make_plan(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                     opts=_options(args, args.gpu_gib or H100_GIB))
     if args.json:
         print(json.dumps({"model": str(args.model), **plan}, indent=2))
     else:

@@ -1,6 +1,7 @@
 """``qarl train --config C [--resume] [key.sub=value ...]``: the QaRL training job.
 
-Validates the whole config first, writes it to ``<train.output_dir>/config.yaml``, prepares the rollout
+Validates the whole config first, and refuses a GPU run that ``qarl plan`` says does not fit its GPUs
+(``check_memory``), then writes it to ``<train.output_dir>/config.yaml``, prepares the rollout
 servers' starting checkpoint (the policy exported in ``quant.scheme``'s SGLang format, or the policy
 itself for bf16), launches learner ranks and servers (launch.backend: ray or local) and runs the loop.
 Ends with a summary: start and final held-out accuracy and the mean time of each phase.
@@ -9,6 +10,7 @@ Ends with a summary: start and final held-out accuracy and the mean time of each
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -21,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from megatron_qarl.config import QarlConfig, load_config
+from megatron_qarl.errors import UserError
 
 
 def rollout_model_dir(cfg: QarlConfig) -> str:
@@ -41,11 +44,43 @@ def rollout_model_dir(cfg: QarlConfig) -> str:
     return str(out)
 
 
+def gpu_gib(cfg: QarlConfig) -> float:
+    """Memory of one GPU the run gets, in GiB: launch.gpu_gib, else what torch reports for this node's first GPU,
+    else an H100 80GB (plan_cli.H100_GIB)."""
+    from megatron_qarl.plan import GIB
+    from megatron_qarl.plan_cli import H100_GIB
+
+    if cfg.launch.gpu_gib:
+        return cfg.launch.gpu_gib
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GIB
+    return H100_GIB
+
+
+def check_memory(cfg: QarlConfig, config: str = "this config") -> None:
+    """Refuse (UserError with the plan's figures) a run whose learner runs on GPUs
+    (launch.gpus_per_learner_rank >= 1) and which ``qarl plan --config`` says does not fit them: the learner's
+    micro-batch, optimizer and recompute settings as configured, its attention as model.impl resolves here
+    (the TE spec's flash attention where transformer_engine is installed, else the local spec's unfused one),
+    and the rollout servers. launch.memory_check=false skips it. Nothing is started or written before it."""
+    if not (cfg.learner_on_gpus and cfg.launch.memory_check):
+        return
+    from megatron_qarl.plan_cli import PlanOptions, config_plan, refusal
+
+    opts = PlanOptions(gpu_gib=gpu_gib(cfg), te_available=importlib.util.find_spec("transformer_engine") is not None)
+    why = refusal(config_plan(cfg, opts, alternatives=False), config)
+    if why:
+        raise UserError(why)
+
+
 EXIT_STOPPED = 75  # stopped early on SIGUSR1/SIGTERM with a checkpoint saved (EX_TEMPFAIL); --resume continues
 
 
 def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
-        stop: threading.Event | None = None) -> dict[str, float]:
+        stop: threading.Event | None = None, config: str = "this config") -> dict[str, float]:
+    check_memory(cfg, config)
     from transformers import AutoTokenizer
 
     from megatron_qarl.data.prompts import PromptStream
@@ -124,7 +159,8 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_qarl.trainer import StopRequested
 
     try:
-        summary = run(cfg, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty(), stop=stop)
+        summary = run(cfg, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty(), stop=stop,
+                      config=str(args.config))
     except StopRequested as err:
         print(f"qarl train: {err}", flush=True)
         return EXIT_STOPPED

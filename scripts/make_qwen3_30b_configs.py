@@ -10,7 +10,14 @@ gives each one's memory per GPU):
             4 x 8: EP16 on nodes 0-1 (16 ranks: dense DP 4, expert DP 1)
   rollout   SGLang servers on the other nodes: BF16 TP2 (28.4 GiB of weights per GPU); FP8, INT8 and W4A16 TP1
             (each server holds the whole quantized model: no tensor-parallel all-reduce while decoding)
-Fit on 80 GB GPUs: 4 x 8 yes; 2 x 8 no (the 8-GPU learner needs 84-96 GiB per GPU: it fits H200s).
+Memory (each file's header gives its figures, computed here with megatron_qarl.plan_cli.config_plan): every
+learner runs micro-batches of one full-length sequence (learner.micro_batch_size 1), the distributed optimizer,
+and selective recompute (the core attention, so that the local spec's unfused attention keeps no s^2 scores
+when Transformer Engine is absent). The 8-GPU learner of the 2 x 8 runs keeps Adam for 1/8 of the experts
+(expert DP 1: the distributed optimizer cannot shard it further) and needs 82-94 GiB per GPU with the TE spec,
+95-107 with the local spec: it fits 141 GB GPUs (H200), and 80 GB ones only with optimizer CPU offload (40-64
+GiB; slime's recipe for 8 H100s), which the 2 x 8 configs turn on. The 16-GPU learner of the 4 x 8 runs fits 80
+GB GPUs without offload (51-70 GiB).
 Workload: a public Qwen3-30B-A3B GRPO recipe (dapo-math-17k prompts, 32 prompts x 8 samples = 256 responses of up
 to 8192 tokens per step, temperature 0.8, Adam lr 1e-6) and AIME-style evaluation (30 problems, greedy + 32
 samples each at temperature 1.0, 8192 new tokens).
@@ -25,6 +32,13 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the package of this checkout, also when run as a script
+
+from megatron_qarl.config import validate_config  # noqa: E402
+from megatron_qarl.plan import ATTENTIONS  # noqa: E402
+from megatron_qarl.plan_cli import H100_GIB, H200_GIB, PlanOptions, config_plan  # noqa: E402
+
+GPUS = {"80 GB": H100_GIB, "141 GB": H200_GIB}  # as the driver reports them: 79.65 and 140.40 GiB
 OUT = REPO / "configs" / "qwen3-30b-a3b"
 SCHEMES = {  # scheme -> (SGLang GPUs per server, what the header says)
     "bf16": (2, "BF16 baseline: BF16 rollout, full-precision learner forward (no quantization)"),
@@ -64,16 +78,13 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
         "# are dapo-math-17k and AIME 2024 in the DAPO parquet layout (prompt: chat messages,\n"
         "# reward_model.ground_truth).\n"
         f"# Submit (repository root): python -m launch.slurm submit configs/qwen3-30b-a3b/{name}.yaml model.path=...\n"
-        f"# Memory per GPU: qarl plan --config configs/qwen3-30b-a3b/{name}.yaml\n"
     )
-    if nodes == 2:
-        header += ("# Fit: the 8-GPU learner keeps fp32 Adam states of 1/8 of the experts (unsharded): 84-96 GiB per\n"
-                   "# GPU. That fits 141 GB GPUs (H200), not 80 GB ones; on 80 GB nodes use the 4 x 8 configs.\n")
     cfg = {
         "model": {"path": "configs/models/qwen3-30b-a3b", "dtype": "bfloat16"},
         "parallel": {"tp": 4, "ep": ep, "world_size": learner, "sequence_parallel": True, "dispatcher": "alltoall"},
         "quant": {"scheme": scheme, "group_size": 128, "symmetric": True},
-        "learner": {"aligned": True, "micro_batch_size": 1},
+        "learner": {"aligned": True, "micro_batch_size": 1, "distributed_optimizer": True,
+                    "optimizer_cpu_offload": nodes == 2, "recompute": "selective"},
         "optim": {"lr": 1.0e-6, "weight_decay": 0.0, "clip_grad": 1.0},
         "algo": {"advantage": {"estimator": "grpo"}, "loss": dict(ALGOS[algo][1])},
         "data": {"source": "data/dapo-math-17k/dapo-math-17k.parquet", "prompt_key": "prompt",
@@ -99,7 +110,41 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
                    "server_host": "0.0.0.0", "nodes": nodes, "gpus_per_node": GPUS_PER_NODE},
         "seed": 1234,
     }
-    return header, cfg
+    return header + memory_header(cfg, f"configs/qwen3-30b-a3b/{name}.yaml"), cfg
+
+
+def _fits(gib: float) -> list[str]:
+    """The GPUs of ``GPUS`` on which a learner of ``gib`` GiB per GPU fits (the plan's 2 GiB reserve kept free)."""
+    return [name for name, size in GPUS.items() if gib <= size - PlanOptions().reserve_gib]
+
+
+def memory_header(cfg: dict, path: str) -> str:
+    """Comment lines: the learner's memory per GPU with optimizer CPU offload on and off, for the TE spec's flash
+    attention and the local spec's unfused one, which GPUs each fits, and whether the rollout servers fit."""
+    run = validate_config(cfg, base_dir=REPO)
+    le = run.learner
+    lines = [f"# Memory per GPU (qarl plan --config {path}): micro-batch {le.micro_batch_size} x "
+             f"{run.data.max_prompt_tokens + run.rollout.sampling.max_new_tokens} tokens, recompute {le.recompute};",
+             "# flash = TE spec's attention (Transformer Engine installed), unfused = local spec's (without TE):"]
+    for offload in (True, False):
+        plans = {att: config_plan(run, PlanOptions(optimizer_cpu_offload=offload, attention=att),
+                                  alternatives=False) for att in ATTENTIONS}
+        totals = {att: p["learner"]["total_gib"] for att, p in plans.items()}
+        both, flash = _fits(max(totals.values())), _fits(totals["flash"])
+        fit = (f"fits {' and '.join(both)} GPUs" if both else
+               f"fits {' and '.join(flash)} GPUs with flash attention only" if flash else "fits neither")
+        host = plans["flash"]["learner"]["optimizer_host_gib_per_rank"]
+        lines.append(f"#   learner, optimizer CPU offload {'on ' if offload else 'off'}: "
+                     f"{totals['flash']} flash / {totals['unfused']} unfused GiB -> {fit}"
+                     + (f" (host: {host} GiB per rank, {host * GPUS_PER_NODE:.0f} per node)" if offload else ""))
+    rollout = [name for name, size in GPUS.items()
+               if config_plan(run, PlanOptions(gpu_gib=size), alternatives=False)["rollout"]["fits"]]
+    lines.append(f"#   rollout (SGLang --tp-size {run.rollout.gpus_per_server}): fits {' and '.join(rollout)} GPUs")
+    state = "on" if le.optimizer_cpu_offload else "off"
+    other = "false" if le.optimizer_cpu_offload else "true"
+    lines.append(f"# This config: optimizer CPU offload {state}; learner.optimizer_cpu_offload={other} to change it "
+                 "(offload fits smaller GPUs, CPU Adam makes steps slower).")
+    return "\n".join(lines) + "\n"
 
 
 def render(scheme: str, algo: str, nodes: int) -> str:

@@ -86,3 +86,37 @@ def test_delta_sync_is_refused_for_real_sglang_servers():
     with pytest.raises(ConfigError, match=r"^rollout\.sync\.delta: SGLang 0\.5\.23 has no delta load format"):
         load_config(REPO / "configs" / "cpu_default.yaml",
                     ["rollout.backend=sglang", "rollout.gpus_per_server=1", "rollout.sync.delta=true"])
+
+
+def test_learner_memory_keys_are_typed_with_defaults(tiny_model_dir):
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml")
+    le = cfg.learner
+    assert (le.distributed_optimizer, le.optimizer_cpu_offload, le.recompute, le.recompute_num_layers) == (
+        True, False, "none", 1)
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml",
+                      ["learner.recompute=full", "learner.recompute_num_layers=2", "launch.gpus_per_learner_rank=1",
+                       "learner.optimizer_cpu_offload=true", "learner.optimizer_offload_fraction=0.5"])
+    assert (cfg.learner.recompute, cfg.learner.recompute_num_layers, cfg.learner.optimizer_offload_fraction) == (
+        "full", 2, 0.5)
+    assert cfg.learner_on_gpus and not load_config(REPO / "configs" / "cpu_default.yaml").learner_on_gpus
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["learner.recompute=partial"], r"^learner\.recompute: Input should be 'none', 'selective' or 'full'"),
+    (["learner.recompute_num_layers=0"], r"^learner\.recompute_num_layers: Input should be greater than or equal"),
+    (["learner.recompute=full", "learner.recompute_num_layers=3"],
+     r"^learner\.recompute_num_layers: 3 does not divide the model's 4 layers"),
+    (["learner.recompute=full", "algo.routing_replay=true"],
+     r"^learner\.recompute: 'full' reruns each layer's router in the backward"),
+    (["learner.optimizer_offload_fraction=0"], r"^learner\.optimizer_offload_fraction: Input should be greater than 0"),
+    (["learner.optimizer_cpu_offload=true"],  # the CPU learner: nothing to offload, and no CUDA to offload with
+     r"^learner\.optimizer_cpu_offload: moves optimizer states from the GPU to the host .* this learner runs on CPUs "
+     r"\(launch\.gpus_per_learner_rank=0\)"),
+    (["learner.optimizer_cpu_offload=true", "learner.distributed_optimizer=false", "launch.gpus_per_learner_rank=1"],
+     r"^learner\.optimizer_cpu_offload: needs learner\.distributed_optimizer=true"),
+    (["launch.gpu_gib=0"], r"^launch\.gpu_gib: Input should be greater than 0"),
+])
+def test_wrong_learner_memory_keys_name_the_key(overrides, message, tiny_model_dir):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(REPO / "configs" / "cpu_default.yaml", overrides)
+    assert len(str(info.value).splitlines()) == 1, str(info.value)

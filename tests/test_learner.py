@@ -185,3 +185,125 @@ def test_every_router_receives_the_replayed_routes_at_tp2_ep2(tiny_model_dir):
     given ones for 100% of positions at TP2xEP2."""
     given, used = run_ranks(4, _replayed_routes, tiny_model_dir, 2, 2)[0]
     assert torch.equal(used, given)
+
+
+def _optimizer_state(model_dir: str, distributed: bool) -> dict[str, int]:
+    """Adam moment elements this rank holds for dense and for expert parameters after one step (ep=2 on 2 ranks:
+    dense DP 2, expert DP 1)."""
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(ep=2, seed=7)
+    learner = Learner(arch, ParallelConfig(ep=2), OptimConfig(lr=1e-3), distributed_optimizer=distributed)
+    learner.load_hf(model_dir)
+    tokens = torch.randint(0, arch.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 15)
+    learner.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, int(mask.sum())))
+    out = {"dense": 0, "expert": 0}
+    for opt in learner.optimizer.chained_optimizers:
+        for group in opt.optimizer.param_groups:
+            kind = "expert" if group["is_expert_parallel"] else "dense"
+            out[kind] += sum(opt.optimizer.state[p]["exp_avg"].numel() for p in group["params"])
+    out["dense_params"] = sum(p.numel() for p in learner.module.parameters() if getattr(p, "allreduce", True))
+    out["expert_params"] = sum(p.numel() for p in learner.module.parameters() if not getattr(p, "allreduce", True))
+    return out
+
+
+@pytest.mark.multiproc
+def test_distributed_optimizer_shards_adam_over_data_parallel_ranks(random_model_dir):
+    """learner.distributed_optimizer: each of the 2 data-parallel ranks keeps Adam for its share of the dense
+    parameters only (together: each once); the experts, expert DP 1, stay whole. Without it every rank keeps all."""
+    plain = run_ranks(2, _optimizer_state, random_model_dir, False)
+    sharded = run_ranks(2, _optimizer_state, random_model_dir, True)
+    for rank in plain:
+        assert (rank["dense"], rank["expert"]) == (rank["dense_params"], rank["expert_params"])
+    assert sum(r["dense"] for r in sharded) == sharded[0]["dense_params"]
+    assert all(0 < r["dense"] < r["dense_params"] and r["expert"] == r["expert_params"] for r in sharded)
+
+
+def _resume(model_dir: str, tmp: str, distributed: bool) -> tuple[list, list]:
+    """Two steps, a dist-checkpointing save, two more steps; then a fresh learner loads the save and runs the
+    same two steps: (the uninterrupted run's metrics, the resumed run's)."""
+    from megatron_qarl import checkpoint
+
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(ep=2, seed=7)
+
+    def learner():
+        return Learner(arch, ParallelConfig(ep=2), OptimConfig(lr=1e-2, clip_grad=1.0),
+                       distributed_optimizer=distributed)
+
+    def steps(lrn, gen, n):
+        out = []
+        for _ in range(n):
+            tokens = torch.randint(0, arch.vocab_size, (4, 16), generator=gen)
+            mask = torch.ones(4, 15)
+            total = int(mask.sum())
+            m = lrn.train_step(Batch(tokens, mask), lambda lp, b, n=total: token_mean_nll(lp, b, n))
+            out.append((m["loss"], m["grad_norm"], sum(p.double().sum().item() for p in lrn.module.parameters())))
+        return out
+
+    first = learner()
+    first.load_hf(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    steps(first, gen, 2)
+    checkpoint.save_learner(tmp, first.module, first.optimizer)
+    state = gen.get_state()
+    uninterrupted = steps(first, gen, 2)
+    resumed = learner()  # randomly initialised: everything must come from the checkpoint
+    checkpoint.load_learner(tmp, resumed.module, resumed.optimizer)
+    gen.set_state(state)
+    return uninterrupted, steps(resumed, gen, 2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("distributed", [True, False])
+def test_resume_restores_the_optimizer_exactly(distributed, random_model_dir, tmp_path):
+    """dist-checkpointing save / load of the (distributed) optimizer: the resumed learner's next two steps equal
+    the uninterrupted ones exactly, Adam's moments and step count included (the second step depends on them)."""
+    for uninterrupted, resumed in run_ranks(2, _resume, random_model_dir, str(tmp_path), distributed):
+        assert resumed == uninterrupted
+
+
+def _recompute_steps(model_dir: str, recompute: str) -> tuple[list[dict], dict[str, int]]:
+    from megatron_qarl.qat.config import QuantConfig
+
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(seed=7)
+    learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-3), quant=QuantConfig(scheme="w4a16"),
+                      recompute=recompute, micro_batch_size=2)
+    learner.load_hf(model_dir)
+    calls = {"layer": 0, "core_attention": 0}
+    layer = learner.module.decoder.layers[0]
+    layer.register_forward_hook(lambda *_: calls.__setitem__("layer", calls["layer"] + 1))
+    layer.self_attention.core_attention.register_forward_hook(
+        lambda *_: calls.__setitem__("core_attention", calls["core_attention"] + 1))
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(2):
+        tokens = torch.randint(0, arch.vocab_size, (4, 16), generator=gen)
+        mask = torch.ones(4, 15)
+        total = int(mask.sum())
+        out.append(learner.train_step(Batch(tokens, mask), lambda lp, b, n=total: token_mean_nll(lp, b, n)))
+    return out, calls
+
+
+def test_recompute_reruns_the_forward_and_changes_nothing(random_model_dir):
+    """learner.recompute through Megatron's recompute (on the W4A16 aligned learner, 2 steps of 2 micro-batches):
+    selective reruns the core attention, full whole layers, in the backward; losses and gradients are those of
+    no recompute."""
+    ref, calls = run_ranks(1, _recompute_steps, random_model_dir, "none")[0]
+    assert calls == {"layer": 4, "core_attention": 4}
+    for recompute, rerun in (("selective", {"layer": 4, "core_attention": 8}),
+                             ("full", {"layer": 8, "core_attention": 8})):
+        got, calls = run_ranks(1, _recompute_steps, random_model_dir, recompute)[0]
+        assert calls == rerun, recompute
+        for a, b in zip(ref, got, strict=True):
+            assert a["loss"] == b["loss"] and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), recompute
+
+
+def test_optimizer_cpu_offload_and_full_recompute_with_replay_are_refused(tiny_model_dir):
+    arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"optimizer_cpu_offload: .*HybridDeviceOptimizer .* needs CUDA"):
+            Learner(arch, ParallelConfig(), OptimConfig(), optimizer_cpu_offload=True)
+    with pytest.raises(ValueError, match=r"recompute: 'full' reruns the routers in the backward"):
+        Learner(arch, ParallelConfig(), OptimConfig(), routing_replay=True, recompute="full")

@@ -22,6 +22,7 @@ from megatron_qarl.plan import (
     check_server_layout,
     hf_tensors,
     kv_bytes_per_token,
+    learner_local_params,
     learner_memory,
     param_counts,
     rollout_memory,
@@ -137,8 +138,116 @@ def test_learner_memory_formulas(big):
     local_experts = param_counts(big)["experts"] / 8
     assert qat["qat_cache"] == pytest.approx(3 * local_experts + 2 * local_experts / 128, rel=1e-5)  # + shapes
     assert qat["total"] == sum(v for k, v in qat.items() if k != "total")
-    assert activation_bytes(big, lay, 8192, recompute=True) < activation_bytes(big, lay, 8192) / 4
+    assert activation_bytes(big, lay, 8192, recompute="full") < activation_bytes(big, lay, 8192) / 4
     assert activation_bytes(big, lay, 16384) == pytest.approx(2 * activation_bytes(big, lay, 8192), rel=1e-6)
+
+
+def test_unfused_attention_keeps_the_scores_and_recompute_drops_them(big):
+    """The local spec's s^2 term: 6 B per score element in each of the L layers plus one layer's transient 6 B,
+    a^2-free and linear in the sequence length at fixed tokens; selective recompute keeps the scores of one layer
+    only (while it recomputes), flash attention none."""
+    lay, tokens = LearnerLayout(gpus=8, tp=4, ep=8), 9216
+    per_score = tokens * big.num_attention_heads / lay.tp  # score elements per token of sequence length
+    long, short = (activation_bytes(big, lay, tokens, seq_len=s, attention="unfused") for s in (9216, 4608))
+    rope = big.num_hidden_layers * 8 * big.head_dim * 4608  # rotary cos / sin: per position
+    assert long - short == pytest.approx((big.num_hidden_layers + 1) * 6 * per_score * 4608 + 9216**2 - 4608**2
+                                         + rope, abs=2)
+    flash = {r: activation_bytes(big, lay, tokens, recompute=r) for r in ("none", "selective", "full")}
+    unfused = {r: activation_bytes(big, lay, tokens, attention="unfused", recompute=r)
+               for r in ("none", "selective", "full")}
+    assert flash["selective"] == flash["none"] > flash["full"]  # flash keeps no scores to drop
+    assert unfused["none"] > 5 * unfused["selective"] and unfused["selective"] > unfused["full"]
+    assert unfused["selective"] - flash["selective"] > 2 * 6 * per_score * tokens  # one layer's scores + work
+    chunks = activation_bytes(big, lay, tokens, attention="unfused", recompute="full", recompute_num_layers=4)
+    assert chunks > unfused["full"]  # a 4-layer chunk being recomputed holds 4 layers' activations
+    with pytest.raises(ValueError, match="attention: 'sdpa'"):
+        activation_bytes(big, lay, tokens, attention="sdpa")
+    with pytest.raises(ValueError, match="recompute: True"):
+        activation_bytes(big, lay, tokens, recompute=True)
+
+
+def _saved_for_backward(arch: Qwen3MoeArch, tp: int, batch: int, seq: int, recompute: str) -> int:
+    """Bytes of the tensors one rank's local-spec model saves for its backward during a training forward in
+    BF16 (torch's saved-tensor hooks; the parameters left out)."""
+    import torch
+
+    from megatron_qarl.moe.model import build_model, causal_mask
+    from megatron_qarl.moe.parallelize import init_parallel
+
+    init_parallel(tp=tp, seed=1)
+    torch.manual_seed(0)
+    model = build_model(arch, tp=tp, dtype=torch.bfloat16, recompute=recompute)
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, torch.arange(seq).expand(batch, seq), causal_mask(seq))
+    return sum(saved.values())
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("tp", "recompute"), [(1, "none"), (1, "selective"), (2, "none"), (2, "selective")])
+def test_local_spec_activations_are_what_megatron_saves(big, tp, recompute):
+    """``local_spec_activation_parts`` against the bytes Megatron's local spec really saves for the backward, on
+    two layers of Qwen3-30B-A3B's widths (16 experts, a 1024-token vocabulary), sequence parallel at TP 2. Only
+    the token ids (8 B each) are not counted."""
+    import dataclasses
+
+    from megatron_qarl.moe.parallelize import run_ranks
+    from megatron_qarl.plan import local_spec_activation_parts
+
+    arch = dataclasses.replace(big, num_hidden_layers=2, num_experts=16, vocab_size=1024)
+    batch, seq = 2, 128
+    got = run_ranks(tp, _saved_for_backward, arch, tp, batch, seq, recompute)
+    parts = local_spec_activation_parts(arch, LearnerLayout(gpus=tp, tp=tp), batch * seq, seq_len=seq,
+                                        selective=recompute == "selective")
+    want = 2 * (parts["layer"] + parts["scores"]) + parts["mask"] + parts["final"]
+    for rank_bytes in got:
+        assert rank_bytes - want == pytest.approx(8 * batch * seq / tp, abs=8 * batch * seq), (rank_bytes, want)
+
+
+def test_optimizer_offload_moves_the_shard_to_the_host(big):
+    from megatron_qarl.plan import optimizer_host_bytes, optimizer_shard_params
+
+    lay = LearnerLayout(gpus=8, tp=4, ep=8)
+    shard = optimizer_shard_params(big, lay)
+    kw = {"micro_batch_tokens": 9216}
+    on_gpu = learner_memory(big, W4A16, lay, **kw)
+    assert on_gpu["optimizer"] == int(12 * shard)
+    assert learner_memory(big, W4A16, lay, offload_fraction=1.0, **kw)["optimizer"] == 0
+    assert learner_memory(big, W4A16, lay, offload_fraction=0.25, **kw)["optimizer"] == int(12 * shard * 0.75)
+    assert optimizer_host_bytes(big, lay, 1.0) == int(16 * shard)  # fp32 master, m, v and the gradient copy
+    dense, expert = learner_local_params(big, lay)
+    assert shard == pytest.approx(dense / 2 + expert)  # dense DP 2, expert DP 1: the experts cannot shard
+    with pytest.raises(ValueError, match="offload_fraction: optimizer CPU offload needs the distributed optimizer"):
+        learner_memory(big, W4A16, lay, offload_fraction=1.0, distributed_optimizer=False, **kw)
+
+
+def test_attention_follows_the_model_implementation_and_where_the_learner_runs():
+    from types import SimpleNamespace
+
+    from megatron_qarl.plan_cli import learner_attention
+
+    def cfg(impl, gpus):
+        return SimpleNamespace(model=SimpleNamespace(impl=impl), learner_on_gpus=gpus)
+
+    assert learner_attention(cfg("te", False))[0] == "flash"
+    assert learner_attention(cfg("local", True))[0] == "unfused"
+    assert learner_attention(cfg("auto", False))[0] == "unfused"  # TE needs CUDA
+    assert learner_attention(cfg("auto", True)) == ("flash", "model.impl=auto on GPUs: the TE spec, assuming "
+                                                             "transformer_engine is installed there")
+    assert learner_attention(cfg("auto", True), te_available=False)[0] == "unfused"
+    assert learner_attention(cfg("auto", True), te_available=True)[0] == "flash"
+    no_key = SimpleNamespace(model=SimpleNamespace(), learner_on_gpus=True)  # a config from before model.impl
+    assert learner_attention(no_key)[0] == "flash"
 
 
 def test_rollout_kv_cache_and_pool(big):
@@ -181,6 +290,14 @@ def test_cli_text_and_json(big, capsys):
     text = capsys.readouterr().out
     assert "rollout checkpoint: bf16 56.87 GiB" in text and "== 2 x 8 GPUs ==" in text
     assert "learner layouts that fit:" in text and "colocated: learner on 16 GPUs" in text
+    assert ("learner: distributed optimizer on, no optimizer CPU offload, recompute none, attention flash "
+            "(model.impl=auto on GPUs") in text
+    assert _run_plan(["plan", "--model", str(QWEN3_30B), "--nodes", "2", "--recompute", "full", "--attention",
+                      "unfused", "--no-distributed-optimizer", "--json"]) == 0
+    what_if = json.loads(capsys.readouterr().out)
+    assert what_if["config"]["learner"] | {"attention_why": ""} == {
+        "distributed_optimizer": False, "offload_fraction": 0.0, "recompute": "full", "recompute_num_layers": 1,
+        "attention": "unfused", "attention_why": "", "expert_imbalance": 1.0}
 
 
 def test_cli_errors(monkeypatch, tmp_path, capsys):
@@ -192,3 +309,5 @@ def test_cli_errors(monkeypatch, tmp_path, capsys):
     assert "is not a directory" in capsys.readouterr().err
     assert cli.main(["plan", "--model", str(QWEN3_30B), "--mem-fraction-static", "1.5"]) == 2
     assert "--mem-fraction-static" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", str(QWEN3_30B), "--optimizer-cpu-offload", "--no-distributed-optimizer"]) == 2
+    assert "--no-distributed-optimizer: optimizer CPU offload" in capsys.readouterr().err

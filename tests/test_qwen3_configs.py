@@ -60,6 +60,29 @@ def test_config_validates_and_its_layout_adds_up(path):
     ev = cfg.train.eval
     assert ev.data is not None and "aime" in ev.data.source and ev.sampled_n >= 16 and ev.max_new_tokens == 8192
     assert (la.ray_address, la.master_addr, la.server_host) == ("auto", "auto", "0.0.0.0")
+    # memory: one full-length sequence per micro-batch, Adam sharded, the core attention recomputed; the 8-GPU
+    # learners of the 2 x 8 runs offload Adam to the host so that they fit 80 GB GPUs
+    le = cfg.learner
+    assert (le.micro_batch_size, le.distributed_optimizer, le.recompute) == (1, True, "selective")
+    assert le.optimizer_cpu_offload == (cluster == "2x8") and le.optimizer_offload_fraction == 1.0
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_config_fits_80gb_gpus_with_either_attention_and_its_header_says_where_else(path):
+    """As configured, each run fits H100 80GB GPUs whether the learner gets the TE spec's flash attention or the
+    local spec's unfused one; without optimizer offload the 2 x 8 learners need 141 GB GPUs (H200), the 4 x 8 ones
+    do not. The header repeats what the plan says."""
+    from megatron_qarl.plan_cli import H100_GIB, H200_GIB, PlanOptions, config_plan
+
+    cfg = load_config(path)
+    for attention in ("flash", "unfused"):
+        assert config_plan(cfg, PlanOptions(attention=attention), alternatives=False)["fits"], attention
+        off = {gib: config_plan(cfg, PlanOptions(gpu_gib=gib, attention=attention, optimizer_cpu_offload=False),
+                                alternatives=False)["fits"] for gib in (H100_GIB, H200_GIB)}
+        assert off == {H100_GIB: path.stem.endswith("4x8"), H200_GIB: True}, attention
+    header = path.read_text().split("\nmodel:")[0]
+    off_line = next(line for line in header.splitlines() if "offload off" in line)
+    assert off_line.endswith("fits 80 GB and 141 GB GPUs" if path.stem.endswith("4x8") else "fits 141 GB GPUs")
 
 
 def test_ep_not_dividing_the_experts_fails_naming_the_key():
@@ -122,6 +145,11 @@ def test_plan_config_reports_both_parts_and_the_published_weights(capsys):
     assert abs(ckpt["bf16"] - 56.88) / 56.88 < 0.02 and abs(ckpt["w4a16"] - 16.89) / 16.89 < 0.02
     le, ro = plan["learner"], plan["rollout"]
     assert (le["gpus"], le["tp"], le["ep"], le["dp"], le["edp"], le["sp"]) == (16, 4, 16, 4, 1, True)
+    assert plan["learner_options"] == {
+        "distributed_optimizer": True, "offload_fraction": 0.0, "recompute": "selective", "recompute_num_layers": 1,
+        "attention": "flash", "attention_why": "model.impl=auto on GPUs: the TE spec, assuming transformer_engine "
+                                               "is installed there"}
+    assert (le["micro_batch_sequences"], le["micro_batch_tokens"], le["optimizer_host_gib_per_rank"]) == (1, 9216, 0)
     for key in ("weights_gib", "gradients_gib", "optimizer_gib", "activations_gib", "qat_cache_gib"):
         assert le[key] > 0
     assert le["total_gib"] == pytest.approx(sum(le[k] for k in ("weights_gib", "gradients_gib", "optimizer_gib",
@@ -137,11 +165,24 @@ def test_plan_config_text_says_whether_it_fits(capsys):
     assert cli.main(["plan", "--config", path]) == 0
     text = capsys.readouterr().out
     assert "rollout checkpoint: bf16 56.87 GiB" in text
-    assert "learner: 8 ranks, tp4 (sequence parallel on) ep8" in text and "-> DOES NOT FIT" in text
-    assert "rollout: 4 servers x 2 GPU (SGLang --tp-size 2)" in text
+    assert "learner: 8 ranks, tp4 (sequence parallel on) ep8" in text
+    assert ("  settings: distributed optimizer on, optimizer CPU offload of 100% of its shard, recompute selective, "
+            "attention flash") in text
+    assert ("  micro-batch: 1 sequence x 9216 tokens = 9216 tokens per forward/backward (learner.micro_batch_size); "
+            "a data-parallel rank's 128 sequences in 128 micro-batches") in text
+    assert "  activation memory: 17.11 GiB per GPU" in text and "optimizer 0.0 + activations 17.11" in text
+    assert "host memory of the offloaded optimizer: 56.94 GiB per rank, 455.52 GiB per learner node" in text
+    assert "rollout: 4 servers x 2 GPU (SGLang --tp-size 2)" in text and "=> FITS on 79.65 GiB GPUs" in text
     assert "layouts of 2 x 8 GPUs that fit" in text and "split 1+1: learner on 8, rollout on 8" in text
-    assert cli.main(["plan", "--config", path, "--gpu-gib", "140"]) == 0  # H200: the 8-GPU learner fits
+    # without offload the 8-GPU learner needs an H200 (launch.gpu_gib or --gpu-gib: the GPU it gets)
+    assert cli.main(["plan", "--config", path, "learner.optimizer_cpu_offload=false"]) == 0
+    assert "optimizer 42.71 + activations 17.11" in (text := capsys.readouterr().out) and "-> DOES NOT FIT" in text
+    assert cli.main(["plan", "--config", path, "learner.optimizer_cpu_offload=false", "launch.gpu_gib=140.4"]) == 0
+    assert "=> FITS on 140.4 GiB GPUs" in capsys.readouterr().out
+    assert cli.main(["plan", "--config", path, "--no-optimizer-cpu-offload", "--gpu-gib", "140"]) == 0
     assert "=> FITS on 140.0 GiB GPUs" in capsys.readouterr().out
+    assert cli.main(["plan", "--config", path, "--attention", "unfused", "--recompute", "none"]) == 0
+    assert "attention unfused (--attention)" in (text := capsys.readouterr().out) and "DOES NOT FIT" in text
     assert cli.main(["plan", "--config", path, "parallel.ep=3"]) == 2
     assert "parallel.ep: 3 does not divide" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "configs/models/qwen3-30b-a3b", "parallel.ep=3"]) == 2
@@ -159,4 +200,38 @@ def test_plan_config_follows_the_runs_learner_micro_batches(capsys):
     assert (plans[4]["micro_batch_sequences"], plans[4]["micro_batch_tokens"]) == (4, 4 * (1024 + 8192))
     assert plans[4]["activations_gib"] > 3 * plans[1]["activations_gib"]
     assert cli.main(["plan", "--config", path, "learner.micro_batch_size=null"]) == 0  # the whole share at once
-    assert "whole share (64 sequences) in one forward/backward" in capsys.readouterr().out
+    assert "64 sequences x 9216 tokens = 589824 tokens per forward/backward" in capsys.readouterr().out
+
+
+def test_train_refuses_a_gpu_config_that_does_not_fit_before_starting_anything(tmp_path, capsys):
+    """The acceptance: a 30B config edited to micro-batches of 32 sequences is refused by qarl train with the
+    plan's figures, before any output is written or any process starts (CPU-only here: the learner's attention is
+    the local spec's, as model.impl=auto resolves without transformer_engine)."""
+    from megatron_qarl.plan_cli import PlanOptions, config_plan
+
+    path = REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml"
+    out = tmp_path / "run"
+    overrides = ["learner.micro_batch_size=32", f"train.output_dir={out}"]
+    assert cli.main(["train", "--config", str(path), *overrides]) == 2
+    err = capsys.readouterr().err
+    le = config_plan(load_config(path, overrides), PlanOptions(te_available=False), alternatives=False)["learner"]
+    assert f"{path}: does not fit 79.65 GiB GPUs (qarl plan --config {path} --attention unfused)" in err
+    assert (f"the learner (tp4/ep8 on 8 GPUs) needs weights {le['weights_gib']} + gradients {le['gradients_gib']} + "
+            f"optimizer 0.0 + activations {le['activations_gib']} + qat cache {le['qat_cache_gib']} = "
+            f"{le['total_gib']} GiB per GPU (usable 77.65)") in err
+    assert "micro-batch: 32 sequences x 9216 tokens = 294912 tokens per forward/backward" in err
+    assert "attention unfused (model.impl=auto without transformer_engine" in err
+    assert le["activations_gib"] > 500 and not out.exists()
+
+
+def test_train_memory_check_passes_configs_that_fit_and_skips_cpu_runs(tmp_path):
+    from megatron_qarl.errors import UserError
+    from megatron_qarl.train_cli import check_memory
+
+    for path in CONFIGS:
+        check_memory(load_config(path), str(path))  # every config as committed fits (here: the local spec)
+    big = ["learner.micro_batch_size=32"]
+    with pytest.raises(UserError, match=r"does not fit 140\.4 GiB GPUs"):  # launch.gpu_gib: the GPU it gets
+        check_memory(load_config(CONFIGS[0], [*big, "launch.gpu_gib=140.4"]))
+    check_memory(load_config(CONFIGS[0], [*big, "launch.memory_check=false"]))  # told to start anyway
+    check_memory(load_config(REPO / "configs/cpu_default.yaml", ["learner.micro_batch_size=1000"]))  # CPU learner

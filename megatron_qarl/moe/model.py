@@ -107,9 +107,33 @@ def expert_tp(tp: int, ep: int) -> int:
     return 1 if ep > 1 else tp
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_kwargs(recompute: str = "none", recompute_num_layers: int = 1) -> dict:
+    """Megatron's activation-recompute settings (TransformerConfig) for ``learner.recompute``:
+
+    none       every layer keeps its activations for the backward;
+    selective  recompute_granularity="selective", recompute_modules=["core_attn"]: the core attention (the
+               local spec's s^2 scores and softmax) is recomputed in the backward from q, k, v;
+    full       recompute_granularity="full", recompute_method="uniform": only the input of each chunk of
+               ``recompute_num_layers`` layers is kept; the backward reruns the chunk's forward.
+    """
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"learner.recompute: {recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": recompute_num_layers}
+    return {}
+
+
 def transformer_config(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool = False,
-                       dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", routing_replay: bool = False):
-    """The Megatron TransformerConfig equal to the Hugging Face architecture (fusions off: CPU-safe)."""
+                       dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", routing_replay: bool = False,
+                       recompute: str = "none", recompute_num_layers: int = 1):
+    """The Megatron TransformerConfig equal to the Hugging Face architecture (fusions off: CPU-safe), with
+    ``recompute_kwargs(recompute, recompute_num_layers)``."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -153,6 +177,7 @@ def transformer_config(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **recompute_kwargs(recompute, recompute_num_layers),
     )
 
 
@@ -175,13 +200,14 @@ def layer_spec(arch: Qwen3MoeArch):
 
 def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None = None,
                 dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", te: QuantConfig | None = None,
-                routing_replay: bool = False):
+                routing_replay: bool = False, recompute: str = "none", recompute_num_layers: int = 1):
     """This rank's shard of the Qwen3-MoE GPTModel. Parallel state must be initialised first.
 
     ``te`` None: Megatron's local layers (``layer_spec``, CPU-safe). A QuantConfig: Transformer Engine layers
     with that scheme's TE settings (``moe/te.py``; CUDA with TE installed, else ImportError naming the package).
     ``routing_replay``: every router gets a Megatron ``RouterReplay``; they register in a process-global list
     in layer order, which is cleared first so that it holds this model's routers only.
+    ``recompute``, ``recompute_num_layers``: activation recompute (``recompute_kwargs``).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -192,13 +218,15 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
         sp = tp > 1
     if te is None:
         config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
-                                    routing_replay=routing_replay)
+                                    routing_replay=routing_replay, recompute=recompute,
+                                    recompute_num_layers=recompute_num_layers)
         spec = layer_spec(arch)
     else:
         from megatron_qarl.moe.te import te_layer_spec, te_transformer_config
 
         config = te_transformer_config(arch, te, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
-                                       routing_replay=routing_replay)
+                                       routing_replay=routing_replay, recompute=recompute,
+                                       recompute_num_layers=recompute_num_layers)
         spec = te_layer_spec(arch)
     if routing_replay:
         from megatron.core.transformer.moe.router_replay import RouterReplay
