@@ -134,6 +134,27 @@ def fix_checkpoint_preload() -> None:
     fa.FileSystemWriterAsync.preload_tensors = staticmethod(preload_tensors)
 
 
+def fix_modelopt_extra_state_sync() -> None:
+    """ModelOpt's Megatron plugin serializes every quant module's state (``_extra_state`` in Megatron's sharded
+    state dict) after a torch.cuda.synchronize() (modelopt/torch/opt/plugins/megatron.py,
+    ``_modelopt_get_extra_state``), which raises "Torch not compiled with CUDA enabled": no checkpoint of a
+    learner with ModelOpt quantizers can be saved. Without CUDA there is nothing to wait for: run it with the
+    synchronize a no-op."""
+    from modelopt.torch.opt.plugins import megatron as mo_megatron
+
+    get_extra_state = mo_megatron._modelopt_get_extra_state
+
+    def _modelopt_get_extra_state(self):
+        synchronize = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda device=None: None
+        try:
+            return get_extra_state(self)
+        finally:
+            torch.cuda.synchronize = synchronize
+
+    mo_megatron._modelopt_get_extra_state = _modelopt_get_extra_state
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """Fix by replacement (used in megatron_qarl.moe.model.layer_spec, on CPU and on GPUs without
     Transformer Engine): Megatron's WrappedTorchNorm, the only norm without TE or apex, asserts
@@ -157,7 +178,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_optimizer_device, fix_clip_grads,
-         fix_checkpoint_preload)
+         fix_checkpoint_preload, fix_modelopt_extra_state_sync)
 
 
 def apply() -> list[str]:

@@ -50,10 +50,13 @@ PROBE = textwrap.dedent('''
         if scenario.startswith("forward"):
             forward_logits(build_model(arch, ep=ep), torch.randint(0, 8, (1, 8)))
             return
-        learner = Learner(arch, ParallelConfig(), OptimConfig(clip_grad=1.0 if scenario == "clip" else 0.0))
+        from megatron_qarl.qat.config import QuantConfig
+        quant = QuantConfig(scheme="w4a16") if scenario == "checkpoint_quant" else None
+        learner = Learner(arch, ParallelConfig(), OptimConfig(clip_grad=1.0 if scenario == "clip" else 0.0),
+                          quant=quant)
         batch = Batch(torch.randint(0, arch.vocab_size, (2, 8)), torch.ones(2, 7))
         learner.train_step(batch, lambda logp, b: token_mean_nll(logp, b, 14))
-        if scenario == "checkpoint":
+        if scenario.startswith("checkpoint"):
             import tempfile
             from megatron.core import dist_checkpointing
             msd = learner.module.sharded_state_dict(prefix="model.")
@@ -84,7 +87,7 @@ def _probe(probe_file, skip: str, scenario: str, model_dir: str) -> subprocess.C
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-@pytest.mark.parametrize("scenario", ["clip", "forward_ep2", "checkpoint"])
+@pytest.mark.parametrize("scenario", ["clip", "forward_ep2", "checkpoint", "checkpoint_quant"])
 def test_all_fixes_together_run(scenario, random_model_dir, probe_file):
     res = _probe(probe_file, "none", scenario, random_model_dir)
     assert "PROBE-OK" in res.stdout, res.stderr[-3000:]
@@ -98,6 +101,7 @@ def test_all_fixes_together_run(scenario, random_model_dir, probe_file):
     ("fix_optimizer_device", "step", "Torch not compiled with CUDA enabled"),
     ("fix_clip_grads", "clip", "assert param.grad.type() == 'torch.cuda.FloatTensor'"),
     ("fix_checkpoint_preload", "checkpoint", "Torch not compiled with CUDA enabled"),
+    ("fix_modelopt_extra_state_sync", "checkpoint_quant", "_modelopt_get_extra_state"),
 ])
 def test_fix_is_still_needed(fix, scenario, upstream_error, random_model_dir, probe_file):
     assert fix.split(":")[0] in [f.__name__ for f in megatron_cpu.FIXES]
