@@ -69,7 +69,8 @@ class Learner:
 
     def __init__(self, arch: Qwen3MoeArch, parallel: ParallelConfig, optim: OptimConfig,
                  dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None, aligned: bool = True,
-                 micro_batch_size: int | None = None, temperature: float = 1.0, routing_replay: bool = False):
+                 micro_batch_size: int | None = None, temperature: float = 1.0, routing_replay: bool = False,
+                 compile_quantizer: bool = False):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -84,7 +85,7 @@ class Learner:
         self.routing_replay = routing_replay  # R3: routes given to logprobs() are replayed by Megatron's routers
         # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
         # the same quantizer only produces what the rollout servers load
-        self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned)
+        self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned, compiled=compile_quantizer)
                            if quant and quant.enabled else None)
         self.model = DistributedDataParallel(
             self.module.config,

@@ -47,7 +47,7 @@ from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import all_gather_tensors
 from megatron_qarl.qat.config import QuantConfig, is_quantized
 from megatron_qarl.qat.fake_quant import fake_quant_act, straight_through
-from megatron_qarl.qat.quantizer import QuantizedWeight, quantize_weight
+from megatron_qarl.qat.quantizer import QuantizedWeight, fake_quantize_weight
 
 WEIGHT_BACKEND = "qarl_weight"
 ACT_BACKEND = "qarl_act"
@@ -157,14 +157,14 @@ class FakeQuant:
     """The ModelOpt quantizers of one rank's model, bound to the one quantizer; ``remove()`` disables them."""
 
     def __init__(self, model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, layout: Layout | None = None,
-                 forward: bool = True, impl: str = "local"):
+                 forward: bool = True, impl: str = "local", compiled: bool = False):
         import modelopt.torch.quantization as mtq
         from megatron.core import parallel_state as ps
 
         if not cfg.enabled:
             raise ValueError("quant.scheme is bf16: there is nothing to fake-quantize")
         register_backends()
-        self.arch, self.cfg = arch, cfg
+        self.arch, self.cfg, self.compiled = arch, cfg, compiled
         self.layout = layout or Layout.current()
         self.targets: list[_Target] = []
         with _sequential_mlp_as_children(model, self.layout):
@@ -224,9 +224,9 @@ class FakeQuant:
             w = master.detach()
             shards = all_gather_tensors(w, t.group, t.size) if t.group is not None else [w]
             hf = shards_to_hf(t.pm, shards, self.arch)
-            t.quantized = {name: quantize_weight(tensor, self.cfg, name) for name, tensor in hf.items()}
-            deq = {name: qw.dequantize(w.dtype) for name, qw in t.quantized.items()}
-            t.local_fq = hf_to_shard(t.pm, deq.__getitem__, self.arch, self.layout).contiguous()
+            pairs = {name: fake_quantize_weight(tensor, self.cfg, name, self.compiled) for name, tensor in hf.items()}
+            t.quantized = {name: qw for name, (qw, _) in pairs.items()}
+            t.local_fq = hf_to_shard(t.pm, lambda name: pairs[name][1], self.arch, self.layout).contiguous()
         t.version = version
 
     def invalidate(self) -> None:
@@ -280,10 +280,11 @@ class FakeQuant:
 
 
 def apply_fake_quant(model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, forward: bool = True,
-                     impl: str = "local") -> FakeQuant:
+                     impl: str = "local", compiled: bool = False) -> FakeQuant:
     """Insert ModelOpt quantizers bound to the one quantizer into this rank's (unwrapped) Megatron model; returns
     the handle.
 
     ``forward=False`` leaves them disabled: the model computes in high precision while the handle still quantizes
-    its weights for the rollout servers (unaligned quantized rollout, the baseline)."""
-    return FakeQuant(model, arch, cfg, forward=forward, impl=impl)
+    its weights for the rollout servers (unaligned quantized rollout, the baseline). ``compiled``: the per-step
+    W4A16 refresh runs torch.compile'd (``qat.quantizer.fake_quantize_weight``)."""
+    return FakeQuant(model, arch, cfg, forward=forward, impl=impl, compiled=compiled)
