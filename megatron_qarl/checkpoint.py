@@ -85,16 +85,18 @@ def save_learner(path: str | Path, module, optimizer) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from megatron_qarl.moe.parallelize import barrier
+
     results_queue_dies_with_trainer()
 
     path = Path(path)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    barrier()
     model_sd = module.sharded_state_dict()
     dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, str(path))
     torch.save(rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
-    dist.barrier()
+    barrier()
 
 
 def load_learner(path: str | Path, module, optimizer) -> None:

@@ -87,11 +87,13 @@ def _broadcast_rank(rank: int, world: int, port: int, q) -> None:
     import torch
     import torch.distributed as dist
 
+    from megatron_qarl.moe.parallelize import broadcast, to_group_device
+
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        t = torch.full((1 << 20,), float(rank == 0) * 3.0, device="cuda")
-        dist.broadcast(t, src=0)
+        t = to_group_device(torch.full((1 << 20,), float(rank == 0) * 3.0))
+        broadcast(t, 0, name="smoke tensor")
         torch.cuda.synchronize()
         q.put((rank, float(t.min()), float(t.max())))
     finally:

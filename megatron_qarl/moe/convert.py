@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.moe.parallelize import all_gather_tensors
+from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,13 +201,15 @@ def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True,
             continue
         local = params[pm.mcore].detach()
         if pm.split not in ("fc1", "fc2"):
-            shards = all_gather_tensors(local, tp_group, lay.tp) if pm.split != "replicated" else [local]
+            shards = ([local] if pm.split == "replicated" else
+                      all_gather_tensors(to_group_device(local, tp_group), tp_group, lay.tp, name=pm.mcore))
             yield from shards_to_hf(pm, shards, arch).items()
             continue
-        full = shards_to_hf(pm, all_gather_tensors(local, etp_group, lay.etp), arch)
+        shards = all_gather_tensors(to_group_device(local, etp_group), etp_group, lay.etp, name=pm.mcore)
+        full = shards_to_hf(pm, shards, arch)
         if not all_experts or lay.ep == 1:
             yield from full.items()
             continue
         for name, tensor in full.items():
-            for r, t in enumerate(all_gather_tensors(tensor, ep_group, lay.ep)):
+            for r, t in enumerate(all_gather_tensors(to_group_device(tensor, ep_group), ep_group, lay.ep, name=name)):
                 yield peer_expert_name(name, pm, lay, n_local, r), t

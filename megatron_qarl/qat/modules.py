@@ -44,7 +44,7 @@ from torch import Tensor
 
 from megatron_qarl.moe.convert import Layout, ParamMap, hf_to_shard, param_maps, shards_to_hf
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.moe.parallelize import all_gather_tensors
+from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 from megatron_qarl.qat.config import QuantConfig, is_quantized
 from megatron_qarl.qat.fake_quant import fake_quant_act, straight_through
 from megatron_qarl.qat.quantizer import QuantizedWeight, fake_quantize_weight
@@ -222,7 +222,8 @@ class FakeQuant:
             return
         with torch.no_grad():
             w = master.detach()
-            shards = all_gather_tensors(w, t.group, t.size) if t.group is not None else [w]
+            shards = ([w] if t.group is None else
+                      all_gather_tensors(to_group_device(w, t.group), t.group, t.size, name=t.pm.mcore))
             hf = shards_to_hf(t.pm, shards, self.arch)
             pairs = {name: fake_quantize_weight(tensor, self.cfg, name, self.compiled) for name, tensor in hf.items()}
             t.quantized = {name: qw for name, (qw, _) in pairs.items()}
@@ -267,7 +268,8 @@ class FakeQuant:
             if not (t.splits_k and t.group is not None):
                 return fake_quant_act(x, self.cfg)
             with torch.no_grad():  # per-token scales need the whole row: gather K, quantize, slice back
-                full = torch.cat(all_gather_tensors(x.detach(), t.group, t.size), dim=-1)
+                x_local = to_group_device(x.detach(), t.group)
+                full = torch.cat(all_gather_tensors(x_local, t.group, t.size, name=f"input of {t.pm.mcore}"), dim=-1)
                 x_fq = fake_quant_act(full, self.cfg).chunk(t.size, dim=-1)[t.rank]
             return straight_through(x, x_fq.contiguous())
 
