@@ -190,6 +190,21 @@ def test_a_checkpoint_resumes_only_with_the_impl_that_wrote_it(tmp_path):
         check_same_impl(tmp_path, "local")
 
 
+def test_learner_checkpoints_record_their_impl(tiny_model_dir, tmp_path, one_rank):
+    """save_learner writes the record; load_learner reads it back into the same spec and refuses another."""
+    from megatron_qarl.checkpoint import load_learner, save_learner
+    from megatron_qarl.config import OptimConfig, ParallelConfig
+    from megatron_qarl.learner import Learner
+
+    learner = Learner(Qwen3MoeArch.from_model_dir(tiny_model_dir), ParallelConfig(), OptimConfig())
+    save_learner(tmp_path / "ckpt", learner.module, learner.optimizer)
+    assert json.loads((tmp_path / "ckpt" / LEARNER_META).read_text()) == {"model_impl": "local"}
+    load_learner(tmp_path / "ckpt", learner.module, learner.optimizer)
+    (tmp_path / "ckpt" / LEARNER_META).write_text(json.dumps({"model_impl": "te"}))
+    with pytest.raises(UserError, match="written by a learner with model.impl='te'"):
+        load_learner(tmp_path / "ckpt", learner.module, learner.optimizer)
+
+
 # ------------------------------------------------------------------------------------------------ model.impl
 def test_model_impl_is_a_validated_key(tmp_path, tiny_model_dir):
     cfg_file = tmp_path / "c.yaml"
@@ -256,6 +271,7 @@ def test_fp32_block_scales_are_preferred_on_hopper_only(capability, preset, expe
 
 
 # ------------------------------------------------------------------------------------------- with real TE
+@pytest.mark.gpu
 @NEEDS_TE
 def test_real_te_model_matches_the_table(tiny_model_dir, one_rank):
     """Where TE is installed (CUDA): Megatron's real TE model has exactly the table's names and shapes, and loads
