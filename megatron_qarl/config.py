@@ -60,10 +60,16 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """The policy: a Hugging Face Qwen3-MoE directory and the learner's parameter dtype."""
+    """The policy: a Hugging Face Qwen3-MoE directory, the learner's parameter dtype and Megatron layer spec.
+
+    impl: ``local`` Megatron's local spec (CPU-safe), ``te`` its Transformer Engine spec (fused norm + linear, TE
+        grouped-GEMM experts, and TE's blockwise FP8 GEMMs for w8a8_fp8; needs transformer_engine, else the learner
+        stops with an error naming this key), ``auto`` TE where transformer_engine imports on the learner's machine.
+    """
 
     path: str
     dtype: Literal["float32", "bfloat16"] = "float32"
+    impl: Literal["auto", "local", "te"] = "auto"
 
     @field_validator("path")
     @classmethod

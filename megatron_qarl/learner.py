@@ -24,6 +24,7 @@ from megatron_qarl.algo.policy_loss import PolicyLossConfig, loss_normalizer, po
 from megatron_qarl.config import OptimConfig, ParallelConfig
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
+from megatron_qarl.moe.te import resolve_impl
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.modules import apply_fake_quant
 
@@ -70,7 +71,10 @@ class Learner:
     def __init__(self, arch: Qwen3MoeArch, parallel: ParallelConfig, optim: OptimConfig,
                  dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None, aligned: bool = True,
                  micro_batch_size: int | None = None, temperature: float = 1.0, routing_replay: bool = False,
-                 compile_quantizer: bool = False):
+                 impl: str = "local", compile_quantizer: bool = False):
+        """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
+        Transformer Engine layers, for w8a8_fp8 under TE's blockwise FP8 recipe (``moe/te.py``).
+        ``compile_quantizer``: learner.compile_quantizer (``qat.quantizer.fake_quantize_weight``)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -80,8 +84,10 @@ class Learner:
         self.arch = arch
         self.parallel = parallel
         self.temperature = float(temperature)
+        self.impl = resolve_impl(impl)
         self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
-                                  dispatcher=parallel.dispatcher, routing_replay=routing_replay)
+                                  dispatcher=parallel.dispatcher, routing_replay=routing_replay,
+                                  te=(quant or QuantConfig()) if self.impl == "te" else None)
         self.routing_replay = routing_replay  # R3: routes given to logprobs() are replayed by Megatron's routers
         # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
         # the same quantizer only produces what the rollout servers load

@@ -87,7 +87,7 @@ class LearnerWorker:
         self.learner = Learner(arch, cfg.parallel, cfg.optim, dtype=dtype, quant=cfg.quant,
                                aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size,
                                temperature=cfg.rollout.sampling.temperature,
-                               routing_replay=cfg.algo.wants_routes,
+                               routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl,
                                compile_quantizer=cfg.learner.compile_quantizer)
         self.learner.load_hf(cfg.model.path)
 

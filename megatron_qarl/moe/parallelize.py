@@ -123,6 +123,9 @@ def barrier(group=None) -> None:
 
 def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
     """Join the default process group (env:// variables) and create Megatron's parallel groups."""
+    from megatron_qarl.moe.te import prefer_fp32_block_scales
+
+    prefer_fp32_block_scales()  # before Megatron imports Transformer Engine (it reads the variable on import)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 

@@ -37,12 +37,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from megatron_qarl.moe.convert import Layout, ParamMap, hf_to_shard, param_maps, shards_to_hf
+from megatron_qarl.moe.convert import Layout, ParamMap, hf_to_shard, model_impl, param_maps, shards_to_hf
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 from megatron_qarl.qat.config import QuantConfig, is_quantized
@@ -157,7 +157,7 @@ class FakeQuant:
     """The ModelOpt quantizers of one rank's model, bound to the one quantizer; ``remove()`` disables them."""
 
     def __init__(self, model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, layout: Layout | None = None,
-                 forward: bool = True, impl: str = "local", compiled: bool = False):
+                 forward: bool = True, compiled: bool = False):
         import modelopt.torch.quantization as mtq
         from megatron.core import parallel_state as ps
 
@@ -167,11 +167,12 @@ class FakeQuant:
         self.arch, self.cfg, self.compiled = arch, cfg, compiled
         self.layout = layout or Layout.current()
         self.targets: list[_Target] = []
+        impl = model_impl(model)  # the parameter table of the layer spec that built it (local or TE)
         with _sequential_mlp_as_children(model, self.layout):
             mtq.quantize(model, modelopt_config(cfg), forward_loop=None)
         lay = self.layout
         bound_modules = set()
-        for pm in self._maps(arch, lay, impl):
+        for pm in param_maps(arch, lay.ep_rank, lay.ep, impl=impl):
             if pm.split not in _LINEAR_SPLITS:
                 continue
             chosen = [is_quantized(n.removesuffix(".weight"), cfg) for n in pm.hf]
@@ -200,12 +201,6 @@ class FakeQuant:
                 self._quantizers_of(module, on=False)
         if not forward:  # quantize for export only (a BF16 learner feeding a low-bit rollout)
             self.remove()
-
-    @staticmethod
-    def _maps(arch: Qwen3MoeArch, lay: Layout, impl: str) -> Iterator[ParamMap]:
-        if impl != "local":
-            return param_maps(arch, lay.ep_rank, lay.ep, impl=impl)
-        return param_maps(arch, lay.ep_rank, lay.ep)
 
     @staticmethod
     def _quantizers_of(module: torch.nn.Module, on: bool) -> None:
@@ -282,11 +277,11 @@ class FakeQuant:
 
 
 def apply_fake_quant(model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, forward: bool = True,
-                     impl: str = "local", compiled: bool = False) -> FakeQuant:
+                     compiled: bool = False) -> FakeQuant:
     """Insert ModelOpt quantizers bound to the one quantizer into this rank's (unwrapped) Megatron model; returns
     the handle.
 
     ``forward=False`` leaves them disabled: the model computes in high precision while the handle still quantizes
     its weights for the rollout servers (unaligned quantized rollout, the baseline). ``compiled``: the per-step
     W4A16 refresh runs torch.compile'd (``qat.quantizer.fake_quantize_weight``)."""
-    return FakeQuant(model, arch, cfg, forward=forward, impl=impl, compiled=compiled)
+    return FakeQuant(model, arch, cfg, forward=forward, compiled=compiled)
