@@ -219,21 +219,24 @@ def test_apply_installs_all_or_none_and_names_the_fix_that_failed(monkeypatch):
     assert megatron_cpu._installed is None  # nothing in force: a later apply() tries again
 
 
-def test_remove_restores_every_attribute_the_fixes_replaced(monkeypatch):
+def test_remove_restores_every_attribute_the_fixes_replaced():
+    megatron_cpu.remove()  # an earlier test in this process may have installed them: start from upstream's state
     owners = _owners()
     before = [dict(vars(o)) for o in owners]
-    monkeypatch.setattr(megatron_cpu, "_installed", None)
-    assert megatron_cpu.apply() == _names(megatron_cpu.FIXES)
-    assert megatron_cpu.apply() == _names(megatron_cpu.FIXES)  # once
-    changed = set(_changed(before, owners))  # moe_utils.te_general_gemm too, unless this process defined it
-    assert changed >= {
-        "torch.cuda.current_device", "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream",
-        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "FP32Optimizer.__init__",
-        "MixedPrecisionOptimizer.__init__", "MegatronOptimizer.get_grad_norm", "MegatronOptimizer.clip_grad_norm",
-        "MegatronOptimizer.count_zeros", "ChainedOptimizer.get_grad_norm", "ChainedOptimizer.count_zeros",
-        "megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32", "FileSystemWriterAsync.preload_tensors"}
-    megatron_cpu.remove()
-    assert _changed(before, owners) == []
+    try:
+        assert megatron_cpu.apply() == _names(megatron_cpu.FIXES)
+        assert megatron_cpu.apply() == _names(megatron_cpu.FIXES)  # once
+        changed = set(_changed(before, owners))  # moe_utils.te_general_gemm too, unless this process defined it
+        assert changed >= {
+            "torch.cuda.current_device", "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream",
+            "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "FP32Optimizer.__init__",
+            "MixedPrecisionOptimizer.__init__", "MegatronOptimizer.get_grad_norm", "MegatronOptimizer.clip_grad_norm",
+            "MegatronOptimizer.count_zeros", "ChainedOptimizer.get_grad_norm", "ChainedOptimizer.count_zeros",
+            "megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32", "FileSystemWriterAsync.preload_tensors"}
+        megatron_cpu.remove()
+        assert _changed(before, owners) == []
+    finally:
+        megatron_cpu.apply()  # as later tests in this process expect
 
 
 @pytest.mark.parametrize("config, overrides, asked", [
