@@ -127,6 +127,7 @@ def _learner_checks(impl: str, scheme: str, checks: dict[str, str]) -> None:
     from megatron_qarl.config import OptimConfig, ParallelConfig
     from megatron_qarl.learner import Batch, Learner, token_mean_nll
     from megatron_qarl.moe.model import Qwen3MoeArch
+    from megatron_qarl.moe.parallelize import broadcast
     from megatron_qarl.sync.payload import iter_sync_tensors
 
     key = f"[{impl},{scheme}]"
@@ -160,7 +161,7 @@ def _learner_checks(impl: str, scheme: str, checks: dict[str, str]) -> None:
         sent, nbytes, refused = 0, 0, []
         for name, tensor in iter_sync_tensors(learner):
             try:
-                dist.broadcast(tensor, src=0, group=group)
+                broadcast(tensor, src=0, group=group, name=name)  # the device check, then NCCL itself
                 sent, nbytes = sent + 1, nbytes + tensor.numel() * tensor.element_size()
             except Exception as err:  # noqa: BLE001 - name every tensor NCCL refuses
                 refused.append(f"{name} ({tensor.device}: {type(err).__name__})")
