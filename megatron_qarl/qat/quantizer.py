@@ -128,7 +128,7 @@ def _w4a16_symmetric_core(w_ngg: Tensor, half_levels: Tensor, qmin: int, qmax: i
     One read of the weight for amax (max |w|, nan/inf propagate into it), then q = clamp(round(w / s)) and
     q * s computed in place. Pure tensor code: it runs as is or compiled by torch.compile
     (``fake_quantize_weight(..., compiled=True)``)."""
-    amax_ng = torch.linalg.vector_norm(w_ngg, ord=float("inf"), dim=-1)
+    amax_ng = w_ngg.abs().amax(dim=-1)  # nan / inf propagate (torch max reductions keep nan)
     scale_ng = amax_ng / half_levels
     if scale_bits is not None:
         scale_ng = round_significant_bits(scale_ng, scale_bits)
