@@ -25,9 +25,11 @@ import numpy as np
 import torch
 
 from megatron_qarl.errors import UserError
+from megatron_qarl.moe.convert import model_impl
 from megatron_qarl.utils.parent_death import die_with_parent
 
 STATE_FILE = "trainer_state.json"
+LEARNER_META = "learner_meta.json"  # which Megatron layer spec (model.impl) wrote the model and optimizer shards
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -85,16 +87,33 @@ def save_learner(path: str | Path, module, optimizer) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from megatron_qarl.moe.parallelize import barrier
+
     results_queue_dies_with_trainer()
 
     path = Path(path)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    barrier()
     model_sd = module.sharded_state_dict()
     dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, str(path))
     torch.save(rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
-    dist.barrier()
+    if dist.get_rank() == 0:
+        (path / LEARNER_META).write_text(json.dumps({"model_impl": model_impl(module)}) + "\n")
+    barrier()
+
+
+def check_same_impl(path: str | Path, impl: str) -> None:
+    """A learner checkpoint loads only into a model of the layer spec that wrote it (checkpoints without the record
+    predate the TE spec: local). The two specs' dist-checkpoint keys differ: the local spec stores an MoE layer's
+    pre-MLP norm under Megatron's ``sharded_state_dict_keys_map`` key ``mlp.linear_fc1.layer_norm_weight``, the TE
+    spec under ``pre_mlp_layernorm.weight``, and only TE modules carry ``_extra_state`` (FP8 metadata)."""
+    meta = Path(path) / LEARNER_META
+    saved = json.loads(meta.read_text())["model_impl"] if meta.is_file() else "local"
+    if saved != impl:
+        raise UserError(f"{path}: written by a learner with model.impl={saved!r}, but this learner built "
+                        f"model.impl={impl!r}; resume with model.impl={saved} (the two Megatron layer specs store "
+                        f"different dist-checkpoint keys)")
 
 
 def load_learner(path: str | Path, module, optimizer) -> None:
@@ -102,6 +121,7 @@ def load_learner(path: str | Path, module, optimizer) -> None:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    check_same_impl(path, model_impl(module))
     model_sd = module.sharded_state_dict()
     loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)},
                                      str(path))

@@ -60,10 +60,16 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """The policy: a Hugging Face Qwen3-MoE directory and the learner's parameter dtype."""
+    """The policy: a Hugging Face Qwen3-MoE directory, the learner's parameter dtype and Megatron layer spec.
+
+    impl: ``local`` Megatron's local spec (CPU-safe), ``te`` its Transformer Engine spec (fused norm + linear, TE
+        grouped-GEMM experts, and TE's blockwise FP8 GEMMs for w8a8_fp8; needs transformer_engine, else the learner
+        stops with an error naming this key), ``auto`` TE where transformer_engine imports on the learner's machine.
+    """
 
     path: str
     dtype: Literal["float32", "bfloat16"] = "float32"
+    impl: Literal["auto", "local", "te"] = "auto"
 
     @field_validator("path")
     @classmethod
@@ -138,6 +144,8 @@ class LearnerConfig(_Section):
     aligned: bool = True
     micro_batch_size: int | None = Field(default=None, ge=1)  # rows per forward/backward on a learner rank
     # (gradients accumulate over micro-batches; None: the rank's whole share of the step at once)
+    compile_quantizer: bool = False  # the per-step W4A16 re-quantization runs torch.compile'd: same bits, ~10x
+    # faster after a one-off compile per process (tens of seconds; inductor needs a C++ compiler on CPU)
 
 
 class SyncConfig(_Section):
