@@ -5,8 +5,10 @@
 Two models: the project's tiny Qwen3-MoE (checkpoints/tiny-qwen3-moe) and a wider random one
 (hidden 2048, expert FFN 768, 2 layers, 16 experts top-4, head dim 128, 16 heads / 4 KV groups,
 vocab 4096). One step = forward + backward + Adam step on the Megatron learner (TP1, fp32 master
-weights); with fake quant on, each step re-quantizes every targeted weight once (the optimizer
-changed it) and runs the forward on the low-bit values (and W8A8's quantized activations).
+weights); with fake quant on (ModelOpt quant modules on the one quantizer, qat/modules.py), each step
+re-quantizes every targeted weight once (the optimizer changed it) and runs the forward on the low-bit values
+(and W8A8's quantized activations). The "compile_quantizer" row runs that W4A16 refresh torch.compile'd
+(learner.compile_quantizer; its one-off compile happens in the warm-up step, not timed).
 Reported: median seconds per step and the ratio to quantization off, all in this one process.
 """
 
@@ -21,7 +23,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMES = ["bf16", "w4a16", "w8a8_fp8", "w8a8_int8"]
+# (scheme, learner.compile_quantizer)
+SCHEMES = [("bf16", False), ("w4a16", False), ("w4a16", True), ("w8a8_fp8", False), ("w8a8_int8", False)]
 
 
 def wide_arch():
@@ -34,12 +37,13 @@ def wide_arch():
                         attention_bias=False)
 
 
-def time_steps(arch, scheme: str, batch: int, seq: int, steps: int) -> list[float]:
+def time_steps(arch, scheme: str, batch: int, seq: int, steps: int, compiled: bool = False) -> list[float]:
     from megatron_qarl.config import OptimConfig, ParallelConfig
     from megatron_qarl.learner import Batch, Learner, token_mean_nll
     from megatron_qarl.qat.config import QuantConfig
 
-    learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-5), quant=QuantConfig(scheme=scheme))
+    learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-5), quant=QuantConfig(scheme=scheme),
+                      compile_quantizer=compiled)
     gen = torch.Generator().manual_seed(0)
     times = []
     for _ in range(steps + 1):  # the first step warms up
@@ -63,10 +67,11 @@ def run(steps: int) -> str:
         rows = []
         for label, arch, batch, seq in models:
             base = None
-            for scheme in SCHEMES:
-                med = statistics.median(time_steps(arch, scheme, batch, seq, steps))
+            for scheme, compiled in SCHEMES:
+                med = statistics.median(time_steps(arch, scheme, batch, seq, steps, compiled))
                 base = base or med
-                rows.append(f"| {label} | {batch}x{seq} | {scheme if scheme != 'bf16' else 'off'} | "
+                name = "off" if scheme == "bf16" else scheme + (" (compile_quantizer)" if compiled else "")
+                rows.append(f"| {label} | {batch}x{seq} | {name} | "
                             f"{med * 1e3:.1f} | {med / base:.2f}x |")
         return rows
 

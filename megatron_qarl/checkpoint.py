@@ -25,9 +25,11 @@ import numpy as np
 import torch
 
 from megatron_qarl.errors import UserError
+from megatron_qarl.moe.convert import model_impl
 from megatron_qarl.utils.parent_death import die_with_parent
 
 STATE_FILE = "trainer_state.json"
+LEARNER_META = "learner_meta.json"  # which Megatron layer spec (model.impl) wrote the model and optimizer shards
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -92,26 +94,45 @@ def save_learner(path: str | Path, module, optimizer) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from megatron_qarl.moe.parallelize import barrier
+
     results_queue_dies_with_trainer()
 
     path = Path(path)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    barrier()
+    allocate_optimizer_state(optimizer)  # a learner saved before its first step
     model_sd = module.sharded_state_dict()
     dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
         model_sd, metadata=OPTIMIZER_METADATA)}, str(path))
     torch.save(rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
-    dist.barrier()
+    if dist.get_rank() == 0:
+        (path / LEARNER_META).write_text(json.dumps({"model_impl": model_impl(module)}) + "\n")
+    barrier()
+
+
+def check_same_impl(path: str | Path, impl: str) -> None:
+    """A learner checkpoint loads only into a model of the layer spec that wrote it (checkpoints without the record
+    predate the TE spec: local). The two specs' dist-checkpoint keys differ: the local spec stores an MoE layer's
+    pre-MLP norm under Megatron's ``sharded_state_dict_keys_map`` key ``mlp.linear_fc1.layer_norm_weight``, the TE
+    spec under ``pre_mlp_layernorm.weight``, and only TE modules carry ``_extra_state`` (FP8 metadata)."""
+    meta = Path(path) / LEARNER_META
+    saved = json.loads(meta.read_text())["model_impl"] if meta.is_file() else "local"
+    if saved != impl:
+        raise UserError(f"{path}: written by a learner with model.impl={saved!r}, but this learner built "
+                        f"model.impl={impl!r}; resume with model.impl={saved} (the two Megatron layer specs store "
+                        f"different dist-checkpoint keys)")
 
 
 def allocate_optimizer_state(optimizer) -> None:
-    """Give a fresh distributed optimizer over torch's Adam the state its first step would make, so that a
-    checkpoint can be loaded into it. Megatron's DistributedOptimizer falls back to torch.optim.AdamW when
+    """Give a fresh distributed optimizer over torch's Adam the state its first step would make, so that it can be
+    saved, or a checkpoint loaded into it. Megatron's DistributedOptimizer falls back to torch.optim.AdamW when
     neither Transformer Engine nor Apex is installed (a CPU learner, or a GPU node without TE), and on that path
-    builds even the state dict it loads into from the per-parameter 'step' of the inner optimizer's state
-    (distrib_optimizer.py, state_dict: ``assert len(steps) == 1``), which a fresh optimizer does not have yet.
-    Allocate Adam's zero moments and step 0; the load overwrites the moments, ``restore_adam_steps`` the step."""
+    builds its state dict (also the one it loads into) from the per-parameter 'step' of the inner optimizer's
+    state (distrib_optimizer.py, state_dict: ``assert len(steps) == 1``), which a fresh optimizer does not have
+    yet. Allocate Adam's zero moments and step 0, which is where AdamW's first step starts from anyway; a load
+    overwrites the moments, ``restore_adam_steps`` the step."""
     from megatron.core.optimizer import distrib_optimizer as do
 
     if do.HAVE_APEX_OR_TE:
@@ -151,6 +172,7 @@ def load_learner(path: str | Path, module, optimizer) -> None:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    check_same_impl(path, model_impl(module))
     allocate_optimizer_state(optimizer)
     model_sd = module.sharded_state_dict()
     loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(

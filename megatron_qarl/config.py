@@ -60,10 +60,16 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """The policy: a Hugging Face Qwen3-MoE directory and the learner's parameter dtype."""
+    """The policy: a Hugging Face Qwen3-MoE directory, the learner's parameter dtype and Megatron layer spec.
+
+    impl: ``local`` Megatron's local spec (CPU-safe), ``te`` its Transformer Engine spec (fused norm + linear, TE
+        grouped-GEMM experts, and TE's blockwise FP8 GEMMs for w8a8_fp8; needs transformer_engine, else the learner
+        stops with an error naming this key), ``auto`` TE where transformer_engine imports on the learner's machine.
+    """
 
     path: str
     dtype: Literal["float32", "bfloat16"] = "float32"
+    impl: Literal["auto", "local", "te"] = "auto"
 
     @field_validator("path")
     @classmethod
@@ -147,6 +153,8 @@ class LearnerConfig(_Section):
 
     aligned: bool = True
     micro_batch_size: int | None = Field(default=None, ge=1)
+    compile_quantizer: bool = False  # the per-step W4A16 re-quantization runs torch.compile'd: same bits, ~10x
+    # faster after a one-off compile per process (tens of seconds; inductor needs a C++ compiler on CPU)
     distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = Field(default=1.0, gt=0, le=1)
@@ -301,17 +309,27 @@ class QarlConfig(_Section):
         return self
 
     @property
+    def gpu_run_keys(self) -> list[str]:
+        """The config keys that make this a GPU run, whose learner ranks run on (and require) CUDA devices
+        (empty: a CPU run): launch.gpus_per_node > 0, launch.gpus_per_learner_rank > 0, rollout.backend sglang."""
+        la = self.launch
+        keys = {f"launch.gpus_per_node={la.gpus_per_node}": la.gpus_per_node > 0,
+                f"launch.gpus_per_learner_rank={la.gpus_per_learner_rank}": la.gpus_per_learner_rank > 0,
+                "rollout.backend=sglang": self.rollout.backend == "sglang"}
+        return [key for key, asks in keys.items() if asks]
+
+    @property
     def learner_on_gpus(self) -> bool:
-        """Whether the learner ranks run on GPUs: launch.gpus_per_learner_rank >= 1 (GPU nodes require 1)."""
-        return self.launch.gpus_per_learner_rank >= 1
+        """Whether the learner ranks run on GPUs (``gpu_run_keys``)."""
+        return bool(self.gpu_run_keys)
 
     def _check_learner_memory_options(self) -> None:
         le = self.learner
         if le.optimizer_cpu_offload and not self.learner_on_gpus:
             raise ConfigError("learner.optimizer_cpu_offload: moves optimizer states from the GPU to the host "
-                              "(Megatron's HybridDeviceOptimizer needs CUDA streams and pinned memory), but this "
-                              "learner runs on CPUs (launch.gpus_per_learner_rank=0), where its states are on the "
-                              "host already; set it false")
+                              "(Megatron's HybridDeviceOptimizer needs CUDA streams and pinned memory), but this is "
+                              "a CPU run (launch.gpus_per_node=0, launch.gpus_per_learner_rank=0, rollout.backend "
+                              "embedded), whose learner's states are on the host already; set it false")
         if le.recompute == "full" and self.algo.routing_replay:
             raise ConfigError("learner.recompute: 'full' reruns each layer's router in the backward, which would "
                               "route on its own instead of replaying the servers' routes (algo.routing_replay); "

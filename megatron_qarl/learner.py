@@ -23,7 +23,8 @@ import torch
 from megatron_qarl.algo.policy_loss import PolicyLossConfig, loss_normalizer, policy_loss
 from megatron_qarl.config import OptimConfig, ParallelConfig
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
-from megatron_qarl.moe.parallelize import all_gather_tensors
+from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
+from megatron_qarl.moe.te import resolve_impl
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.modules import apply_fake_quant
 
@@ -90,8 +91,13 @@ class Learner:
     def __init__(self, arch: Qwen3MoeArch, parallel: ParallelConfig, optim: OptimConfig,
                  dtype: torch.dtype = torch.float32, quant: QuantConfig | None = None, aligned: bool = True,
                  micro_batch_size: int | None = None, temperature: float = 1.0, routing_replay: bool = False,
-                 distributed_optimizer: bool = True, optimizer_cpu_offload: bool = False,
-                 optimizer_offload_fraction: float = 1.0, recompute: str = "none", recompute_num_layers: int = 1):
+                 impl: str = "local", compile_quantizer: bool = False, distributed_optimizer: bool = True,
+                 optimizer_cpu_offload: bool = False, optimizer_offload_fraction: float = 1.0, recompute: str = "none",
+                 recompute_num_layers: int = 1):
+        """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
+        Transformer Engine layers, for w8a8_fp8 under TE's blockwise FP8 recipe (``moe/te.py``).
+        ``compile_quantizer``: learner.compile_quantizer (``qat.quantizer.fake_quantize_weight``).
+        The memory options: see the class docstring."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -107,13 +113,15 @@ class Learner:
         if optimizer_cpu_offload and not torch.cuda.is_available():
             raise ValueError("optimizer_cpu_offload: Megatron's HybridDeviceOptimizer moves optimizer states from the "
                              "GPU to the CPU and needs CUDA (streams, pinned memory); this torch has no CUDA device")
+        self.impl = resolve_impl(impl)
         self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
-                                  dispatcher=parallel.dispatcher, routing_replay=routing_replay, recompute=recompute,
+                                  dispatcher=parallel.dispatcher, routing_replay=routing_replay,
+                                  te=(quant or QuantConfig()) if self.impl == "te" else None, recompute=recompute,
                                   recompute_num_layers=recompute_num_layers)
         self.routing_replay = routing_replay  # R3: routes given to logprobs() are replayed by Megatron's routers
         # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
         # the same quantizer only produces what the rollout servers load
-        self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned)
+        self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned, compiled=compile_quantizer)
                            if quant and quant.enabled else None)
         self.model = DistributedDataParallel(
             self.module.config,
@@ -221,12 +229,15 @@ class Learner:
         size = self.micro_batch_size or rows_BS.shape[0]
         parts = [self._logprobs(rows_BS[i:i + size], None if routes_mine is None else routes_mine[i:i + size],
                                 record) for i in range(0, rows_BS.shape[0], size)]
-        out = [torch.cat([p[0] for p in parts])]  # on the model's device, the one its process groups use
+        local = {"log-probs": torch.cat([p[0] for p in parts])}
         if record:
-            out.append(self._gather_seq(torch.cat([p[1] for p in parts]))[:, : tokens_BS.shape[1]])
-        dp_group = ps.get_data_parallel_group() if self.dp_size > 1 else None
-        out = [torch.cat(all_gather_tensors(t, dp_group, self.dp_size))[:rows].cpu() for t in out]
-        return (out[0], out[1]) if record else (out[0], None)
+            local["routes"] = self._gather_seq(torch.cat([p[1] for p in parts]))[:, : tokens_BS.shape[1]]
+        dp_group = ps.get_data_parallel_group()
+        out = {}
+        for name, t in local.items():
+            peers = all_gather_tensors(to_group_device(t, dp_group), dp_group, self.dp_size, name=name)
+            out[name] = torch.cat(peers)[:rows].cpu()
+        return out["log-probs"], out.get("routes")
 
     def _gather_seq(self, local_BSLK: torch.Tensor) -> torch.Tensor:
         """Sequence-parallel routers see this TP rank's chunk of positions: all-gather them along S."""
@@ -234,7 +245,8 @@ class Learner:
 
         if not (self.parallel.sp and self.tp > 1):
             return local_BSLK
-        return torch.cat(all_gather_tensors(local_BSLK, ps.get_tensor_model_parallel_group(), self.tp), dim=1)
+        group = ps.get_tensor_model_parallel_group()
+        return torch.cat(all_gather_tensors(to_group_device(local_BSLK, group), group, self.tp, name="routes"), dim=1)
 
     def my_rows(self, batch_size: int) -> slice:
         """The responses this data-parallel rank trains on (contiguous, equal split)."""
@@ -295,12 +307,13 @@ class Learner:
 
     def _dp_sum(self, value: torch.Tensor) -> float:
         """Sum of the per-rank loss shares = the global loss."""
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        v = value.clone().float().reshape(1)
-        if self.dp_size > 1:
-            dist.all_reduce(v, group=ps.get_data_parallel_group())
+        if self.dp_size == 1:
+            return float(value)
+        group = ps.get_data_parallel_group()
+        v = to_group_device(value.detach().clone().float().reshape(1), group)
+        all_reduce(v, group, name="loss")
         return v.item()
 
 

@@ -4,6 +4,10 @@ broadcaster to the rollout servers, and checkpoints.
 The launchers create one LearnerWorker per rank (in the driver process for a single rank, as a Ray
 actor per rank otherwise) and call the same method on every rank in lockstep; methods are
 collectives, and only rank 0's return value is meaningful.
+
+A rank of a GPU run that finds no CUDA device refuses to start (``require_gpu``) instead of training on the CPU: Ray
+hides every GPU from an actor placed without one, and a CUDA build of torch on such a process (or on a node whose
+GPUs are gone) would otherwise run the Megatron CPU fixes and carry on.
 """
 
 from __future__ import annotations
@@ -13,6 +17,25 @@ import os
 import torch
 
 from megatron_qarl.config import QarlConfig
+from megatron_qarl.errors import UserError
+
+
+def gpu_run_reasons(cfg: QarlConfig) -> list[str]:
+    """The config keys that make this a GPU run (empty: a CPU run): ``QarlConfig.gpu_run_keys``."""
+    return cfg.gpu_run_keys
+
+
+def require_gpu(cfg: QarlConfig, rank: int) -> None:
+    """UserError when the config asks for a GPU run and this process sees no CUDA device."""
+    reasons = gpu_run_reasons(cfg)
+    if not reasons or (torch.cuda.is_available() and torch.cuda.device_count() > 0):
+        return
+    raise UserError(
+        f"learner rank {rank}: the config asks for GPUs ({', '.join(reasons)}) but this process sees none "
+        f"(torch {torch.__version__}, CUDA {torch.version.cuda}, CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); it will not train on the CPU instead. Check the node's GPUs, "
+        "launch.gpus_per_learner_rank (1: Ray gives each learner rank a GPU) and the allocation's --gpus-per-node; "
+        "a CPU run sets launch.gpus_per_node=0, launch.gpus_per_learner_rank=0 and rollout.backend=embedded")
 
 
 class LearnerWorker:
@@ -41,12 +64,14 @@ class LearnerWorker:
         return addr, free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the learner's process group, build the sharded model and load the checkpoint."""
+        """Join the learner's process group, build the sharded model and load the checkpoint (a GPU run on a
+        process without a GPU: UserError, before anything is built)."""
         from megatron_qarl.learner import Learner
         from megatron_qarl.moe.model import Qwen3MoeArch
         from megatron_qarl.moe.parallelize import init_parallel
 
         cfg = self.cfg
+        require_gpu(cfg, self.rank)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world), LOCAL_RANK=str(int(os.environ.get("LOCAL_RANK", 0))))
         if self.threads:
@@ -58,7 +83,8 @@ class LearnerWorker:
         self.learner = Learner(arch, cfg.parallel, cfg.optim, dtype=dtype, quant=cfg.quant,
                                aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size,
                                temperature=cfg.rollout.sampling.temperature,
-                               routing_replay=cfg.algo.wants_routes,
+                               routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl,
+                               compile_quantizer=cfg.learner.compile_quantizer,
                                distributed_optimizer=cfg.learner.distributed_optimizer,
                                optimizer_cpu_offload=cfg.learner.optimizer_cpu_offload,
                                optimizer_offload_fraction=cfg.learner.optimizer_offload_fraction,

@@ -1,10 +1,15 @@
-"""Every fix Megatron-Core 0.16 needs to run on a CPU-only torch, in one place.
+"""Every fix Megatron-Core 0.16 needs to run without CUDA (or without Transformer Engine), in one place.
 
-`apply()` installs them, once, and only when CUDA is absent: on a GPU machine it does nothing.
-Each fix is a small function named ``fix_*`` whose docstring gives the reason; each has a test in
-tests/test_megatron_cpu.py that reproduces the upstream failure without the fix, so the test fails
-(and the fix can go) the day upstream no longer needs it. Installed packages are never edited:
-the fixes replace attributes at import time.
+Each fix is a small function named ``fix_*`` whose docstring gives the reason, marked with the condition under which
+the machine needs it (``@when(cuda_absent)``, ``@when(te_absent)``): the condition of the failure itself, so a GPU
+machine without Transformer Engine gets the Transformer Engine fix and nothing else. A fix changes installed code only
+through ``_replace``, which records the attribute it replaced, so every fix can be undone.
+
+``apply()`` installs, once, the fixes this machine needs, all or none: if one fails, the ones installed before it are
+undone and the error names the failing fix. ``remove()`` undoes them. Each fix has a test in
+tests/test_megatron_cpu.py that reproduces the upstream failure without the fix, so the test fails (and the fix can
+go) the day upstream no longer needs it. Installed packages are never edited: the fixes replace attributes at import
+time.
 
 Things that need no patch, only the right arguments (see megatron_qarl.moe.model):
 ``use_cpu_initialization``, an explicit boolean causal mask, the *_fusion flags off,
@@ -13,23 +18,64 @@ SequentialMLP experts, ``model_parallel_cuda_manual_seed(..., inference_rng_trac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-_APPLIED: list[str] = []
+_MISSING = object()  # an attribute the owner did not define itself (inherited, or absent)
+# the fixes in force, each with what it replaced: (owner, attribute, the owner's own value or _MISSING);
+# None until apply() has run
+_installed: dict[str, list[tuple[object, str, object]]] | None = None
+_journal: list[tuple[object, str, object]] | None = None  # the replacements of the fix being installed
 
 
-def needed() -> bool:
-    """True when the running torch has no usable CUDA device."""
+def cuda_absent() -> bool:
+    """The running torch has no usable CUDA device (a CPU-only build, or no GPU visible)."""
     return not torch.cuda.is_available()
 
 
+def te_absent() -> bool:
+    """Megatron found no Transformer Engine (``moe_utils.HAVE_TE``: its ``import transformer_engine`` failed)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    return not moe_utils.HAVE_TE
+
+
+def when(condition: Callable[[], bool]) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Mark a fix with the condition under which the machine needs it."""
+
+    def mark(fix: Callable[[], None]) -> Callable[[], None]:
+        fix.condition = condition
+        return fix
+
+    return mark
+
+
+def _replace(owner: object, name: str, value: object) -> None:
+    """``owner.name = value``, recording the owner's own previous value so that the fix can be undone."""
+    if _journal is None:
+        raise RuntimeError(f"megatron_cpu: replacing {name}: fixes are installed by megatron_cpu.apply() only")
+    _journal.append((owner, name, vars(owner).get(name, _MISSING)))
+    setattr(owner, name, value)
+
+
+def _undo(journal: list[tuple[object, str, object]]) -> None:
+    for owner, name, old in reversed(journal):
+        if old is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, old)
+
+
+@when(cuda_absent)
 def fix_current_device() -> None:
     """torch.cuda.current_device() is called inside forward passes (rotary embeddings, attention
     masks, the alltoall dispatcher's buffers) and raises "Torch not compiled with CUDA enabled".
     Returning the string "cpu" makes every ``device=torch.cuda.current_device()`` a CPU tensor."""
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    _replace(torch.cuda, "current_device", lambda: "cpu")
 
 
+@when(cuda_absent)
 def fix_alltoall_streams() -> None:
     """The alltoall token dispatcher creates a torch.cuda.Stream in __init__ and moves its split
     sizes to the host on that stream; on CPU the split sizes also stay tensors, while
@@ -39,7 +85,7 @@ def fix_alltoall_streams() -> None:
     from megatron.core.transformer.moe import token_dispatcher as td
 
     cls = td.MoEAlltoAllTokenDispatcher
-    cls.cuda_dtoh_stream = "cpu"  # any non-None value: __init__ then skips torch.cuda.Stream()
+    _replace(cls, "cuda_dtoh_stream", "cpu")  # any non-None value: __init__ then skips torch.cuda.Stream()
 
     def _host(x):
         return x.numpy() if torch.is_tensor(x) else x
@@ -51,17 +97,18 @@ def fix_alltoall_streams() -> None:
             self.output_splits_tp = _host(self.output_splits_tp)
         return tokens_per_expert
 
-    cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+    _replace(cls, "_maybe_dtoh_and_synchronize", _maybe_dtoh_and_synchronize)
 
 
+@when(te_absent)
 def fix_te_general_gemm() -> None:
-    """megatron-core 0.14-0.16 bug without Transformer Engine: moe_utils imports te_general_gemm
-    only inside ``try: import transformer_engine`` and later tests ``te_general_gemm is not None``,
+    """megatron-core 0.14-0.16 bug without Transformer Engine (on CPUs and GPUs alike): moe_utils imports
+    te_general_gemm only inside ``try: import transformer_engine`` and later tests ``te_general_gemm is not None``,
     so every MoE router forward raises NameError. Define the name as None."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        _replace(moe_utils, "te_general_gemm", None)
 
 
 class _CudaAllocationsOnCpu(torch.overrides.TorchFunctionMode):
@@ -86,6 +133,7 @@ def _allocate_on_cpu(fn):
     return wrapper
 
 
+@when(cuda_absent)
 def fix_optimizer_device() -> None:
     """Megatron's optimizers allocate their loss-scale and found-inf tensors with device='cuda' in
     __init__, and gradient clipping / norm / zero counting allocate on 'cuda' too (clip_grads.py).
@@ -97,9 +145,10 @@ def fix_optimizer_device() -> None:
                       (opt.MegatronOptimizer, "get_grad_norm"), (opt.MegatronOptimizer, "clip_grad_norm"),
                       (opt.MegatronOptimizer, "count_zeros"), (opt.ChainedOptimizer, "get_grad_norm"),
                       (opt.ChainedOptimizer, "count_zeros")):
-        setattr(cls, name, _allocate_on_cpu(getattr(cls, name)))
+        _replace(cls, name, _allocate_on_cpu(getattr(cls, name)))
 
 
+@when(cuda_absent)
 def fix_clip_grads() -> None:
     """clip_grad_by_total_norm_fp32 asserts every gradient is a 'torch.cuda.FloatTensor', so any
     clip_grad > 0 fails on CPU. Replace the name the optimizer module calls with the same rule,
@@ -116,9 +165,10 @@ def fix_clip_grads() -> None:
                 if g is not None:
                     g.detach().mul_(coeff)
 
-    opt.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    _replace(opt, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
 
 
+@when(cuda_absent)
 def fix_checkpoint_preload() -> None:
     """dist_checkpointing's torch_dist writer copies every tensor to the host with non_blocking=True
     and then calls torch.cuda.synchronize(), which raises "Torch not compiled with CUDA enabled", so
@@ -131,9 +181,32 @@ def fix_checkpoint_preload() -> None:
     def preload_tensors(write_buckets, non_blocking=True):
         return preload(write_buckets, non_blocking=False)
 
-    fa.FileSystemWriterAsync.preload_tensors = staticmethod(preload_tensors)
+    _replace(fa.FileSystemWriterAsync, "preload_tensors", staticmethod(preload_tensors))
 
 
+@when(cuda_absent)
+def fix_modelopt_extra_state_sync() -> None:
+    """ModelOpt's Megatron plugin serializes every quant module's state (``_extra_state`` in Megatron's sharded
+    state dict) after a torch.cuda.synchronize() (modelopt/torch/opt/plugins/megatron.py,
+    ``_modelopt_get_extra_state``), which raises "Torch not compiled with CUDA enabled": no checkpoint of a
+    learner with ModelOpt quantizers can be saved. Without CUDA there is nothing to wait for: run it with the
+    synchronize a no-op."""
+    from modelopt.torch.opt.plugins import megatron as mo_megatron
+
+    get_extra_state = mo_megatron._modelopt_get_extra_state
+
+    def _modelopt_get_extra_state(self):
+        synchronize = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda device=None: None
+        try:
+            return get_extra_state(self)
+        finally:
+            torch.cuda.synchronize = synchronize
+
+    _replace(mo_megatron, "_modelopt_get_extra_state", _modelopt_get_extra_state)
+
+
+@when(cuda_absent)
 def fix_distributed_optimizer_types() -> None:
     """Megatron's DistributedOptimizer sorts the parameters it shards by ``param.type()`` and accepts only
     'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor' and 'torch.cuda.BFloat16Tensor' (distrib_optimizer.py,
@@ -157,9 +230,10 @@ def fix_distributed_optimizer_types() -> None:
             init(self, *args, **kwargs)
 
     __init__.__wrapped__ = init
-    DistributedOptimizer.__init__ = __init__
+    _replace(DistributedOptimizer, "__init__", __init__)
 
 
+@when(cuda_absent)
 def fix_recompute_rng() -> None:
     """Activation recompute (learner.recompute: Megatron's tensor_parallel.checkpoint, used by both full and
     selective recompute) saves the CUDA generator's state before the forward and restores it around the
@@ -169,8 +243,8 @@ def fix_recompute_rng() -> None:
     it, are all there is. Make the two CUDA-generator calls save nothing and restore nothing."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
-    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    _replace(mrandom, "_get_cuda_rng_state", lambda *args, **kwargs: None)
+    _replace(mrandom, "_set_cuda_rng_state", lambda *args, **kwargs: None)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -196,13 +270,45 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_optimizer_device, fix_clip_grads,
-         fix_checkpoint_preload, fix_distributed_optimizer_types, fix_recompute_rng)
+         fix_checkpoint_preload, fix_modelopt_extra_state_sync, fix_distributed_optimizer_types, fix_recompute_rng)
+
+
+def needed_fixes() -> list[Callable[[], None]]:
+    """The fixes of FIXES whose condition holds on this machine, in FIXES order."""
+    missing = [f.__name__ for f in FIXES if not callable(getattr(f, "condition", None))]
+    if missing:
+        raise TypeError(f"megatron_cpu: {', '.join(missing)} declare no condition (mark them with @when(...))")
+    return [f for f in FIXES if f.condition()]
 
 
 def apply() -> list[str]:
-    """Install every fix once if CUDA is absent; return the names of the fixes in force."""
-    if needed() and not _APPLIED:
-        for fix in FIXES:
+    """Install, once, every fix this machine needs; return the names of the fixes in force. All or none: when a fix
+    fails, the fixes installed before it are undone and RuntimeError names the failing one (apply() may run again)."""
+    global _installed, _journal
+    if _installed is not None:
+        return list(_installed)
+    installed: dict[str, list[tuple[object, str, object]]] = {}
+    for fix in needed_fixes():
+        _journal = []
+        try:
             fix()
-            _APPLIED.append(fix.__name__)
-    return list(_APPLIED)
+        except Exception as err:
+            _undo(_journal)
+            for journal in reversed(list(installed.values())):
+                _undo(journal)
+            raise RuntimeError(f"megatron_cpu: {fix.__name__} failed ({type(err).__name__}: {err}); the "
+                               f"{len(installed)} fixes installed before it ({', '.join(installed) or 'none'}) were "
+                               "undone, so none is in force") from err
+        finally:
+            journal, _journal = _journal, None
+        installed[fix.__name__] = journal
+    _installed = installed
+    return list(installed)
+
+
+def remove() -> None:
+    """Undo every installed fix (latest first); a later apply() installs them anew."""
+    global _installed
+    for journal in reversed(list((_installed or {}).values())):
+        _undo(journal)
+    _installed = None

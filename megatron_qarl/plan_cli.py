@@ -88,17 +88,17 @@ class PlanOptions:
 def learner_attention(cfg: QarlConfig, te_available: bool | None = None) -> tuple[str, str]:
     """(the learner's attention as the planner counts it, why): ``flash`` for Transformer Engine's fused
     attention (the TE spec), ``unfused`` for Megatron's local spec (DotProductAttention materialises the s^2
-    scores). model.impl te / local decide; auto (or a config without model.impl) is the TE spec where
-    transformer_engine imports, which needs CUDA: the local spec for a CPU learner
-    (launch.gpus_per_learner_rank=0) or where ``te_available`` is False; flash on GPUs otherwise (``te_available``
-    None: TE assumed installed on the GPU nodes)."""
-    impl = getattr(cfg.model, "impl", "auto")
+    scores). model.impl te / local decide; auto is the TE spec where transformer_engine imports
+    (``moe.te.resolve_impl``), which needs CUDA: the local spec for a CPU run (``QarlConfig.gpu_run_keys`` empty)
+    or where ``te_available`` is False; flash on GPUs otherwise (``te_available`` None: TE assumed installed on the
+    GPU nodes)."""
+    impl = cfg.model.impl
     if impl == "te":
         return "flash", "model.impl=te: Transformer Engine's fused attention"
     if impl == "local":
         return "unfused", "model.impl=local: Megatron's local spec, s^2 scores in memory"
     if not cfg.learner_on_gpus:
-        return "unfused", "model.impl=auto on a CPU learner: the local spec, s^2 scores in memory"
+        return "unfused", "model.impl=auto in a CPU run: the local spec, s^2 scores in memory"
     if te_available is False:
         return "unfused", "model.impl=auto without transformer_engine: the local spec, s^2 scores in memory"
     return "flash", ("model.impl=auto on GPUs with transformer_engine: the TE spec" if te_available else

@@ -10,7 +10,6 @@ Ends with a summary: start and final held-out accuracy and the mean time of each
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -60,16 +59,17 @@ def gpu_gib(cfg: QarlConfig) -> float:
 
 
 def check_memory(cfg: QarlConfig, config: str = "this config") -> None:
-    """Refuse (UserError with the plan's figures) a run whose learner runs on GPUs
-    (launch.gpus_per_learner_rank >= 1) and which ``qarl plan --config`` says does not fit them: the learner's
-    micro-batch, optimizer and recompute settings as configured, its attention as model.impl resolves here
-    (the TE spec's flash attention where transformer_engine is installed, else the local spec's unfused one),
-    and the rollout servers. launch.memory_check=false skips it. Nothing is started or written before it."""
+    """Refuse (UserError with the plan's figures) a GPU run (``QarlConfig.gpu_run_keys``: its learner runs on GPUs)
+    which ``qarl plan --config`` says does not fit them: the learner's micro-batch, optimizer and recompute
+    settings as configured, its attention as model.impl resolves here (the TE spec's flash attention where
+    transformer_engine imports, else the local spec's unfused one), and the rollout servers.
+    launch.memory_check=false skips it. Nothing is started or written before it."""
     if not (cfg.learner_on_gpus and cfg.launch.memory_check):
         return
+    from megatron_qarl.moe.te import transformer_engine_available
     from megatron_qarl.plan_cli import PlanOptions, config_plan, refusal
 
-    opts = PlanOptions(gpu_gib=gpu_gib(cfg), te_available=importlib.util.find_spec("transformer_engine") is not None)
+    opts = PlanOptions(gpu_gib=gpu_gib(cfg), te_available=transformer_engine_available())
     why = refusal(config_plan(cfg, opts, alternatives=False), config)
     if why:
         raise UserError(why)

@@ -1,21 +1,34 @@
 #!/bin/bash
-# GPU smoke check, for a CUDA machine with the project installed (pip install -e ".[gpu]" for TE and SGLang):
-#   1. what the machine offers (CUDA devices, NCCL, Transformer Engine, SGLang)
-#   2. a CUDA Megatron train step of the tiny Qwen3-MoE (Megatron-Core local spec, NCCL process group)
-#   3. an NCCL broadcast from GPU 0 to every visible GPU (the weight-update group's transport)
-#   4. with Transformer Engine: the same step with Megatron's TE layer spec, then with TE's blockwise FP8 recipe
-#   5. the SGLang launch command of a Qwen3-30B-A3B config (and whether sglang imports)
-#   6. the tests marked gpu
+# GPU smoke check for a short lease on one GPU (under 8 minutes on one H200). The machine may have no network, its
+# own torch (CUDA build) and no Transformer Engine or SGLang:
+#   0. install the pure-Python wheels it lacks (megatron-core, nvidia-modelopt, pydantic, ...) from gpu_wheels/,
+#      brought along with the repository (python scripts/gpu_wheels.py build, here; pip --no-index --no-deps
+#      there: the machine's torch is never replaced)
+#   1. what the machine offers (CUDA devices, NCCL, Transformer Engine and its FP8 scale format, SGLang)
+#   2. FP8 GEMMs (SGLang's block recipe on torch._scaled_mm from our codes; TE's blockwise FP8 when installed), a
+#      TP1/EP1 learner step on CUDA for each quant scheme (local spec; TE spec too when installed), each learner's
+#      weight-sync payload through an NCCL group of world size 1, an NCCL broadcast over the visible GPUs
+#   3. the SGLang launch command of a Qwen3-30B-A3B config (and whether sglang imports)
+#   4. the tests marked gpu (a test file that cannot import here, for a package the machine lacks, is reported)
 # Exits non-zero when a check that could run failed. On a machine without CUDA it says so and exits 0.
 #   bash scripts/gpu_smoke.sh            (PY=/path/to/python to choose the interpreter)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export PYTHONUNBUFFERED=1
 RC=0
+echo "== wheels (gpu_wheels/)"
+"$PY" scripts/gpu_wheels.py install || RC=1
 echo "== machine"
 "$PY" -m megatron_qarl.gpu_smoke report || RC=1
-echo "== Megatron CUDA step, NCCL broadcast, TE (+FP8) step"
-timeout 900 "$PY" -m megatron_qarl.gpu_smoke smoke || RC=1
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "== no CUDA on this machine: the GPU checks below skip"
+  CUDA=0
+else
+  CUDA=1
+fi
+echo "== FP8 GEMMs, CUDA learner steps (every scheme), sync payload over NCCL, NCCL broadcast"
+timeout 420 "$PY" -m megatron_qarl.gpu_smoke smoke || RC=1
 echo "== SGLang command of configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml"
 "$PY" - <<'PY' || RC=1
 from megatron_qarl.launch.fleet import server_command
@@ -26,7 +39,24 @@ print(" ".join(server_command(cfg, cfg.model.path, "0.0.0.0", 30000)))
 print("sglang importable:", sglang_available())
 PY
 echo "== tests marked gpu"
-timeout 900 "$PY" -m pytest -q -m gpu tests/ -p no:cacheprovider
-case $? in 0|5) ;; *) RC=1 ;; esac   # 5: no gpu test collected
+if [ "$CUDA" -eq 0 ]; then
+  echo "skipped: no CUDA device"
+elif ! "$PY" -c "import pytest" 2>/dev/null; then
+  echo "skipped: pytest is not installed here"
+else
+  for f in $(grep -l "pytest.mark.gpu" tests/test_*.py); do
+    # test_gpu_smoke repeats the smoke above: deselected
+    out=$(timeout 120 "$PY" -m pytest -q -m gpu "$f" -p no:cacheprovider \
+          --deselect tests/test_gpu_adapters.py::test_gpu_smoke 2>&1); rc=$?
+    echo "$out" | tail -5
+    case $rc in
+      0|5) ;;  # 5: no gpu test selected in the file
+      2|4) if echo "$out" | grep -q "ModuleNotFoundError"; then
+             echo "skipped: $f needs a package this machine lacks ($(echo "$out" | grep -m1 -o "No module named [^ ]*"))"
+           else RC=1; fi ;;
+      *) RC=1 ;;
+    esac
+  done
+fi
 echo "== gpu_smoke: $([ $RC -eq 0 ] && echo OK || echo FAILED)"
 exit $RC

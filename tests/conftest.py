@@ -15,6 +15,9 @@ TINY_MODEL = REPO / "checkpoints" / "tiny-qwen3-moe"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# strict device mode (megatron_qarl/moe/parallelize.py): every tensor handed to a collective must have been placed
+# on its group's device by to_group_device; spawned ranks and server processes inherit it
+os.environ.setdefault("QARL_STRICT_DEVICES", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,4 +6,3 @@ exc  # __exit__/__aexit__(self, *exc) of LocalSlurm, RewardScorer, SGLangClient:
 frame  # data/reward.py on_alarm(signum, frame): the signal-handler signature
 types  # megatron_cpu.py __torch_function__(self, func, types, ...): torch's TorchFunctionMode protocol
 non_blocking  # megatron_cpu.py preload_tensors(write_buckets, non_blocking=...): Megatron passes it by keyword
-output  # qat/modules.py hook(module, args, output): torch's forward-hook signature

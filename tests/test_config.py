@@ -110,8 +110,8 @@ def test_learner_memory_keys_are_typed_with_defaults(tiny_model_dir):
      r"^learner\.recompute: 'full' reruns each layer's router in the backward"),
     (["learner.optimizer_offload_fraction=0"], r"^learner\.optimizer_offload_fraction: Input should be greater than 0"),
     (["learner.optimizer_cpu_offload=true"],  # the CPU learner: nothing to offload, and no CUDA to offload with
-     r"^learner\.optimizer_cpu_offload: moves optimizer states from the GPU to the host .* this learner runs on CPUs "
-     r"\(launch\.gpus_per_learner_rank=0\)"),
+     r"^learner\.optimizer_cpu_offload: moves optimizer states from the GPU to the host .* this is a CPU run "
+     r"\(launch\.gpus_per_node=0, launch\.gpus_per_learner_rank=0, rollout\.backend embedded\)"),
     (["learner.optimizer_cpu_offload=true", "learner.distributed_optimizer=false", "launch.gpus_per_learner_rank=1"],
      r"^learner\.optimizer_cpu_offload: needs learner\.distributed_optimizer=true"),
     (["launch.gpu_gib=0"], r"^launch\.gpu_gib: Input should be greater than 0"),

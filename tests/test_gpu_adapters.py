@@ -84,12 +84,22 @@ def test_sglang_commands_of_the_qwen3_configs(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: test_gpu_smoke runs the real checks")
 def test_gpu_smoke_script_runs_through_on_a_machine_without_cuda():
-    """What a user of a CPU machine sees: the report, every check skipped, the SGLang command, exit 0."""
+    """What a user of a CPU machine sees: the wheels step, the report, a plain statement that there is no CUDA,
+    every check skipped, the SGLang command, exit 0."""
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_smoke.sh")], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PY": sys.executable})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert '"all": "skipped: no CUDA device"' in proc.stdout
+    assert "== no CUDA on this machine: the GPU checks below skip" in proc.stdout
+    assert json.dumps({"all": gpu_smoke.NO_CUDA})[1:-1] in proc.stdout  # the smoke's own words, in its JSON
     assert "-m sglang.launch_server --model-path" in proc.stdout and "== gpu_smoke: OK" in proc.stdout
+    assert "gpu_wheels:" in proc.stdout  # it installed what was missing, or said why it did not
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: test_gpu_smoke runs the real checks")
+def test_gpu_smoke_says_there_is_no_cuda():
+    result = gpu_smoke.smoke()
+    assert result["machine"]["cuda"] is False and result["checks"] == {"all": gpu_smoke.NO_CUDA}
+    assert gpu_smoke.main(["smoke"]) == 0
 
 
 @pytest.mark.gpu
@@ -98,4 +108,7 @@ def test_gpu_smoke():
     failed = {k: v for k, v in result["checks"].items() if v.startswith("FAILED")}
     assert not failed, failed
     checks = result["checks"]
-    assert checks["megatron_cuda_step"].startswith("ok") and checks["nccl_broadcast"].startswith("ok")
+    assert checks["fp8_gemm"].startswith("ok") and checks["nccl_broadcast"].startswith("ok")
+    for scheme in ("bf16", "w4a16", "w8a8_fp8", "w8a8_int8"):
+        assert checks[f"learner_step[local,{scheme}]"].startswith("ok")
+        assert checks[f"sync_payload_nccl[local,{scheme}]"].startswith("ok")

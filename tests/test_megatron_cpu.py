@@ -1,20 +1,26 @@
-"""Each Megatron CPU fix is still needed: without it, the upstream failure it cures comes back.
+"""Each Megatron CPU fix is still needed: without it, the upstream failure it cures comes back. Each is keyed on the
+condition of its failure, they are installed all or none, and a learner of a GPU run never falls back to them.
 
-When one of these tests fails, upstream no longer needs that fix: delete it from
+When one of the "still needed" tests fails, upstream no longer needs that fix: delete it from
 megatron_qarl/megatron_cpu.py together with its test.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_qarl import megatron_cpu
+from megatron_qarl.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the fixes apply only without CUDA")
 
@@ -26,14 +32,18 @@ PROBE = textwrap.dedent('''
 
     def install(skip):
         from megatron_qarl import megatron_cpu as mc
-        for fix in mc.FIXES:
-            if fix.__name__ != skip.split(":")[0]:
-                fix()
+        fixes = [fix for fix in mc.FIXES if fix.__name__ != skip.split(":")[0]]
         if skip == "fix_alltoall_streams:splits_only":  # keep the stream part, drop the split sizes
             from megatron.core.transformer.moe import token_dispatcher as td
-            td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu"
-            td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = lambda self, point, t=None: t
-        mc._APPLIED.append("probe")  # apply() must not install the skipped fix
+
+            @mc.when(mc.cuda_absent)
+            def fix_stream_only():
+                mc._replace(td.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", "cpu")
+                mc._replace(td.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", lambda self, point, t=None: t)
+
+            fixes.append(fix_stream_only)
+        mc.FIXES = tuple(fixes)
+        mc.apply()  # init_parallel's apply() then finds the fixes installed: the skipped one stays out
 
 
     def body(skip, scenario, model_dir):
@@ -50,12 +60,14 @@ PROBE = textwrap.dedent('''
         if scenario.startswith("forward"):
             forward_logits(build_model(arch, ep=ep), torch.randint(0, 8, (1, 8)))
             return
+        from megatron_qarl.qat.config import QuantConfig
+        quant = QuantConfig(scheme="w4a16") if scenario == "checkpoint_quant" else None
         learner = Learner(arch, ParallelConfig(), OptimConfig(clip_grad=1.0 if scenario == "clip" else 0.0),
-                          distributed_optimizer=scenario == "distopt",
+                          quant=quant, distributed_optimizer=scenario == "distopt",
                           recompute="full" if scenario == "recompute" else "none")
         batch = Batch(torch.randint(0, arch.vocab_size, (2, 8)), torch.ones(2, 7))
         learner.train_step(batch, lambda logp, b: token_mean_nll(logp, b, 14))
-        if scenario == "checkpoint":
+        if scenario.startswith("checkpoint"):
             import tempfile
             from megatron.core import dist_checkpointing
             msd = learner.module.sharded_state_dict(prefix="model.")
@@ -86,7 +98,8 @@ def _probe(probe_file, skip: str, scenario: str, model_dir: str) -> subprocess.C
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-@pytest.mark.parametrize("scenario", ["clip", "forward_ep2", "checkpoint", "distopt", "recompute"])
+@pytest.mark.parametrize("scenario", ["clip", "forward_ep2", "checkpoint", "checkpoint_quant", "distopt",
+                                      "recompute"])
 def test_all_fixes_together_run(scenario, random_model_dir, probe_file):
     res = _probe(probe_file, "none", scenario, random_model_dir)
     assert "PROBE-OK" in res.stdout, res.stderr[-3000:]
@@ -100,6 +113,7 @@ def test_all_fixes_together_run(scenario, random_model_dir, probe_file):
     ("fix_optimizer_device", "step", "Torch not compiled with CUDA enabled"),
     ("fix_clip_grads", "clip", "assert param.grad.type() == 'torch.cuda.FloatTensor'"),
     ("fix_checkpoint_preload", "checkpoint", "Torch not compiled with CUDA enabled"),
+    ("fix_modelopt_extra_state_sync", "checkpoint_quant", "_modelopt_get_extra_state"),
     ("fix_distributed_optimizer_types", "distopt", "Wrapped parameters must be one of torch.cuda.FloatTensor"),
     ("fix_recompute_rng", "recompute", "torch.cuda.random.get_rng_state"),
 ])
@@ -139,7 +153,124 @@ def test_rmsnorm_matches_transformers():
     assert torch.equal(ours.bfloat16()(xb), ref.bfloat16()(xb))
 
 
-def test_apply_is_a_no_op_with_cuda(monkeypatch):
-    monkeypatch.setattr(megatron_cpu, "needed", lambda: False)
-    monkeypatch.setattr(megatron_cpu, "_APPLIED", [])
-    assert megatron_cpu.apply() == []
+def _names(fixes) -> list[str]:
+    return [f.__name__ for f in fixes]
+
+
+def test_each_fix_is_keyed_on_the_condition_of_its_failure(monkeypatch):
+    """This machine (no CUDA, no Transformer Engine) needs every fix; a GPU without TE (the H200 smoke machine)
+    needs the te_general_gemm fix only; a GPU with TE none; the TE fix follows Megatron's own HAVE_TE."""
+    from megatron.core.transformer.moe import moe_utils
+
+    every = _names(megatron_cpu.FIXES)
+    assert _names(megatron_cpu.needed_fixes()) == every
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _names(megatron_cpu.needed_fixes()) == ["fix_te_general_gemm"]
+    monkeypatch.setattr(moe_utils, "HAVE_TE", True)
+    assert _names(megatron_cpu.needed_fixes()) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _names(megatron_cpu.needed_fixes()) == [n for n in every if n != "fix_te_general_gemm"]
+
+
+def test_a_fix_without_a_condition_is_refused(monkeypatch):
+    def fix_unkeyed():
+        pass
+
+    monkeypatch.setattr(megatron_cpu, "_installed", None)
+    monkeypatch.setattr(megatron_cpu, "FIXES", (*megatron_cpu.FIXES, fix_unkeyed))
+    with pytest.raises(TypeError, match="fix_unkeyed declare no condition"):
+        megatron_cpu.apply()
+
+
+def _owners():
+    """Everything the fixes replace attributes of."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    from megatron.core.optimizer import optimizer as opt
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    return [torch.cuda, td.MoEAlltoAllTokenDispatcher, moe_utils, opt, opt.FP32Optimizer, opt.MixedPrecisionOptimizer,
+            opt.MegatronOptimizer, opt.ChainedOptimizer, fa.FileSystemWriterAsync]
+
+
+def _changed(before: list[dict], owners) -> list[str]:
+    """The 'owner.name' attributes that differ (by identity) from the snapshot ``before``."""
+    out = []
+    for snap, owner in zip(before, owners, strict=True):
+        now = dict(vars(owner))
+        out += [f"{getattr(owner, '__name__', owner)}.{k}" for k in snap.keys() | now.keys()
+                if snap.get(k, megatron_cpu._MISSING) is not now.get(k, megatron_cpu._MISSING)]
+    return out
+
+
+def test_apply_installs_all_or_none_and_names_the_fix_that_failed(monkeypatch):
+    owners = _owners()
+    before = [dict(vars(o)) for o in owners]
+
+    @megatron_cpu.when(lambda: True)
+    def fix_that_fails():
+        megatron_cpu._replace(torch.cuda, "current_device", lambda: "elsewhere")  # half done, then it fails
+        raise ImportError("no module named 'upstream_thing'")
+
+    monkeypatch.setattr(megatron_cpu, "_installed", None)
+    monkeypatch.setattr(megatron_cpu, "FIXES", (megatron_cpu.fix_current_device, megatron_cpu.fix_alltoall_streams,
+                                                fix_that_fails, megatron_cpu.fix_clip_grads))
+    with pytest.raises(RuntimeError, match=r"fix_that_fails failed \(ImportError: no module named 'upstream_thing'\); "
+                                           r"the 2 fixes installed before it \(fix_current_device, "
+                                           r"fix_alltoall_streams\) were undone, so none is in force"):
+        megatron_cpu.apply()
+    assert _changed(before, owners) == []
+    assert megatron_cpu._installed is None  # nothing in force: a later apply() tries again
+
+
+def test_remove_restores_every_attribute_the_fixes_replaced():
+    megatron_cpu.remove()  # an earlier test in this process may have installed them: start from upstream's state
+    owners = _owners()
+    before = [dict(vars(o)) for o in owners]
+    try:
+        assert megatron_cpu.apply() == _names(megatron_cpu.FIXES)
+        assert megatron_cpu.apply() == _names(megatron_cpu.FIXES)  # once
+        changed = set(_changed(before, owners))  # moe_utils.te_general_gemm too, unless this process defined it
+        assert changed >= {
+            "torch.cuda.current_device", "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream",
+            "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "FP32Optimizer.__init__",
+            "MixedPrecisionOptimizer.__init__", "MegatronOptimizer.get_grad_norm", "MegatronOptimizer.clip_grad_norm",
+            "MegatronOptimizer.count_zeros", "ChainedOptimizer.get_grad_norm", "ChainedOptimizer.count_zeros",
+            "megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32", "FileSystemWriterAsync.preload_tensors"}
+        megatron_cpu.remove()
+        assert _changed(before, owners) == []
+    finally:
+        megatron_cpu.apply()  # as later tests in this process expect
+
+
+@pytest.mark.parametrize("config, overrides, asked", [
+    ("cpu_default.yaml", ["launch.gpus_per_learner_rank=1"], "launch.gpus_per_learner_rank=1"),
+    ("cpu_default.yaml", ["rollout.backend=sglang", "rollout.gpus_per_server=1"], "rollout.backend=sglang"),
+    ("qwen3-30b-a3b/w4a16_tbpo_2x8.yaml", [],
+     "launch.gpus_per_node=8, launch.gpus_per_learner_rank=1, rollout.backend=sglang"),
+])
+def test_a_learner_of_a_gpu_run_refuses_a_process_without_cuda(config, overrides, asked, monkeypatch, tiny_model_dir):
+    """Ray hides the GPUs from an actor placed without one: such a learner rank must fail, not train on the CPU."""
+    from megatron_qarl.config import load_config
+    from megatron_qarl.learner_worker import LearnerWorker
+    from megatron_qarl.moe import parallelize
+
+    def must_not_run(**_):
+        raise AssertionError("init_parallel ran: the learner started building")
+
+    monkeypatch.setattr(parallelize, "init_parallel", must_not_run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    cfg = load_config(REPO / "configs" / config, overrides)
+    worker = LearnerWorker(cfg, 3, cfg.world_size)
+    expected = (rf"learner rank 3: the config asks for GPUs \({re.escape(asked)}\) but this process sees none "
+                r".*CUDA_VISIBLE_DEVICES=''\); it will not train on the CPU")
+    with pytest.raises(UserError, match=expected):
+        worker.setup("127.0.0.1", parallelize.free_port())
+    assert worker.learner is None
+
+
+def test_a_cpu_run_does_not_ask_for_gpus(tiny_model_dir):
+    from megatron_qarl.config import load_config
+    from megatron_qarl.learner_worker import gpu_run_reasons
+
+    assert gpu_run_reasons(load_config(REPO / "configs" / "cpu_default.yaml")) == []

@@ -7,7 +7,14 @@ import torch
 
 from megatron_qarl.errors import UserError
 from megatron_qarl.moe import verify
-from megatron_qarl.moe.convert import Layout, SafetensorsDir, hf_to_shard, param_maps, shards_to_hf
+from megatron_qarl.moe.convert import (
+    Layout,
+    SafetensorsDir,
+    hf_to_shard,
+    param_maps,
+    peer_expert_name,
+    shards_to_hf,
+)
 from megatron_qarl.moe.model import Qwen3MoeArch, expert_tp
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -22,9 +29,11 @@ def test_verify_tiny_model(tp, ep, tiny_model_dir):
     assert report["round_trip_tensors"] == len(SafetensorsDir(tiny_model_dir).keys())
 
 
+@pytest.mark.parametrize("impl", ["local", "te"])
 @pytest.mark.parametrize("tp, ep", LAYOUTS + [(4, 1), (1, 4)])
-def test_shard_split_and_merge_is_exact_without_processes(tp, ep, random_model_dir):
-    """Split every tensor for every rank, merge the shards back: identical tensors (pure functions)."""
+def test_shard_split_and_merge_is_exact_without_processes(tp, ep, impl, random_model_dir):
+    """Split every tensor for every rank, merge the shards back: identical tensors (pure functions), for the
+    parameter names of both Megatron layer specs (tests/test_te_spec.py checks the names against Megatron)."""
     arch = Qwen3MoeArch.from_model_dir(random_model_dir)
     if arch.num_key_value_heads % tp:
         pytest.skip("layout does not divide the KV groups")
@@ -32,7 +41,7 @@ def test_shard_split_and_merge_is_exact_without_processes(tp, ep, random_model_d
     etp = expert_tp(tp, ep)
     rebuilt = {}
     for ep_rank in range(ep):
-        maps = list(param_maps(arch, ep_rank, ep))
+        maps = list(param_maps(arch, ep_rank, ep, impl))
         for pm in maps:
             size = etp if pm.split in ("fc1", "fc2") else tp
             shards = [hf_to_shard(pm, hf.__getitem__, arch, Layout(r, tp, ep_rank, ep, r, etp))
@@ -41,6 +50,18 @@ def test_shard_split_and_merge_is_exact_without_processes(tp, ep, random_model_d
     assert sorted(rebuilt) == sorted(hf.keys())
     for name, tensor in rebuilt.items():
         assert torch.equal(tensor, hf[name]), name
+
+
+def test_experts_carry_their_local_index_and_unknown_specs_are_refused(random_model_dir):
+    arch = Qwen3MoeArch.from_model_dir(random_model_dir)
+    for impl, fc1 in (("local", "mlp.experts.local_experts.3.linear_fc1.weight"),
+                      ("te", "mlp.experts.linear_fc1.weight3")):
+        pm = next(p for p in param_maps(arch, 1, 2, impl) if p.mcore == f"decoder.layers.0.{fc1}")
+        assert (pm.expert, pm.hf[0]) == (3, "model.layers.0.mlp.experts.7.gate_proj.weight")  # 3 + 1 * 4
+        peer = peer_expert_name(pm.hf[1], pm, Layout(ep_rank=1, ep=2), 4, 0)  # the same slot on EP rank 0
+        assert peer == "model.layers.0.mlp.experts.3.up_proj.weight"
+    with pytest.raises(ValueError, match="impl: 'transformer_engine' is not one of"):
+        next(param_maps(arch, impl="transformer_engine"))
 
 
 def test_qkv_interleaving_puts_each_group_together(random_model_dir):

@@ -246,8 +246,6 @@ def test_attention_follows_the_model_implementation_and_where_the_learner_runs()
                                                              "transformer_engine is installed there")
     assert learner_attention(cfg("auto", True), te_available=False)[0] == "unfused"
     assert learner_attention(cfg("auto", True), te_available=True)[0] == "flash"
-    no_key = SimpleNamespace(model=SimpleNamespace(), learner_on_gpus=True)  # a config from before model.impl
-    assert learner_attention(no_key)[0] == "flash"
 
 
 def test_rollout_kv_cache_and_pool(big):

@@ -145,3 +145,87 @@ def test_straight_through_gradient_reaches_the_master_weight(tiny_model_dir):
     assert at_master.keys() == at_fq.keys() and at_master
     for name in at_master:
         assert torch.allclose(at_master[name], at_fq[name], rtol=1e-5, atol=1e-8), name
+
+
+def _quant_module_types(model_dir: str, scheme: str) -> dict:
+    """The learner's quantized linears: ModelOpt quant modules whose enabled quantizers run our backends."""
+    from megatron_qarl.config import OptimConfig, ParallelConfig
+    from megatron_qarl.learner import Learner
+    from megatron_qarl.qat.modules import ACT_BACKEND, WEIGHT_BACKEND
+
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel()
+    learner = Learner(arch, ParallelConfig(), OptimConfig(), quant=QuantConfig(scheme=scheme))
+    out = {"types": set(), "weight_backends": set(), "act_backends": set(), "disabled": set()}
+    for t in learner.fake_quant.targets:
+        out["types"].add(type(t.module).__name__)
+        out["weight_backends"].add((t.weight_quantizer.backend, t.weight_quantizer.is_enabled))
+        out["act_backends"].add((t.input_quantizer.backend, t.input_quantizer.is_enabled))
+    bound = {id(t.module) for t in learner.fake_quant.targets}
+    for name, m in learner.module.named_modules():
+        if hasattr(m, "weight_quantizer") and id(m) not in bound:
+            assert not m.weight_quantizer.is_enabled and not m.input_quantizer.is_enabled, name
+            out["disabled"].add(name.split(".")[-1])
+    out["mro"] = {c.__module__.split(".")[0] for t in learner.fake_quant.targets for c in type(t.module).__mro__}
+    out["names"] = (WEIGHT_BACKEND, ACT_BACKEND)
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8_fp8"])
+def test_quantized_linears_are_modelopt_quant_modules_on_our_backend(scheme, tiny_model_dir):
+    r = run_ranks(1, _quant_module_types, tiny_model_dir, scheme)[0]
+    weight_backend, act_backend = r["names"]
+    assert r["types"] <= {"QuantColumnParallelLinear", "QuantRowParallelLinear"} and r["types"]
+    assert {"modelopt", "megatron"} <= r["mro"]  # ModelOpt's quant module around Megatron's linear
+    assert r["weight_backends"] == {(weight_backend, True)}
+    if scheme == "w4a16":  # weight-only: inputs stay BF16; attention is not quantized
+        assert {b for b, _ in r["act_backends"]} <= {None, act_backend} and not any(on for _, on in r["act_backends"])
+        assert {"linear_qkv", "linear_proj", "output_layer"} <= r["disabled"]
+    else:
+        assert r["act_backends"] == {(act_backend, True)}
+        assert "output_layer" in r["disabled"]
+
+
+def _resume(model_dir: str, tp: int, ep: int, ckpt: str) -> dict:
+    """Two aligned W4A16 steps straight vs one step, dist-checkpoint save, a fresh learner loading it, one step."""
+    from megatron_qarl.checkpoint import load_learner, save_learner
+    from megatron_qarl.config import OptimConfig, ParallelConfig
+    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(tp=tp, ep=ep, seed=7)
+    tokens = torch.randint(0, arch.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 15)
+    batch = Batch(tokens, mask)
+
+    def loss_fn(logp, b):
+        return token_mean_nll(logp, b, int(mask.sum()))
+
+    def learner():
+        return Learner(arch, ParallelConfig(tp=tp, ep=ep), OptimConfig(lr=1e-3), quant=QuantConfig(scheme="w4a16"))
+
+    straight = learner()
+    straight.load_hf(model_dir)
+    first = straight.train_step(batch, loss_fn)
+    save_learner(ckpt, straight.module, straight.optimizer)
+    codes_saved = {k: v.codes.clone() for k, v in straight.fake_quant.quantized_weights().items()}
+    second = straight.train_step(batch, loss_fn)
+
+    resumed = learner()  # random init, then the checkpoint
+    load_learner(ckpt, resumed.module, resumed.optimizer)
+    resumed.fake_quant.invalidate()
+    codes_loaded = {k: v.codes for k, v in resumed.fake_quant.quantized_weights().items()}
+    again = resumed.train_step(batch, loss_fn)
+    return {"first": first["loss"], "second": second["loss"], "again": again["loss"],
+            "codes_equal": codes_saved.keys() == codes_loaded.keys()
+            and all(torch.equal(codes_saved[k], codes_loaded[k]) for k in codes_saved),
+            "n_codes": len(codes_saved)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 2)])
+def test_dist_checkpoint_resume_with_modelopt_quantizers(tp, ep, tiny_model_dir, tmp_path):
+    results = run_ranks(world_size(tp, ep), _resume, tiny_model_dir, tp, ep, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["n_codes"] > 0 and r["codes_equal"], r
+        assert r["again"] == r["second"] and r["second"] != r["first"], r

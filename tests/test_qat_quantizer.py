@@ -13,6 +13,8 @@ from megatron_qarl.qat.export import dequantize_state_dict, export_state_dict
 from megatron_qarl.qat.fake_quant import fake_quant_act, fake_quant_weight, qat_linear
 from megatron_qarl.qat.pack import pack_int4, unpack_int4
 from megatron_qarl.qat.quantizer import (
+    dequantize_weight,
+    fake_quantize_weight,
     quant_act_fp8_per_token_group,
     quant_act_int8_per_token,
     quantize_fp8_block,
@@ -200,6 +202,42 @@ def test_straight_through_through_a_linear():
     assert torch.equal(w.grad, g.t() @ x_fq) and torch.equal(x.grad, g @ w_fq)
 
 
+# ------------------------------------------------------------- the learner's one-pass refresh, eager and compiled
+FUSED_CASES = [
+    ("w4a16", {}, torch.float32), ("w4a16", {}, torch.bfloat16), ("w4a16", {"scale_bits": None}, torch.float32),
+    ("w4a16", {"num_bits": 2}, torch.float32), ("w4a16", {"num_bits": 3}, torch.float32),
+    ("w4a16", {"symmetric": False}, torch.float32), ("w8a8_fp8", {}, torch.float32), ("w8a8_int8", {}, torch.float32),
+]
+
+
+def _fused_matches(w, cfg, compiled):
+    qw, w_fq = fake_quantize_weight(w, cfg, "experts.3.up_proj.weight", compiled=compiled)
+    ref = quantize_weight(w, cfg, "experts.3.up_proj.weight")
+    assert torch.equal(qw.codes.view(torch.int8), ref.codes.view(torch.int8))
+    assert torch.equal(qw.scales, ref.scales)
+    assert (qw.zero_points is None) == (ref.zero_points is None)
+    if ref.zero_points is not None:
+        assert torch.equal(qw.zero_points, ref.zero_points)
+    deq = dequantize_weight(ref, w.dtype)
+    assert w_fq.dtype == w.dtype and torch.equal(w_fq, deq)
+
+
+@pytest.mark.parametrize("scheme, kwargs, dtype", FUSED_CASES)
+def test_one_pass_refresh_equals_quantize_then_dequantize(scheme, kwargs, dtype):
+    for seed, shape in enumerate([(768, 2048), (96, 256)]):
+        w = _weight(shape, seed, dtype) * (1 + seed * 50)  # two magnitudes; ties at .5 come from the bf16 grid
+        _fused_matches(w, QuantConfig(scheme=scheme, **kwargs), compiled=False)
+
+
+def test_compiled_refresh_is_bit_identical():
+    """torch.compile'd W4A16 (learner.compile_quantizer): same codes, scales and fake-quant weights, for every
+    width and scale setting, two dtypes and shapes (dynamic shapes: one compile)."""
+    for scheme, kwargs, dtype in FUSED_CASES[:5]:
+        for seed, shape in enumerate([(768, 2048), (96, 256)]):
+            w = _weight(shape, seed, dtype) * (1 + seed * 50)
+            _fused_matches(w, QuantConfig(scheme=scheme, **kwargs), compiled=True)
+
+
 # ------------------------------------------------------------------------------------------------ errors
 def test_group_size_not_dividing_k():
     with pytest.raises(ValueError, match=r"group_size 128 does not divide K=200"):
@@ -212,6 +250,8 @@ def test_non_finite_weight_names_the_tensor():
     for scheme in SCHEMES:
         with pytest.raises(ValueError, match=r"layers\.7\.down_proj\.weight: 1 non-finite"):
             fake_quant_weight(w, QuantConfig(scheme=scheme), "layers.7.down_proj.weight")
+        with pytest.raises(ValueError, match=r"layers\.7\.down_proj\.weight: 1 non-finite"):
+            fake_quantize_weight(w, QuantConfig(scheme=scheme), "layers.7.down_proj.weight")
 
 
 def test_unknown_scheme_lists_valid_ones():

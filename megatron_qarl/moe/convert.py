@@ -12,6 +12,26 @@ it comes from and how they are split:
   fc2         experts.E.down_proj -> local_experts.e.linear_fc2        split along dim 1 over ETP
 Global expert E = e + ep_rank * (num_experts / ep). ETP is 1 when EP > 1 and equals TP otherwise
 (megatron_qarl.moe.model.expert_tp), as Megatron sums expert gradients only over expert groups.
+
+Two Megatron layer specs name these parameters differently (``impl``; megatron-core 0.16.1's
+``gpt_layer_specs.get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``):
+
+  HF tensor(s) of layer L        local spec (impl="local")                 TE spec (impl="te")
+  input_layernorm                input_layernorm.weight                    self_attention.linear_qkv.layer_norm_weight
+  self_attn.{q,k,v}_proj         self_attention.linear_qkv.weight          same
+  self_attn.o_proj               self_attention.linear_proj.weight         same
+  self_attn.{q,k}_norm           self_attention.{q,k}_layernorm.weight     same
+  post_attention_layernorm       pre_mlp_layernorm.weight                  same (a separate TENorm)
+  mlp.gate                       mlp.router.weight                         same
+  mlp.experts.E.{gate,up}_proj   mlp.experts.local_experts.e.linear_fc1.weight   mlp.experts.linear_fc1.weight<e>
+  mlp.experts.E.down_proj        mlp.experts.local_experts.e.linear_fc2.weight   mlp.experts.linear_fc2.weight<e>
+(module paths under decoder.layers.L.; embedding, final norm and output layer are named alike in both.)
+
+The TE spec folds the attention RMSNorm into TELayerNormColumnParallelLinear (``layer_norm_weight``); for MoE
+layers it keeps ``pre_mlp_layernorm`` a separate TENorm (the router reads the normed input, and the experts are
+plain TE grouped linears with no norm to fold into); TEGroupedMLP holds one ``weight<e>`` per local expert. Split
+kinds and tensor layouts are the same in both specs, so everything keyed on ``ParamMap.split`` works unchanged.
+tests/test_te_spec.py checks both tables against the modules Megatron's own spec code builds.
 """
 
 from __future__ import annotations
@@ -24,14 +44,17 @@ from pathlib import Path
 import torch
 
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.moe.parallelize import all_gather_tensors
+from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
+
+IMPLS = ("local", "te")  # the Megatron layer specs param_maps names (model.impl after "auto" is resolved)
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamMap:
-    mcore: str
+    mcore: str  # "<module path>.<parameter name>" in the Megatron model
     hf: tuple[str, ...]
     split: str  # replicated | tp_row | tp_col | qkv | fc1 | fc2
+    expert: int | None = None  # fc1 / fc2: the local expert index e on this EP rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +77,18 @@ class Layout:
                    ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
 
 
-def param_maps(arch: Qwen3MoeArch, ep_rank: int = 0, ep: int = 1) -> Iterator[ParamMap]:
-    """Every parameter of one TP/EP rank's Megatron model and its Hugging Face sources."""
+def param_maps(arch: Qwen3MoeArch, ep_rank: int = 0, ep: int = 1, impl: str = "local") -> Iterator[ParamMap]:
+    """Every parameter of one TP/EP rank's Megatron model and its Hugging Face sources, named as the ``impl``
+    layer spec names them ("local": Megatron's local spec, "te": its Transformer Engine spec)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
+    te = impl == "te"
     yield ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "tp_row")
     n_local = arch.num_experts // ep
     for L in range(arch.num_hidden_layers):
         m, h = f"decoder.layers.{L}.", f"model.layers.{L}."
-        yield ParamMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated")
+        input_norm = "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
+        yield ParamMap(m + input_norm, (h + "input_layernorm.weight",), "replicated")
         yield ParamMap(m + "self_attention.linear_qkv.weight",
                        tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv")
         yield ParamMap(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "tp_col")
@@ -70,11 +98,21 @@ def param_maps(arch: Qwen3MoeArch, ep_rank: int = 0, ep: int = 1) -> Iterator[Pa
         yield ParamMap(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated")
         for e in range(n_local):
             E = e + ep_rank * n_local
-            me, he = m + f"mlp.experts.local_experts.{e}.", h + f"mlp.experts.{E}."
-            yield ParamMap(me + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"), "fc1")
-            yield ParamMap(me + "linear_fc2.weight", (he + "down_proj.weight",), "fc2")
+            he = h + f"mlp.experts.{E}."
+            fc1, fc2 = ((f"mlp.experts.linear_fc1.weight{e}", f"mlp.experts.linear_fc2.weight{e}") if te else
+                        (f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                         f"mlp.experts.local_experts.{e}.linear_fc2.weight"))
+            yield ParamMap(m + fc1, (he + "gate_proj.weight", he + "up_proj.weight"), "fc1", e)
+            yield ParamMap(m + fc2, (he + "down_proj.weight",), "fc2", e)
     yield ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
     yield ParamMap("output_layer.weight", ("lm_head.weight",), "tp_row")
+
+
+def model_impl(model) -> str:
+    """Which layer spec built ``model`` ("te" when its attention has TE's fused norm + QKV linear, else "local"),
+    so that the parameter table follows the model it is used on."""
+    names = (n for n, _ in model.named_parameters())
+    return "te" if any(n.endswith("self_attention.linear_qkv.layer_norm_weight") for n in names) else "local"
 
 
 def _qkv_groups(arch: Qwen3MoeArch) -> tuple[int, int]:
@@ -157,7 +195,7 @@ def load_hf_into_model(model, arch: Qwen3MoeArch, hf: Mapping[str, torch.Tensor]
     lay = Layout.current()
     params = dict(model.named_parameters())
     seen = set()
-    for pm in param_maps(arch, lay.ep_rank, lay.ep):
+    for pm in param_maps(arch, lay.ep_rank, lay.ep, model_impl(model)):
         if pm.mcore not in params:
             raise KeyError(f"Megatron model has no parameter {pm.mcore!r}")
         src = hf_to_shard(pm, hf.__getitem__, arch, lay)
@@ -174,7 +212,7 @@ def load_hf_into_model(model, arch: Qwen3MoeArch, hf: Mapping[str, torch.Tensor]
 def peer_expert_name(name: str, pm: ParamMap, lay: Layout, n_local: int, peer_ep_rank: int) -> str:
     """The Hugging Face name of ``name`` (one of this rank's experts) for the same local expert slot
     on EP rank ``peer_ep_rank``: global expert e_local + ep_rank * n_local."""
-    e_local = int(pm.mcore.split("local_experts.")[1].split(".")[0])
+    e_local = pm.expert
     return name.replace(f"experts.{e_local + lay.ep_rank * n_local}.", f"experts.{e_local + peer_ep_rank * n_local}.")
 
 
@@ -196,18 +234,20 @@ def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True,
     etp_group = ps.get_expert_tensor_parallel_group()
     params = dict(model.named_parameters())
     n_local = arch.num_experts // lay.ep
-    for pm in param_maps(arch, lay.ep_rank, lay.ep):
+    for pm in param_maps(arch, lay.ep_rank, lay.ep, model_impl(model)):
         if include is not None and not include(pm):
             continue
         local = params[pm.mcore].detach()
         if pm.split not in ("fc1", "fc2"):
-            shards = all_gather_tensors(local, tp_group, lay.tp) if pm.split != "replicated" else [local]
+            shards = ([local] if pm.split == "replicated" else
+                      all_gather_tensors(to_group_device(local, tp_group), tp_group, lay.tp, name=pm.mcore))
             yield from shards_to_hf(pm, shards, arch).items()
             continue
-        full = shards_to_hf(pm, all_gather_tensors(local, etp_group, lay.etp), arch)
+        shards = all_gather_tensors(to_group_device(local, etp_group), etp_group, lay.etp, name=pm.mcore)
+        full = shards_to_hf(pm, shards, arch)
         if not all_experts or lay.ep == 1:
             yield from full.items()
             continue
         for name, tensor in full.items():
-            for r, t in enumerate(all_gather_tensors(tensor, ep_group, lay.ep)):
+            for r, t in enumerate(all_gather_tensors(to_group_device(tensor, ep_group), ep_group, lay.ep, name=name)):
                 yield peer_expert_name(name, pm, lay, n_local, r), t

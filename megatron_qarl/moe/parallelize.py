@@ -1,6 +1,15 @@
 """Process groups: the torch.distributed backend (``dist_backend``: NCCL on GPUs, gloo on CPU) of the learner and
-of the weight-update group, the learner's Megatron tensor / expert parallel groups, the one all-gather helper the
-shard-gathering code uses, and a helper that starts N local ranks for commands and tests."""
+of the weight-update group, the learner's Megatron tensor / expert parallel groups, and a helper that starts N local
+ranks for commands and tests.
+
+Every collective of the package goes through this module (tests/test_collectives.py checks that no other module calls
+torch.distributed's). ``group_device(group)`` is the one answer to "which device do this group's tensors live on"
+(the current CUDA device for NCCL, the CPU for gloo; NCCL refuses CPU tensors even in a group of one);
+``to_group_device`` / ``group_empty`` put a tensor there, and the wrappers (``all_gather_tensors``, ``broadcast``,
+``all_reduce``, ``barrier``) refuse, naming it, a tensor on another device. With ``QARL_STRICT_DEVICES=1`` (the
+test suite sets it) they also refuse a tensor that ``to_group_device`` / ``group_empty`` did not place, so a CPU-only
+run catches the tensor that would reach NCCL from the CPU on a GPU machine.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +18,7 @@ import pickle
 import socket
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,18 +39,93 @@ def dist_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def all_gather_tensors(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
-    """Collective over ``group`` (``size`` ranks): every rank's ``t`` (same shape and dtype), in rank order.
-    ``size`` 1 returns ``[t]`` without communicating."""
+STRICT_ENV = "QARL_STRICT_DEVICES"
+
+# the tensors to_group_device / group_empty placed, by id (a torch tensor hashes by id; the entry goes with the tensor)
+_PLACED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+class DeviceError(RuntimeError):
+    """A tensor handed to a collective is not on its group's device, or (strict mode) was not placed there by
+    ``to_group_device``; the message names it."""
+
+
+def strict_devices() -> bool:
+    """Strict mode: the collectives refuse tensors that this module's helpers did not place (``QARL_STRICT_DEVICES``
+    set and not 0; the test suite turns it on)."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def group_device(group=None) -> torch.device:
+    """The device whose tensors ``group`` (None: the default group) communicates: the current CUDA device for an
+    NCCL group, the CPU for gloo. Nothing else in the package picks a collective's device."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _placed(t: torch.Tensor) -> torch.Tensor:
+    _PLACED[id(t)] = t
+    return t
+
+
+def to_group_device(t: torch.Tensor, group=None) -> torch.Tensor:
+    """``t`` on ``group``'s device (``t`` itself when it is there already), marked as placed for the collectives."""
+    return _placed(t.to(group_device(group)))
+
+
+def group_empty(shape, dtype: torch.dtype, group=None) -> torch.Tensor:
+    """An uninitialised buffer on ``group``'s device (a receive buffer), marked as placed."""
+    return _placed(torch.empty(shape, dtype=dtype, device=group_device(group)))
+
+
+def _check(t: torch.Tensor, group, name: str) -> None:
+    """DeviceError naming ``name`` unless ``t`` is on ``group``'s device (and, strict, was placed there by this
+    module)."""
+    want = group_device(group)
+    if t.device != want:
+        raise DeviceError(f"{name}: a {t.device} tensor handed to a collective of a {dist.get_backend(group)} group, "
+                          f"whose tensors live on {want} (place it with parallelize.to_group_device)")
+    if strict_devices() and _PLACED.get(id(t)) is not t:
+        raise DeviceError(f"{name}: a {t.dtype} {list(t.shape)} tensor on {t.device} handed to a collective was not "
+                          f"placed by parallelize.to_group_device ({STRICT_ENV}=1): on a GPU machine it may be a CPU "
+                          "tensor that NCCL refuses")
+
+
+def all_gather_tensors(t: torch.Tensor, group, size: int, name: str = "tensor") -> list[torch.Tensor]:
+    """Collective over ``group`` (``size`` ranks): every rank's ``t`` (same shape and dtype, on the group's device), in
+    rank order. ``size`` 1 returns ``[t]`` without communicating (after the same device check)."""
+    _check(t, group, name)
     if size == 1:
         return [t]
-    out = [torch.empty_like(t) for _ in range(size)]
+    out = [_placed(torch.empty_like(t)) for _ in range(size)]
     dist.all_gather(out, t.contiguous(), group=group)
     return out
 
 
+def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False, name: str = "tensor"):
+    """``dist.broadcast`` of ``t`` (on ``group``'s device) from ``src``; with ``async_op`` the work handle."""
+    _check(t, group, name)
+    return dist.broadcast(t, src=src, group=group, async_op=async_op)
+
+
+def all_reduce(t: torch.Tensor, group=None, name: str = "tensor") -> None:
+    """In-place sum of ``t`` (on ``group``'s device) over ``group``."""
+    _check(t, group, name)
+    dist.all_reduce(t, group=group)
+
+
+def barrier(group=None) -> None:
+    """``dist.barrier`` on ``group``; NCCL's is told the current device rather than guessing one from the rank."""
+    device = group_device(group)
+    dist.barrier(group=group, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
     """Join the default process group (env:// variables) and create Megatron's parallel groups."""
+    from megatron_qarl.moe.te import prefer_fp32_block_scales
+
+    prefer_fp32_block_scales()  # before Megatron imports Transformer Engine (it reads the variable on import)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 

@@ -1,6 +1,9 @@
 """Transformer Engine (TE) for the learner's Megatron model on CUDA. TE is imported lazily, so this module
 imports on CPU machines; ``moe.model.build_model(..., te=quant)`` builds the model with it.
 
+- ``resolve_impl``: the config key ``model.impl`` (auto | local | te) to the layer spec a learner builds: auto is
+  "te" where transformer_engine imports, else "local"; "te" where it does not is a ConfigError naming the key.
+
 - ``te_layer_spec``: Megatron's TE layer spec for Qwen3-MoE (fused TE linears with the RMSNorm folded into
   linear_qkv / linear_fc1, qk-norm, TE grouped-GEMM experts).
 - ``te_transformer_config``: ``moe.model.transformer_config`` with ``te_config_overrides``: the CUDA fusions back
@@ -17,9 +20,11 @@ Field names checked against megatron-core 0.16.1 (``TransformerConfig.fp8``, ``f
 from __future__ import annotations
 
 import dataclasses
+import os
 from types import ModuleType
 from typing import Any
 
+from megatron_qarl.errors import ConfigError
 from megatron_qarl.qat.config import QuantConfig
 
 TE_BLOCK = 128  # Float8BlockScaling's tile edge
@@ -59,8 +64,54 @@ def transformer_engine_available() -> bool:
     return True
 
 
+# TE's Float8BlockScaling reads this once, when transformer_engine is first imported: "1" gives fp32 block scales
+# (amax / 448, SGLang's on Hopper) instead of the default power-of-two ones. Hopper only: on Blackwell TE emulates
+# the recipe with MXFP8 and supports power-of-two scales alone (TE docs, "FP8 Blockwise Scaling").
+FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+
+
+def prefer_fp32_block_scales() -> None:
+    """Before TE is imported: on a Hopper GPU (compute capability 9.x) set NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
+    unless the environment already sets it, so that TE's FP8 block scales are fp32 like SGLang's on Hopper (slime
+    sets the same default for its trainer actors). Elsewhere, or when set, the environment is left alone."""
+    import torch
+
+    if FP32_SCALES_ENV in os.environ or not torch.cuda.is_available():
+        return
+    if torch.cuda.get_device_capability()[0] == 9:
+        os.environ[FP32_SCALES_ENV] = "1"
+
+
+def te_fp8_block_scales() -> str:
+    """The scale format TE's Float8BlockScaling recipe uses in this process: "fp32" or "power-of-two" (its
+    default, fixed when transformer_engine was first imported). ImportError where TE is absent."""
+    require_transformer_engine()
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    return "power-of-two" if Float8BlockScaling().fp8_quant_fwd_weight.power_2_scale else "fp32"
+
+
+def resolve_impl(impl: str) -> str:
+    """``model.impl`` -> the layer spec to build: "te" or "local". auto: "te" where Transformer Engine imports,
+    else "local". "te" where TE does not import: ConfigError naming the key and the package."""
+    if impl == "local":
+        return "local"
+    if impl == "auto":
+        return "te" if transformer_engine_available() else "local"
+    if impl != "te":
+        raise ConfigError(f"model.impl: {impl!r} is not one of 'auto', 'local', 'te'")
+    try:
+        require_transformer_engine()
+    except ImportError as err:
+        raise ConfigError(f"model.impl: 'te' builds Megatron's Transformer Engine layers, but transformer_engine "
+                          f"(transformer-engine[pytorch]) does not import on this machine ({err}); use 'local' or "
+                          f"'auto'") from None
+    return "te"
+
+
 def require_transformer_engine() -> ModuleType:
     """Import and return ``transformer_engine.pytorch``; ImportError with the reason when it cannot."""
+    prefer_fp32_block_scales()
     try:
         import transformer_engine.pytorch as te_pytorch  # noqa: PLC0415 - lazy: GPU clusters only
     except Exception as err:  # TE's meta package raises RuntimeError / ImportError when the wheel is empty
@@ -71,14 +122,20 @@ def require_transformer_engine() -> ModuleType:
     return te_pytorch
 
 
-def te_layer_spec(arch, *, grouped_gemm: bool = True):
+def te_layer_spec_kwargs(arch) -> dict[str, Any]:
+    """The arguments of Megatron's ``get_gpt_layer_with_transformer_engine_spec`` for Qwen3-MoE: every layer an MoE
+    layer, qk-norm, the experts as TE grouped GEMMs (TEGroupedMLP; ``moe_convert.param_maps(impl="te")`` names its
+    ``weight<e>`` parameters)."""
+    return {"num_experts": arch.num_experts, "moe_grouped_gemm": True, "qk_layernorm": True}
+
+
+def te_layer_spec(arch):
     """Megatron's Transformer Engine layer spec for Qwen3-MoE (RMSNorm via the config, qk-norm, MoE experts
     as TE grouped GEMMs). ImportError naming the package when TE is absent (CPU machines)."""
     require_transformer_engine()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts, moe_grouped_gemm=grouped_gemm,
-                                                      qk_layernorm=True)
+    return get_gpt_layer_with_transformer_engine_spec(**te_layer_spec_kwargs(arch))
 
 
 def te_config_overrides(quant: QuantConfig) -> dict[str, Any]:

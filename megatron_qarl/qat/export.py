@@ -37,12 +37,13 @@ def is_linear_weight(name: str, tensor: Tensor) -> bool:
 
 
 def to_sglang_tensors(prefix: str, qw: QuantizedWeight) -> dict[str, Tensor]:
-    """The tensors of one quantized linear ``prefix`` in SGLang's checkpoint format for ``qw.scheme``."""
+    """The tensors of one quantized linear ``prefix`` in SGLang's checkpoint format for ``qw.scheme``, all on the
+    device of ``qw.codes`` (a weight sync all-gathers and broadcasts them together)."""
     if qw.scheme == "w4a16":
         out = {
             f"{prefix}.weight_packed": pack_int4(qw.codes),
             f"{prefix}.weight_scale": qw.scales.to(torch.bfloat16).contiguous(),
-            f"{prefix}.weight_shape": torch.tensor(qw.shape, dtype=torch.int32),
+            f"{prefix}.weight_shape": torch.tensor(qw.shape, dtype=torch.int32, device=qw.codes.device),
         }
         if qw.zero_points is not None:
             out[f"{prefix}.weight_zero_point"] = pack_int4(qw.zero_points, packed_dim=0)

@@ -1,46 +1,137 @@
-"""Fake quantization inside the Megatron model, without editing Megatron: a visible wrapper.
+"""Fake quantization inside the Megatron model: NVIDIA ModelOpt's quant modules, driven by the one quantizer.
 
-`apply_fake_quant(model, arch, cfg)` attaches a pre/post forward hook pair to every Megatron linear
-whose Hugging Face tensors the config quantizes (compressed-tensors targets / ignore semantics,
-megatron_qarl.qat.config.is_quantized). During that module's forward:
+`apply_fake_quant(model, arch, cfg)`:
+  1. ``mtq.quantize`` (ModelOpt's Megatron plugin) turns every Megatron linear into a ModelOpt quant module
+     (ColumnParallelLinear -> QuantColumnParallelLinear, RowParallelLinear -> QuantRowParallelLinear; on the
+     Transformer Engine spec TELayerNormColumnParallelLinear, TE{Column,Row}ParallelLinear and the TE grouped
+     expert linears), each with a weight and an input TensorQuantizer. The weight quantizers run the ModelOpt
+     backend ``qarl_weight``, the W8A8 input quantizers the backend ``qarl_act`` (both registered here with
+     ``register_quant_backend``); ModelOpt applies them to the linear functional's operands.
+  2. Quantizers of linears whose Hugging Face tensors the config does not quantize (compressed-tensors targets /
+     ignore semantics, ``qat.config.is_quantized``: the router, lm_head, attention under w4a16, ...) are
+     disabled: those modules compute in high precision.
+  3. Each enabled quantizer is bound to its target, which computes (STE = straight-through backward):
 
-    weight  <- straight_through(master, hf_to_shard(dequantize(quantize(hf_tensors(master)))))
-    input   <- straight_through(x, quant_act(x))                       (W8A8 schemes only)
+        weight  <- straight_through(w, hf_to_shard(dequantize(quantize(hf_tensors(gathered w)))))
+        input   <- straight_through(x, quant_act(x))                       (W8A8 schemes only)
 
-The unit of quantization is always the Hugging Face tensor the rollout engine loads (q_proj, k_proj,
-v_proj separately, gate_proj and up_proj separately), never Megatron's fused or sharded one: when a
-layer is split over tensor / expert-tensor parallel ranks, the shards are all-gathered, quantized
-whole and sliced back, so the learner's low-bit weights equal the exported ones for any layout.
-Row-parallel inputs (split along K) are gathered the same way for the W8A8 per-token scales.
+The unit of quantization is always the Hugging Face tensor the rollout engine loads (q_proj, k_proj, v_proj
+separately, gate_proj and up_proj separately), never Megatron's fused or sharded one: when a layer is split over
+tensor / expert-tensor parallel ranks, the shards are all-gathered, quantized whole and sliced back, so the
+learner's low-bit weights equal the exported ones for any layout. Row-parallel inputs (split along K) are
+gathered the same way for the W8A8 per-token scales.
 
-Quantization runs once per weight version: the QuantizedWeights are cached until the master
-weight changes (or `invalidate()`), and `quantized_weights()` hands the exporter / weight sync the
-very codes and scales the forward used: nothing is quantized twice.
+Codes are refreshed once per weight version, not per forward: a target keeps its QuantizedWeights until the
+master parameter's version (``_version``, ``data_ptr``) changes or ``invalidate()`` is called (the learner calls
+it after every optimizer step), and ``quantized_weights()`` hands the exporter / weight sync those very codes
+and scales: nothing is quantized twice.
+
+Why not ModelOpt's own numerics: its INT4 fake quant rounds with an fp32 scale and codes in [-7, 7]; SGLang's
+Marlin kernel serves a bf16 scale and codes in [-8, 7] (docs/quantization.md has the measured difference), and
+its quantizers see Megatron's fused, sharded tensors. ModelOpt inserts and owns the quantizers; the numerics and
+the HF-tensor unit are ours, reached through its backend hook.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from megatron_qarl.moe.convert import Layout, ParamMap, hf_to_shard, param_maps, shards_to_hf
+from megatron_qarl.moe.convert import Layout, ParamMap, hf_to_shard, model_impl, param_maps, shards_to_hf
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.moe.parallelize import all_gather_tensors
+from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 from megatron_qarl.qat.config import QuantConfig, is_quantized
 from megatron_qarl.qat.fake_quant import fake_quant_act, straight_through
-from megatron_qarl.qat.quantizer import QuantizedWeight, quantize_weight
+from megatron_qarl.qat.quantizer import QuantizedWeight, fake_quantize_weight
+
+WEIGHT_BACKEND = "qarl_weight"
+ACT_BACKEND = "qarl_act"
 
 # Megatron parameter split kinds that are linear weights, and whether K (dim 1) is the split dim
 _LINEAR_SPLITS = {"qkv": False, "tp_row": False, "tp_col": True, "fc1": False, "fc2": True}
+
+# TensorQuantizer -> the function its backend calls (set by FakeQuant; weak: a dropped model frees its entries)
+_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _dispatch(x: Tensor, quantizer) -> Tensor:
+    fn = _BOUND.get(quantizer)
+    if fn is None:
+        raise RuntimeError(f"a ModelOpt quantizer with backend {quantizer.backend!r} was not bound by "
+                           "megatron_qarl.qat.modules.apply_fake_quant (was the model quantized elsewhere?)")
+    return fn(x)
+
+
+def register_backends() -> None:
+    """Register the two ModelOpt backends (idempotent)."""
+    from modelopt.torch.quantization.nn.modules.tensor_quantizer import (
+        is_registered_quant_backend,
+        register_quant_backend,
+    )
+
+    for name in (WEIGHT_BACKEND, ACT_BACKEND):
+        if not is_registered_quant_backend(name):
+            register_quant_backend(name, _dispatch)
+
+
+def modelopt_config(cfg: QuantConfig) -> dict:
+    """The ``mtq.quantize`` config: every weight quantizer on our backend; input quantizers on ``qarl_act`` for
+    W8A8 schemes, off for weight-only ones; output quantizers off. No calibration (our scales are dynamic)."""
+    act = ({"enable": True, "cfg": {"backend": ACT_BACKEND}} if cfg.scheme in ("w8a8_fp8", "w8a8_int8")
+           else {"enable": False})
+    return {
+        "quant_cfg": [
+            {"quantizer_name": "*", "enable": False},
+            {"quantizer_name": "*weight_quantizer", "enable": True, "cfg": {"backend": WEIGHT_BACKEND}},
+            {"quantizer_name": "*input_quantizer", **act},
+        ],
+        "algorithm": None,
+    }
+
+
+@contextlib.contextmanager
+def _sequential_mlp_as_children(model: torch.nn.Module, lay: Layout):
+    """ModelOpt 0.47's QuantSequentialMLP refuses TP > 1 with EP > 1: its sharded state of calibrated amax gets the
+    expert-TP replica ids wrong when the experts are split over TP (ETP > 1). Here ETP is 1 whenever EP > 1
+    (``moe.model.expert_tp``) and our quantizers hold no calibrated state, so at TP > 1 with EP > 1 the
+    SequentialMLP container stays a Megatron module during ``mtq.quantize`` (its expert linears are still
+    converted), and its expert linears get the parallel state QuantSequentialMLP would give them."""
+    if not (lay.tp > 1 and lay.ep > 1):
+        yield
+        return
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from modelopt.torch.quantization.nn import QuantModuleRegistry
+    from modelopt.torch.utils.distributed import ParallelState
+
+    key = QuantModuleRegistry.get_key(SequentialMLP)
+    base = QuantModuleRegistry._registry[SequentialMLP]  # the plugin class, to re-register it unchanged
+    QuantModuleRegistry.unregister(SequentialMLP)
+    try:
+        yield
+    finally:
+        QuantModuleRegistry.register({SequentialMLP: key})(base)
+    state = ParallelState(ps.get_expert_data_parallel_group(),
+                          tensor_parallel_group=ps.get_expert_tensor_parallel_group(),
+                          expert_model_parallel_group=ps.get_expert_model_parallel_group())
+    for module in model.modules():
+        if isinstance(module, SequentialMLP):
+            for expert in module.local_experts:
+                expert.linear_fc1.parallel_state = expert.linear_fc2.parallel_state = state
 
 
 @dataclasses.dataclass
 class _Target:
     pm: ParamMap
-    module: torch.nn.Module
+    module: torch.nn.Module  # the ModelOpt quant module
     param: torch.nn.Parameter  # the master weight
+    weight_quantizer: torch.nn.Module
+    input_quantizer: torch.nn.Module
     group: object | None  # process group the weight is split over (None: not split)
     size: int
     rank: int
@@ -50,21 +141,38 @@ class _Target:
     local_fq: Tensor | None = None  # dequantized local shard (no autograd)
 
 
+def _weight_quantizer(module: torch.nn.Module, param_name: str):
+    """The TensorQuantizer ModelOpt applies to ``module.<param_name>``: ``weight_quantizer`` for a linear's
+    ``weight``, ``weight_quantizer[i]`` for TE grouped linears' ``weight{i}`` (ModelOpt's GroupedQuantizer)."""
+    wq = module.weight_quantizer
+    if param_name == "weight":
+        return wq
+    index = param_name.removeprefix("weight")
+    if not index.isdigit():
+        raise ValueError(f"{param_name}: not a linear weight ModelOpt quantizes")
+    return wq[int(index)]
+
+
 class FakeQuant:
-    """The hooks on one rank's model; `remove()` takes them off."""
+    """The ModelOpt quantizers of one rank's model, bound to the one quantizer; ``remove()`` disables them."""
 
     def __init__(self, model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, layout: Layout | None = None,
-                 forward: bool = True):
+                 forward: bool = True, compiled: bool = False):
+        import modelopt.torch.quantization as mtq
         from megatron.core import parallel_state as ps
 
         if not cfg.enabled:
             raise ValueError("quant.scheme is bf16: there is nothing to fake-quantize")
-        self.arch, self.cfg = arch, cfg
+        register_backends()
+        self.arch, self.cfg, self.compiled = arch, cfg, compiled
         self.layout = layout or Layout.current()
         self.targets: list[_Target] = []
-        self._handles = []
+        impl = model_impl(model)  # the parameter table of the layer spec that built it (local or TE)
+        with _sequential_mlp_as_children(model, self.layout):
+            mtq.quantize(model, modelopt_config(cfg), forward_loop=None)
         lay = self.layout
-        for pm in param_maps(arch, lay.ep_rank, lay.ep):
+        bound_modules = set()
+        for pm in param_maps(arch, lay.ep_rank, lay.ep, impl=impl):
             if pm.split not in _LINEAR_SPLITS:
                 continue
             chosen = [is_quantized(n.removesuffix(".weight"), cfg) for n in pm.hf]
@@ -76,13 +184,30 @@ class FakeQuant:
                 group, size, rank = ps.get_expert_tensor_parallel_group(), lay.etp, lay.etp_rank
             else:
                 group, size, rank = ps.get_tensor_model_parallel_group(), lay.tp, lay.tp_rank
-            module = model.get_submodule(pm.mcore.removesuffix(".weight"))
-            target = _Target(pm, module, module.weight, group if size > 1 else None, size, rank,
+            module_name, param_name = pm.mcore.rsplit(".", 1)
+            module = model.get_submodule(module_name)
+            if not hasattr(module, "weight_quantizer"):
+                raise TypeError(f"{module_name} ({type(module).__name__}): ModelOpt inserted no quantizer "
+                                "(not a linear its Megatron plugin knows)")
+            target = _Target(pm, module, getattr(module, param_name), _weight_quantizer(module, param_name),
+                             module.input_quantizer, group if size > 1 else None, size, rank,
                              _LINEAR_SPLITS[pm.split])
             self.targets.append(target)
-            if forward:  # else: quantize for export only (a BF16 learner feeding a low-bit rollout)
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(target)))
-                self._handles.append(module.register_forward_hook(self._post_hook(target), always_call=True))
+            bound_modules.add(module)
+            _BOUND[target.weight_quantizer] = self._weight_fn(target)
+            _BOUND[target.input_quantizer] = self._act_fn(target)
+        for module in model.modules():  # linears the config leaves in high precision: quantizers off
+            if hasattr(module, "weight_quantizer") and module not in bound_modules:
+                self._quantizers_of(module, on=False)
+        if not forward:  # quantize for export only (a BF16 learner feeding a low-bit rollout)
+            self.remove()
+
+    @staticmethod
+    def _quantizers_of(module: torch.nn.Module, on: bool) -> None:
+        for name in ("weight_quantizer", "input_quantizer"):
+            quantizers = getattr(module, name)
+            for q in (quantizers if isinstance(quantizers, torch.nn.ModuleList) else [quantizers]):
+                q.enable() if on else q.disable()
 
     # ------------------------------------------------------------------ quantization, cached per version
     def _refresh(self, t: _Target) -> None:
@@ -92,11 +217,12 @@ class FakeQuant:
             return
         with torch.no_grad():
             w = master.detach()
-            shards = all_gather_tensors(w, t.group, t.size) if t.group is not None else [w]
+            shards = ([w] if t.group is None else
+                      all_gather_tensors(to_group_device(w, t.group), t.group, t.size, name=t.pm.mcore))
             hf = shards_to_hf(t.pm, shards, self.arch)
-            t.quantized = {name: quantize_weight(tensor, self.cfg, name) for name, tensor in hf.items()}
-            deq = {name: qw.dequantize(w.dtype) for name, qw in t.quantized.items()}
-            t.local_fq = hf_to_shard(t.pm, deq.__getitem__, self.arch, self.layout).contiguous()
+            pairs = {name: fake_quantize_weight(tensor, self.cfg, name, self.compiled) for name, tensor in hf.items()}
+            t.quantized = {name: qw for name, (qw, _) in pairs.items()}
+            t.local_fq = hf_to_shard(t.pm, lambda name: pairs[name][1], self.arch, self.layout).contiguous()
         t.version = version
 
     def invalidate(self) -> None:
@@ -124,41 +250,38 @@ class FakeQuant:
         self._refresh(t)
         return t.local_fq
 
-    # ------------------------------------------------------------------------------------------- hooks
-    def _pre_hook(self, t: _Target):
-        def hook(module, args):
+    # ----------------------------------------------------------------------------- the backends' work
+    def _weight_fn(self, t: _Target) -> Callable[[Tensor], Tensor]:
+        def fake_quant(w: Tensor) -> Tensor:
             self._refresh(t)
-            module._parameters["weight"] = straight_through(t.param, t.local_fq)
-            if self.cfg.scheme in ("w8a8_fp8", "w8a8_int8"):
-                return (self._quant_input(t, args[0]),) + tuple(args[1:])
-            return None
+            return straight_through(w, t.local_fq.to(w.dtype))
 
-        return hook
+        return fake_quant
 
-    @staticmethod
-    def _post_hook(t: _Target):
-        def hook(module, args, output):
-            module._parameters["weight"] = t.param  # the master weight is back after every forward
+    def _act_fn(self, t: _Target) -> Callable[[Tensor], Tensor]:
+        def fake_quant(x: Tensor) -> Tensor:
+            if not (t.splits_k and t.group is not None):
+                return fake_quant_act(x, self.cfg)
+            with torch.no_grad():  # per-token scales need the whole row: gather K, quantize, slice back
+                x_local = to_group_device(x.detach(), t.group)
+                full = torch.cat(all_gather_tensors(x_local, t.group, t.size, name=f"input of {t.pm.mcore}"), dim=-1)
+                x_fq = fake_quant_act(full, self.cfg).chunk(t.size, dim=-1)[t.rank]
+            return straight_through(x, x_fq.contiguous())
 
-        return hook
-
-    def _quant_input(self, t: _Target, x: Tensor) -> Tensor:
-        if not (t.splits_k and t.group is not None):
-            return fake_quant_act(x, self.cfg)
-        with torch.no_grad():  # per-token scales need the whole row: gather K, quantize, slice back
-            full = torch.cat(all_gather_tensors(x.detach(), t.group, t.size), dim=-1)
-            x_fq = fake_quant_act(full, self.cfg).chunk(t.size, dim=-1)[t.rank]
-        return straight_through(x, x_fq.contiguous())
+        return fake_quant
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        """Disable the quantizers: the model computes with its master weights (the handle still exports)."""
+        for t in self.targets:
+            self._quantizers_of(t.module, on=False)
 
 
-def apply_fake_quant(model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, forward: bool = True) -> FakeQuant:
-    """Attach fake quantization to this rank's (unwrapped) Megatron model; returns the handle.
+def apply_fake_quant(model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, forward: bool = True,
+                     compiled: bool = False) -> FakeQuant:
+    """Insert ModelOpt quantizers bound to the one quantizer into this rank's (unwrapped) Megatron model; returns
+    the handle.
 
-    ``forward=False`` attaches no hooks: the model computes in high precision while the handle still
-    quantizes its weights for the rollout servers (unaligned quantized rollout, the baseline)."""
-    return FakeQuant(model, arch, cfg, forward=forward)
+    ``forward=False`` leaves them disabled: the model computes in high precision while the handle still quantizes
+    its weights for the rollout servers (unaligned quantized rollout, the baseline). ``compiled``: the per-step
+    W4A16 refresh runs torch.compile'd (``qat.quantizer.fake_quantize_weight``)."""
+    return FakeQuant(model, arch, cfg, forward=forward, compiled=compiled)

@@ -56,12 +56,15 @@ def _const(value: float, like: Tensor) -> Tensor:
     return torch.full((1,), value, dtype=torch.float32, device=like.device)
 
 
-def check_weight(w: Tensor, name: str = "weight") -> None:
-    """Raise ValueError unless ``w`` is a finite 2-D floating-point tensor; messages name ``name``."""
+def check_weight(w: Tensor, name: str = "weight", finite: bool = True) -> None:
+    """Raise ValueError unless ``w`` is a 2-D floating-point tensor, finite unless ``finite`` is False (the
+    caller checks that itself); messages name ``name``."""
     if w.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D weight [N, K], got shape {list(w.shape)}")
     if not w.is_floating_point():
         raise ValueError(f"{name}: expected a floating-point weight, got {w.dtype}")
+    if not finite:
+        return
     # runs on every quantized weight every step: one reduction first (a nan/inf makes the sum non-finite;
     # a finite overflow of the sum is ruled out by the exact count)
     if not bool(torch.isfinite(w.float().sum())) and (bad := int((~torch.isfinite(w)).sum())):
@@ -115,7 +118,41 @@ def quantize_w4a16(
     computes exactly the b-bit weights. A code |q| <= 2^(b-1) has at most b - 1 significant bits, so the
     5-bit scale keeps every q * s_b exact in bf16 at every width (5 + 3 = 8 bits at b = 4).
     """
-    check_weight(w, name)
+    return _w4a16(w, group_size, symmetric, name, scale_bits, num_bits, False)[0]
+
+
+def _w4a16_symmetric_core(w_ngg: Tensor, half_levels: Tensor, qmin: int, qmax: int,
+                          scale_bits: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(codes int8, scale bf16, q * s fp32, amax) of symmetric W4A16 on groups ``w_ngg`` [N, K/G, G] (fp32).
+
+    One read of the weight for amax (max |w|, nan/inf propagate into it), then q = clamp(round(w / s)) and
+    q * s computed in place. Pure tensor code: it runs as is or compiled by torch.compile
+    (``fake_quantize_weight(..., compiled=True)``)."""
+    amax_ng = w_ngg.abs().amax(dim=-1)  # nan / inf propagate (torch max reductions keep nan)
+    scale_ng = amax_ng / half_levels
+    if scale_bits is not None:
+        scale_ng = round_significant_bits(scale_ng, scale_bits)
+    scale_ng = scale_ng.to(torch.bfloat16)
+    scale_ng = torch.where(scale_ng == 0, torch.ones_like(scale_ng), scale_ng)
+    s = scale_ng.float()[..., None]
+    q = torch.div(w_ngg, s).round_().clamp_(qmin, qmax)
+    return q.to(torch.int8), scale_ng, q.mul_(s), amax_ng
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled_core():
+    """``_w4a16_symmetric_core`` compiled once per process by torch.compile (inductor; shapes dynamic)."""
+    if "w4a16" not in _COMPILED:
+        _COMPILED["w4a16"] = torch.compile(_w4a16_symmetric_core, dynamic=True)
+    return _COMPILED["w4a16"]
+
+
+def _w4a16(w: Tensor, group_size: int, symmetric: bool, name: str, scale_bits: int | None, num_bits: int,
+           compiled: bool) -> tuple[QuantizedWeight, Tensor]:
+    """(QuantizedWeight, w_fq fp32 [N, K] = its dequantized weight) of ``quantize_w4a16``'s rules."""
+    check_weight(w, name, finite=not symmetric)  # symmetric: amax (nan/inf propagate) checks finiteness
     n, k = w.shape
     if group_size <= 0 or k % group_size:
         raise ValueError(f"{name}: group_size {group_size} does not divide K={k} (weight shape [{n}, {k}])")
@@ -123,24 +160,24 @@ def quantize_w4a16(
     levels = float(qmax - qmin)  # 15, 7, 3
     w_ngg = w.detach().float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
     if symmetric:
-        amax_ng = w_ngg.abs().amax(dim=-1)
-        scale_ng = amax_ng / _const(levels / 2, w)  # 7.5, 3.5, 1.5: exact in fp32
-        if scale_bits is not None:
-            scale_ng = round_significant_bits(scale_ng, scale_bits)
-        scale_ng = scale_ng.to(torch.bfloat16)
-        scale_ng = torch.where(scale_ng == 0, torch.ones_like(scale_ng), scale_ng)
-        q = torch.round(w_ngg / scale_ng.float()[..., None]).clamp_(qmin, qmax)
-        zero_ng = None
-    else:
-        lo_ng = w_ngg.amin(dim=-1).clamp(max=0.0)
-        hi_ng = w_ngg.amax(dim=-1).clamp(min=0.0)
-        scale_ng = ((hi_ng - lo_ng) / _const(levels, w)).to(torch.bfloat16)
-        scale_ng = torch.where(scale_ng == 0, torch.ones_like(scale_ng), scale_ng)
-        zero_f = torch.round(_const(qmin, w) - lo_ng / scale_ng.float()).clamp_(qmin, qmax)
-        q = (torch.round(w_ngg / scale_ng.float()[..., None]) + zero_f[..., None]).clamp_(qmin, qmax)
-        zero_ng = zero_f.to(torch.int8)
-    codes = q.to(torch.int8).reshape(n, k)
-    return QuantizedWeight(codes, scale_ng, zero_ng, (n, k), "w4a16", group_size)
+        core = _compiled_core() if compiled else _w4a16_symmetric_core
+        codes, scale_ng, w_fq, amax_ng = core(w_ngg, _const(levels / 2, w), qmin, qmax, scale_bits)
+        if not bool(torch.isfinite(amax_ng).all()):
+            check_weight(w, name)  # raises, naming the count of non-finite values
+        if scale_bits is None or scale_bits > 5:  # w_fq = bf16(q * s) as Marlin computes it; with a scale of
+            w_fq = w_fq.to(torch.bfloat16).float()  # <= 5 significant bits q * s (|q| <= 8) is exact in bf16
+            # (eager on purpose: inductor drops an fp32 -> bf16 -> fp32 round trip)
+        qw = QuantizedWeight(codes.reshape(n, k), scale_ng, None, (n, k), "w4a16", group_size)
+        return qw, w_fq.reshape(n, k)
+    lo_ng = w_ngg.amin(dim=-1).clamp(max=0.0)
+    hi_ng = w_ngg.amax(dim=-1).clamp(min=0.0)
+    scale_ng = ((hi_ng - lo_ng) / _const(levels, w)).to(torch.bfloat16)
+    scale_ng = torch.where(scale_ng == 0, torch.ones_like(scale_ng), scale_ng)
+    zero_f = torch.round(_const(qmin, w) - lo_ng / scale_ng.float()).clamp_(qmin, qmax)
+    q = (torch.round(w_ngg / scale_ng.float()[..., None]) + zero_f[..., None]).clamp_(qmin, qmax)
+    qw = QuantizedWeight(q.to(torch.int8).reshape(n, k), scale_ng, zero_f.to(torch.int8), (n, k), "w4a16",
+                         group_size)
+    return qw, dequantize_w4a16(qw).float()
 
 
 def dequantize_w4a16(qw: QuantizedWeight) -> Tensor:
@@ -224,6 +261,20 @@ def quantize_weight(w: Tensor, cfg: QuantConfig, name: str = "weight") -> Quanti
     if scheme == "w8a8_int8":
         return quantize_int8_channel(w, name)
     raise ValueError(f"{name}: scheme bf16 means quantization is off; nothing to quantize")
+
+
+def fake_quantize_weight(w: Tensor, cfg: QuantConfig, name: str = "weight",
+                         compiled: bool = False) -> tuple[QuantizedWeight, Tensor]:
+    """(qw, w_fq): ``quantize_weight(w, cfg)`` and its ``dequantize_weight(qw, w.dtype)``, bit for bit, in one
+    pass set (the learner's per-step refresh). ``compiled``: the W4A16 symmetric math runs compiled by
+    torch.compile (one fused kernel; same bits, tested), after a one-off compile in each process."""
+    scheme = check_scheme(cfg.scheme)
+    if scheme == "w4a16":
+        qw, w_fq = _w4a16(w, cfg.group_size, cfg.symmetric, name, cfg.scale_bits if cfg.symmetric else None,
+                          cfg.num_bits, compiled)
+        return qw, w_fq.to(w.dtype)
+    qw = quantize_weight(w, cfg, name)
+    return qw, dequantize_weight(qw, w.dtype)
 
 
 def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype | None = None) -> Tensor:

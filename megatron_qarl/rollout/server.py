@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_qarl import wire
 from megatron_qarl.errors import UserError
+from megatron_qarl.moe.parallelize import broadcast, group_empty
 from megatron_qarl.qat.export import iter_safetensors
 from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams, in_fresh_thread
 from megatron_qarl.sync import delta
@@ -319,9 +320,9 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
             return _answer(False, str(err))
         received = {}
         for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):  # the trainer's order
-            t = torch.empty(shape, dtype=dtype)
-            torch.distributed.broadcast(t, src=0, group=pg)
-            received[name] = t
+            t = group_empty(shape, dtype, pg)  # on the group's device: NCCL receives into GPU memory only
+            broadcast(t, 0, pg, name=name)
+            received[name] = t.cpu()  # the engine computes on the CPU
         try:
             if body.abort_all_requests:
                 engine.abort_all("aborted by update_weights_from_distributed")

@@ -44,6 +44,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from megatron_qarl.moe.parallelize import broadcast, to_group_device
 from megatron_qarl.sync import delta
 from megatron_qarl.sync.checksum import ChecksumAccumulator, weight_checksums
 from megatron_qarl.sync.payload import iter_sync_tensors
@@ -323,14 +324,16 @@ class DistributedBroadcaster:
               checksums: ChecksumAccumulator | None, load_format: str | None = None) -> None:
         """One bucket: the update calls go out, then the broadcasts. A server that answers before the
         broadcasts are through (it refused, or died) means they can never complete: the group is
-        destroyed on every side, which ends them, and the error names the server."""
+        destroyed on every side, which ends them, and the error names the server. Every tensor goes on the group's
+        device first (the payload's are on the learner's device; a delta's and the baseline's on the CPU)."""
+        bucket = [(name, to_group_device(tensor, self.group)) for name, tensor in bucket]
         payload = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                    "flush_cache": True, "weight_version": version}
         if load_format is not None:
             payload["load_format"] = load_format
         calls = self._start_all("/update_weights_from_distributed", [payload] * len(self.engines))
-        works = [dist.broadcast(tensor, src=0, group=self.group, async_op=True) for _, tensor in bucket]
+        works = [broadcast(tensor, 0, self.group, async_op=True, name=name) for name, tensor in bucket]
         try:
             while not all(w.is_completed() for w in works):
                 early = calls.failed()

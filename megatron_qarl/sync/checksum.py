@@ -60,7 +60,7 @@ def fp8_block_dequant(w_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if k % scale.shape[-1]:
         raise ValueError(f"cannot infer the FP8 block size from weight {list(w_q.shape)} and scale {list(scale.shape)}")
     block = k // scale.shape[-1]
-    s = scale.float().repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :n, :k]
+    s = scale.to(w_q.device).float().repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :n, :k]
     return (w_q.float() * s).to(torch.bfloat16)
 
 

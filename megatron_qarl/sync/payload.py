@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from megatron_qarl.moe.convert import ParamMap, iter_hf_tensors, peer_expert_name
-from megatron_qarl.moe.parallelize import all_gather_tensors
+from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 from megatron_qarl.qat.export import to_sglang_tensors
 
 
@@ -44,5 +44,6 @@ def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16) -> Iterator[
                 yield from tensors.items()
                 continue
             for name, tensor in tensors.items():
-                for r, peer in enumerate(all_gather_tensors(tensor, ep_group, lay.ep)):
+                peers = all_gather_tensors(to_group_device(tensor, ep_group), ep_group, lay.ep, name=name)
+                for r, peer in enumerate(peers):
                     yield peer_expert_name(name, t.pm, lay, n_local, r), peer
