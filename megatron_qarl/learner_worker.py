@@ -20,14 +20,9 @@ from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
 
 
-def gpu_run_reasons(cfg: QarlConfig) -> list[str]:
-    """The config keys that make this a GPU run (empty: a CPU run): ``QarlConfig.gpu_run_keys``."""
-    return cfg.gpu_run_keys
-
-
 def require_gpu(cfg: QarlConfig, rank: int) -> None:
     """UserError when the config asks for a GPU run and this process sees no CUDA device."""
-    reasons = gpu_run_reasons(cfg)
+    reasons = cfg.gpu_run_keys
     if not reasons or (torch.cuda.is_available() and torch.cuda.device_count() > 0):
         return
     raise UserError(

@@ -271,6 +271,5 @@ def test_a_learner_of_a_gpu_run_refuses_a_process_without_cuda(config, overrides
 
 def test_a_cpu_run_does_not_ask_for_gpus(tiny_model_dir):
     from megatron_qarl.config import load_config
-    from megatron_qarl.learner_worker import gpu_run_reasons
 
-    assert gpu_run_reasons(load_config(REPO / "configs" / "cpu_default.yaml")) == []
+    assert load_config(REPO / "configs" / "cpu_default.yaml").gpu_run_keys == []
