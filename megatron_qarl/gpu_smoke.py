@@ -1,19 +1,20 @@
-"""The GPU machine check behind scripts/gpu_smoke.sh (``python -m megatron_qarl.gpu_smoke report|smoke``).
+"""The GPU machine check behind scripts/gpu_smoke.sh (``python -m megatron_qarl.gpu_smoke report|simulate|smoke``).
 
 ``report``: what this machine offers (CUDA devices, NCCL, Transformer Engine and its FP8 block-scale format,
-SGLang, the torch.distributed backend the learner would pick). ``smoke``: every check it can run there, sized for a
-short lease on one GPU (about a minute of work on an H200 for the tiny model):
+SGLang, the torch.distributed backend the learner would pick). ``simulate``: the learner checks below on a simulated
+CUDA device (``simulated_device``: any machine without CUDA, or with the GPUs hidden), so that a CPU tensor mixed
+into device arithmetic is found before GPU time is spent, plus ``simulated_equals_cpu``. ``smoke``: every check it
+can run on the real GPU, sized for a short lease on one GPU (about a minute of work on an H200 for the tiny model):
 
 - ``fp8_gemm``: FP8 GEMMs on the tensor cores: SGLang's block recipe (1 x 128 activation groups, 128 x 128 weight
   blocks, fp32 scales) computed from our quantizer's codes with ``torch._scaled_mm`` per 128-wide K block, against
   the same operands dequantized and multiplied in fp32; with Transformer Engine also TE's Float8BlockScaling GEMM of
   the same bf16 operands, against the bf16 product and against the SGLang-recipe result.
-- ``learner_step[impl,scheme]``: a TP1/EP1 ``Learner`` on CUDA (NCCL world size 1) for each quant scheme (bf16,
-  w4a16, w8a8_fp8, w8a8_int8): load the tiny model, the aligned forward, one optimizer step; impl "local" always,
-  "te" too where Transformer Engine is installed (w8a8_fp8 then runs TE's blockwise FP8 GEMMs).
-- ``sync_payload_nccl[impl,scheme]``: that learner's weight-sync payload (``sync.payload.iter_sync_tensors``, what a
-  sync sends SGLang), every tensor broadcast over an NCCL group of world size 1, which rejects CPU tensors as a real
-  weight-update group does; the failures name the tensors.
+- ``LEARNER_CHECKS[impl,scheme]`` (``learner_checks``): a TP1/EP1 ``Learner`` on CUDA for each quant scheme (bf16,
+  w4a16, w8a8_fp8, w8a8_int8), impl "local" always, "te" too where Transformer Engine is installed: build and load
+  the tiny model, its first (aligned) forward, the weight-sync payload (what a sync sends SGLang) broadcast over an
+  NCCL group of world size 1, which rejects CPU tensors as a real weight-update group does (the failures name the
+  tensors), a train step, an R3 train step (routes replayed), the delta encoder, a checkpoint save.
 - ``nccl_broadcast``: a 4 MiB NCCL broadcast from GPU 0 to every visible GPU (one process each).
 
 On a machine without CUDA it says so and exits 0. The GPU code it checks lives with its concept: the Transformer
@@ -28,14 +29,15 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from megatron_qarl.qat.config import SCHEMES, QuantConfig
 
-REPO = Path(__file__).resolve().parents[1]
-TINY_MODEL = REPO / "checkpoints" / "tiny-qwen3-moe"
+# the committed tiny checkpoint, relative to a checkout's root (scripts/gpu_smoke.sh runs from there)
+TINY_MODEL = Path("checkpoints") / "tiny-qwen3-moe"
 NO_CUDA = "skipped: no CUDA device on this machine (torch.cuda.is_available() is False): nothing to check"
 
 
@@ -119,65 +121,151 @@ def _fp8_gemm(te: bool) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------ learner step + sync payload
-def _learner_checks(impl: str, scheme: str, checks: dict[str, str]) -> None:
-    """One CUDA learner (TP1/EP1) for ``scheme``: its step, then its sync payload over NCCL (two check entries)."""
+# the checks of one learner, in order (each entry of learner_checks is one of these, suffixed [impl,scheme])
+LEARNER_CHECKS = ("build", "forward", "sync_payload", "train_step", "r3_train_step", "delta", "checkpoint")
+
+def learner_checks(model_dir: str, impl: str, scheme: str, workdir: str, *, simulated: bool = False) -> dict[str, str]:
+    """One TP1/EP1 learner for ``scheme`` on the current CUDA device (real, or ``simulated_device.simulated_cuda``),
+    built with routing replay and the rollout-aligned fake quant, checked step by step; one entry per check,
+    suffixed ``[impl,scheme]``: ``forward`` (the aligned log-probs), ``sync_payload`` (what a sync sends SGLang, every
+    tensor on the device; on a real GPU also broadcast over an NCCL group of world size 1, which refuses CPU
+    tensors), ``train_step`` (routers routing on their own), ``r3_train_step`` (the server's routes replayed: the
+    routes of ``forward_routes`` handed to ``train_step``), ``delta`` (the delta encoder between the payloads before
+    and after the two steps, applied back bit for bit), ``checkpoint`` (a dist-checkpoint save)."""
     import torch
-    import torch.distributed as dist
 
     from megatron_qarl.config import OptimConfig, ParallelConfig
     from megatron_qarl.learner import Batch, Learner, token_mean_nll
     from megatron_qarl.moe.model import Qwen3MoeArch
-    from megatron_qarl.moe.parallelize import broadcast
-    from megatron_qarl.sync.payload import iter_sync_tensors
 
     key = f"[{impl},{scheme}]"
-    learner = None
-    try:
+    checks: dict[str, str] = {}
+    state: dict = {}
+
+    def check(name: str, fn, needs: str | None = None) -> None:
+        if needs is not None and not checks.get(needs + key, "").startswith("ok"):
+            checks[name + key] = f"skipped: {needs} failed"
+            return
         t0 = time.perf_counter()
-        arch = Qwen3MoeArch.from_model_dir(TINY_MODEL)
+        try:
+            checks[name + key] = f"ok: {fn()}, {time.perf_counter() - t0:.1f}s"
+        except Exception as err:  # noqa: BLE001 - report every check, then fail at the end
+            checks[name + key] = f"FAILED: {type(err).__name__}: {err}"
+
+    torch.manual_seed(0)
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    rows, seq = (2, 16) if simulated else (4, 128)  # FP8 GEMMs want token counts in multiples of 16 (TE: 128)
+    tokens = torch.randint(0, arch.vocab_size, (rows, seq))
+    mask = torch.ones(rows, seq - 1)
+    total = int(mask.sum())
+
+    def nll(lp, b):
+        return token_mean_nll(lp, b, total)
+
+    def build():
         learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-4), dtype=torch.bfloat16,
-                          quant=QuantConfig(scheme=scheme), aligned=True, impl=impl)
-        learner.load_hf(str(TINY_MODEL))
+                          quant=QuantConfig(scheme=scheme), aligned=True, impl=impl, routing_replay=True)
+        learner.load_hf(model_dir)
         if learner.device.type != "cuda":
             raise RuntimeError(f"the learner's parameters are on {learner.device}, not CUDA")
-        torch.manual_seed(0)
-        seq = 128  # FP8 GEMMs want token counts in multiples of 16 (TE blockwise: 128)
-        tokens = torch.randint(0, arch.vocab_size, (4, seq))
-        mask = torch.ones(4, seq - 1)
-        logp = learner.forward_logprobs(tokens)
-        total = int(mask.sum())
-        metrics = learner.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, total))
+        state["learner"] = learner
+        return f"{sum(p.numel() for p in learner.module.parameters())} parameters on {learner.device}"
+
+    def forward():
+        logp = state["learner"].forward_logprobs(tokens)
+        if not torch.isfinite(logp).all():
+            raise RuntimeError("non-finite aligned log-probs")
+        return f"mean logp {float(logp.mean()):.4f}"
+
+    def payload():
+        state["before"], nbytes = _payload(state["learner"], simulated)
+        return f"{len(state['before'])} tensors, {nbytes / 2**20:.2f} MiB"
+
+    def step(routes: bool):
+        learner = state["learner"]
+        extra = {}
+        if routes:
+            _, extra["routes_BSLK"] = learner.forward_routes(tokens)
+        metrics = learner.train_step(Batch(tokens, mask, extra), nll)
         torch.cuda.synchronize()
-        if not (torch.isfinite(logp).all() and metrics["skipped"] == 0.0):
+        if metrics["skipped"] != 0.0:
             raise RuntimeError(f"non-finite step: {metrics}")
-        checks["learner_step" + key] = (f"ok: loss {metrics['loss']:.4f}, grad_norm {metrics['grad_norm']:.4f}, "
-                                        f"mean logp {float(logp.mean()):.4f}, {time.perf_counter() - t0:.1f}s")
-    except Exception as err:  # noqa: BLE001 - report every check, then fail at the end
-        checks["learner_step" + key] = f"FAILED: {type(err).__name__}: {err}"
-        checks["sync_payload_nccl" + key] = "skipped: the learner step failed"
-        return
+        return f"loss {metrics['loss']:.4f}, grad_norm {metrics['grad_norm']:.4f}"
+
+    def delta():
+        after, _ = _payload(state["learner"], simulated)
+        return _delta_roundtrip(state["before"], after)
+
+    def checkpoint():
+        from megatron_qarl.checkpoint import save_learner
+
+        path = Path(workdir) / f"checkpoint-{impl}-{scheme}"
+        save_learner(path, state["learner"].module, state["learner"].optimizer)
+        return f"{sum(f.stat().st_size for f in path.rglob('*') if f.is_file()) / 2**20:.2f} MiB"
+
+    steps = {"build": (build, None), "forward": (forward, "build"), "sync_payload": (payload, "forward"),
+             "train_step": (lambda: step(routes=False), "forward"), "r3_train_step": (lambda: step(routes=True), "forward"),
+             "delta": (delta, "sync_payload"), "checkpoint": (checkpoint, "build")}
+    assert tuple(steps) == LEARNER_CHECKS
+    for name, (fn, needs) in steps.items():
+        check(name, fn, needs)
+    del state
+    return checks
+
+
+def _payload(learner, simulated: bool) -> tuple[dict, int]:
+    """The learner's sync payload (name -> tensor, copied), every tensor broadcast through a weight-update group of
+    world size one over NCCL (simulated: ``simulated_device``), which refuses tensors that are not on the GPU."""
+    import torch.distributed as dist
+
+    from megatron_qarl.moe.parallelize import broadcast, group_device, to_group_device
+    from megatron_qarl.sync.payload import iter_sync_tensors
+
+    # a weight-update group of one (simulated: a gloo group standing in for NCCL, which refuses CPU tensors too)
+    group = dist.new_group(ranks=[0], backend=None if simulated else "nccl")
+    out, refused, nbytes = {}, [], 0
     try:
-        group = dist.new_group(ranks=[0], backend="nccl")
-        sent, nbytes, refused = 0, 0, []
         for name, tensor in iter_sync_tensors(learner):
+            if tensor.device != group_device(group):  # what NCCL would refuse (to_group_device would move it)
+                refused.append(f"{name} ({tensor.device})")
+                continue
             try:
-                broadcast(tensor, src=0, group=group, name=name)  # the device check, then NCCL itself
-                sent, nbytes = sent + 1, nbytes + tensor.numel() * tensor.element_size()
+                broadcast(to_group_device(tensor, group), src=0, group=group, name=name)
             except Exception as err:  # noqa: BLE001 - name every tensor NCCL refuses
                 refused.append(f"{name} ({tensor.device}: {type(err).__name__})")
-        torch.cuda.synchronize()
-        dist.destroy_process_group(group)
-        if refused:
-            raise RuntimeError(f"{len(refused)} of {sent + len(refused)} tensors refused: {refused[:4]}")
-        checks["sync_payload_nccl" + key] = f"ok: {sent} tensors, {nbytes / 2**20:.2f} MiB"
-    except Exception as err:  # noqa: BLE001
-        checks["sync_payload_nccl" + key] = f"FAILED: {type(err).__name__}: {err}"
+                continue
+            out[name] = tensor.clone()
+            nbytes += tensor.numel() * tensor.element_size()
     finally:
-        del learner
-        torch.cuda.empty_cache()
+        dist.destroy_process_group(group)
+    if refused:
+        raise RuntimeError(f"{len(refused)} of {len(out) + len(refused)} tensors not on the GPU: {refused[:4]}")
+    return out, nbytes
 
 
-def _learner_all(impls: list[str], checks: dict[str, str]) -> None:
+def _delta_roundtrip(before: dict, after: dict) -> str:
+    """sync.delta between two payloads, on their device: every changed tensor's delta applied to the old one gives
+    the new one bit for bit."""
+    from megatron_qarl.sync import delta
+
+    changed = sent = 0
+    for name, new in after.items():
+        d = delta.diff(name, before[name], new)
+        if d is None:
+            continue
+        held = before[name].clone()
+        delta.apply(held, d.index, d.values)
+        if not held.view(-1).view(delta._INT[held.element_size()]).equal(
+                new.reshape(-1).view(delta._INT[new.element_size()])):
+            raise RuntimeError(f"{name}: the delta applied to the old tensor does not give the new one")
+        changed += 1
+        sent += sum(t.numel() * t.element_size() for _, t in d.wire())
+    if not changed:
+        raise RuntimeError("two optimizer steps changed no tensor of the payload")
+    return f"{changed} of {len(after)} tensors changed, {sent / 2**10:.1f} KiB of deltas"
+
+
+def _learner_all(model_dir: str, impls: list[str], checks: dict[str, str], workdir: str) -> None:
     from megatron_qarl.moe.parallelize import destroy_parallel, free_port, init_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
@@ -186,9 +274,75 @@ def _learner_all(impls: list[str], checks: dict[str, str]) -> None:
     try:
         for impl in impls:
             for scheme in SCHEMES:
-                _learner_checks(impl, scheme, checks)
+                checks.update(learner_checks(model_dir, impl, scheme, workdir))
     finally:
         destroy_parallel()
+
+
+def simulate(model_dir: str, workdir: str) -> dict[str, Any]:
+    """The learner checks of ``smoke`` on a simulated CUDA device (``simulated_device``; local spec, every scheme,
+    gloo world of one), plus ``simulated_equals_cpu``: the w4a16 learner's log-probs, loss and gradient norm on the
+    simulated device equal the CPU run's bit for bit (the simulation changes nothing but the device check)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_qarl.moe.parallelize import destroy_parallel, free_port, init_parallel
+    from megatron_qarl.simulated_device import simulated_cuda
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    dist.init_process_group("gloo")  # the simulated GPU has no NCCL: its groups are gloo (module docstring)
+    checks: dict[str, str] = {}
+    try:
+        with simulated_cuda():
+            init_parallel(tp=1, ep=1)
+            for scheme in SCHEMES:
+                checks.update(learner_checks(model_dir, "local", scheme, workdir, simulated=True))
+            t0 = time.perf_counter()
+            sim = _cpu_comparable_step(model_dir)
+            ps.destroy_model_parallel()  # Megatron's global buffers hold device tensors
+        init_parallel(tp=1, ep=1)
+        cpu = _cpu_comparable_step(model_dir)
+        same = all(_bitwise_equal(sim[k], cpu[k]) for k in cpu)
+        checks["simulated_equals_cpu[local,w4a16]"] = (
+            f"ok: log-probs, loss and grad norm bit-identical, {time.perf_counter() - t0:.1f}s" if same else
+            f"FAILED: simulated {({k: _summary(v) for k, v in sim.items()})} vs CPU "
+            f"{({k: _summary(v) for k, v in cpu.items()})}")
+    finally:
+        destroy_parallel()
+    return {"device": "simulated CUDA (megatron_qarl.simulated_device)", "checks": checks}
+
+
+def _cpu_comparable_step(model_dir: str) -> dict:
+    """An fp32 w4a16 learner's aligned log-probs, then one train step: on whatever device the process has."""
+    import torch
+
+    from megatron_qarl.config import OptimConfig, ParallelConfig
+    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+    from megatron_qarl.moe.model import Qwen3MoeArch
+
+    torch.manual_seed(0)
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    tokens = torch.randint(0, arch.vocab_size, (2, 16))
+    mask = torch.ones(2, 15)
+    learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-3), quant=QuantConfig(scheme="w4a16"))
+    learner.load_hf(model_dir)
+    logp = learner.forward_logprobs(tokens)
+    metrics = learner.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, 30))
+    after = learner.forward_logprobs(tokens)
+    return {"logp": logp, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "logp_after_step": after}
+
+
+def _bitwise_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a.cpu(), b.cpu()) if torch.is_tensor(a) else a == b
+
+
+def _summary(v) -> str:
+    import torch
+
+    return f"mean {float(v.mean()):.9g}" if torch.is_tensor(v) else f"{v:.9g}"
 
 
 def _broadcast_rank(rank: int, world: int, port: int, q) -> None:
@@ -230,7 +384,17 @@ def _nccl_broadcast() -> dict[str, Any]:
     return {"ranks": world, "bytes": 4 << 20}
 
 
-def smoke() -> dict[str, Any]:
+def model_dir(path: str | None) -> str:
+    """The tiny checkpoint the learner checks load: ``--model``, else checkpoints/tiny-qwen3-moe of the working
+    directory (a checkout); an error naming the flag when neither holds a config.json."""
+    chosen = Path(path) if path else TINY_MODEL
+    if not (chosen / "config.json").is_file():
+        raise SystemExit(f"--model: {chosen} holds no config.json (run from a checkout of the repository, or pass "
+                         "--model DIR with a Hugging Face Qwen3-MoE checkpoint such as checkpoints/tiny-qwen3-moe)")
+    return str(chosen)
+
+
+def smoke(model: str | None = None) -> dict[str, Any]:
     """Run every check this machine can; each result is "ok: ...", "skipped: why" or "FAILED: error"."""
     info = report()
     out: dict[str, Any] = {"machine": info}
@@ -250,7 +414,8 @@ def smoke() -> dict[str, Any]:
     run("fp8_gemm", _fp8_gemm, te)
     impls = ["local", "te"] if te else ["local"]
     try:
-        _learner_all(impls, checks)
+        with tempfile.TemporaryDirectory() as workdir:
+            _learner_all(model_dir(model), impls, checks, workdir)
     except Exception as err:  # noqa: BLE001 - e.g. the process group cannot form
         checks["learner"] = f"FAILED: {type(err).__name__}: {err}"
     if not te:
@@ -263,13 +428,20 @@ def smoke() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_qarl.gpu_smoke", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["report", "smoke"])
+    parser.add_argument("command", choices=["report", "smoke", "simulate"],
+                        help="report: the machine; smoke: the real CUDA checks; simulate: the learner checks on a "
+                             "simulated CUDA device (any machine without CUDA, seconds)")
+    parser.add_argument("--model", help="the tiny Qwen3-MoE checkpoint (default: checkpoints/tiny-qwen3-moe)")
     args = parser.parse_args(argv)
     if args.command == "report":
         print(json.dumps(report(), indent=2))
         return 0
     t0 = time.perf_counter()
-    result = smoke()
+    if args.command == "simulate":
+        with tempfile.TemporaryDirectory() as workdir:
+            result = simulate(model_dir(args.model), workdir)
+    else:
+        result = smoke(args.model)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result, indent=2), flush=True)
     return 1 if any(str(v).startswith("FAILED") for v in result["checks"].values()) else 0

@@ -182,7 +182,7 @@ class Learner:
                 raise ValueError(f"routes_BSLK: shape {list(routes_BSLK.shape)} does not match tokens "
                                  f"{list(tokens_BS.shape)}")
             k = routes_BSLK.shape[-1]  # TP padding positions: experts 0..K-1 (their outputs are never read)
-            fill = torch.arange(k).expand(routes_BSLK.shape[0], s - seq, routes_BSLK.shape[2], k)
+            fill = torch.arange(k, device=routes_BSLK.device).expand(routes_BSLK.shape[0], s - seq, routes_BSLK.shape[2], k)
             routes_BSLK = torch.cat([routes_BSLK.to(torch.int64), fill], dim=1)
         replay = _Replay(self, padded.shape, routes_BSLK, record) if self.routing_replay else None
         try:

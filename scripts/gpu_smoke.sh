@@ -5,14 +5,20 @@
 #      brought along with the repository (python scripts/gpu_wheels.py build, here; pip --no-index --no-deps
 #      there: the machine's torch is never replaced)
 #   1. what the machine offers (CUDA devices, NCCL, Transformer Engine and its FP8 scale format, SGLang)
+#   1b. the learner checks of step 2 on a simulated CUDA device (megatron_qarl/simulated_device.py, the GPUs hidden;
+#      about two minutes on 2 CPU cores, less on a GPU host): a CPU tensor mixed into device arithmetic fails here,
+#      before the real GPU time is spent (--no-simulate skips it; the test suite runs it on its own)
 #   2. FP8 GEMMs (SGLang's block recipe on torch._scaled_mm from our codes; TE's blockwise FP8 when installed), a
-#      TP1/EP1 learner step on CUDA for each quant scheme (local spec; TE spec too when installed), each learner's
-#      weight-sync payload through an NCCL group of world size 1, an NCCL broadcast over the visible GPUs
+#      TP1/EP1 learner on CUDA for each quant scheme (local spec; TE spec too when installed): its first (aligned)
+#      forward, its weight-sync payload through an NCCL group of world size 1, a train step, an R3 train step (the
+#      routes replayed), the delta encoder, a checkpoint save; an NCCL broadcast over the visible GPUs
 #   3. the SGLang launch command of a Qwen3-30B-A3B config (and whether sglang imports)
 #   4. the tests marked gpu (a test file that cannot import here, for a package the machine lacks, is reported)
 # Exits non-zero when a check that could run failed. On a machine without CUDA it says so and exits 0.
-#   bash scripts/gpu_smoke.sh            (PY=/path/to/python to choose the interpreter)
+#   bash scripts/gpu_smoke.sh [--no-simulate]     (PY=/path/to/python to choose the interpreter)
 set -uo pipefail
+SIMULATE=1
+[ "${1:-}" = "--no-simulate" ] && SIMULATE=0
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 export PYTHONUNBUFFERED=1
@@ -21,6 +27,10 @@ echo "== wheels (gpu_wheels/)"
 "$PY" scripts/gpu_wheels.py install || RC=1
 echo "== machine"
 "$PY" -m megatron_qarl.gpu_smoke report || RC=1
+if [ "$SIMULATE" -eq 1 ]; then
+  echo "== the learner checks on a simulated CUDA device (GPUs hidden)"
+  CUDA_VISIBLE_DEVICES="" timeout 300 "$PY" -m megatron_qarl.gpu_smoke simulate || RC=1
+fi
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "== no CUDA on this machine: the GPU checks below skip"
   CUDA=0

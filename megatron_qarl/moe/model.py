@@ -16,6 +16,8 @@ megatron_qarl.moe.parallelize.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import json
 from pathlib import Path
@@ -209,8 +211,6 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
     in layer order, which is cleared first so that it holds this model's routers only.
     ``recompute``, ``recompute_num_layers``: activation recompute (``recompute_kwargs``).
     """
-    from megatron.core.models.gpt import GPTModel
-
     from megatron_qarl import megatron_cpu
 
     megatron_cpu.apply()
@@ -232,6 +232,16 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         RouterReplay.clear_global_router_replay_instances()
+    # on a GPU every parameter is created there: Megatron's own layers allocate on the current device, but its
+    # router creates its weight on the CPU (moved at the first forward) and so does torch.nn.RMSNorm
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    with device or contextlib.nullcontext():
+        return _gpt_model(arch, config, spec)
+
+
+def _gpt_model(arch: Qwen3MoeArch, config, spec):
+    from megatron.core.models.gpt import GPTModel
+
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -1,0 +1,131 @@
+"""The learner's GPU code paths on a simulated CUDA device (megatron_qarl/simulated_device.py): the device's rules
+(a CPU tensor mixed into device arithmetic fails, as on CUDA), then every learner check of scripts/gpu_smoke.sh run
+by ``python -m megatron_qarl.gpu_smoke simulate`` (TP1/EP1, local spec, every scheme): the aligned forward, the sync
+payload through a weight-update group that takes device tensors only, a train step, an R3 train step, the delta
+encoder, a checkpoint save, and the simulated run equal to the CPU run bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_qarl import gpu_smoke, megatron_cpu
+from megatron_qarl.qat.config import SCHEMES
+from megatron_qarl.simulated_device import SimTensor, simulated_cuda
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.simulated_device,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: gpu_smoke runs the real checks")]
+
+
+def test_cuda_allocations_land_on_the_simulated_device():
+    with simulated_cuda():
+        made = [torch.empty(2, device="cuda"), torch.zeros(2, device=torch.cuda.current_device()),
+                torch.ones(2).to("cuda"), torch.ones(2).cuda(), torch.tensor([1.0, 2.0], device="cuda")]
+        with torch.device("cuda"):
+            made.append(torch.nn.Linear(2, 2).weight)
+        for t in made:
+            assert isinstance(t, SimTensor) and t.device == torch.device("cuda", 0) and t.is_cuda
+            assert t.type().startswith("torch.cuda.")
+        host = made[2].cpu()
+        assert type(host) is torch.Tensor and host.device.type == "cpu" and host.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("op", ["cat", "add", "matmul", "embedding"])
+def test_a_cpu_tensor_in_device_arithmetic_fails_as_on_cuda(op):
+    """cat and add fail on the meta device too; matmul and embedding with CPU operands would pass there."""
+    with simulated_cuda():
+        x = torch.ones(3, 3, device="cuda")
+        cpu = torch.ones(3, 3)
+        run = {"cat": lambda: torch.cat([x, cpu]), "add": lambda: x + cpu, "matmul": lambda: x @ cpu,
+               "embedding": lambda: torch.nn.functional.embedding(torch.zeros(2, dtype=torch.long), x)}[op]
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device.*cuda:0 and cpu"):
+            run()
+
+
+def test_what_cuda_allows_passes_with_real_values():
+    with simulated_cuda():
+        x = torch.arange(6.0, device="cuda").reshape(2, 3)
+        assert (x * torch.tensor(2.0)).sum().item() == 30.0  # a 0-dim CPU tensor is a scalar
+        assert x[torch.tensor([1])].tolist() == [[3.0, 4.0, 5.0]]  # indexing with CPU indices
+        assert torch.nonzero(x > 3).tolist() == [[1, 1], [1, 2]]  # data-dependent shapes: real values
+        x.copy_(torch.ones(2, 3))  # a copy between devices
+        assert x.sum().item() == 6.0
+        with pytest.raises(TypeError, match="cuda:0 device type tensor to numpy"):
+            x.numpy()
+
+
+def test_backward_runs_and_equals_the_cpu_result():
+    torch.manual_seed(0)
+    w, inp = torch.randn(4, 3), torch.randn(5, 3)
+
+    def grads(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        lin = torch.nn.Linear(3, 4, bias=False, device=device)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        loss = lin(inp.to(device)).square().mean()
+        loss.backward()
+        return loss.detach().cpu(), lin.weight.grad.cpu()
+
+    cpu = grads("cpu")
+    with simulated_cuda():
+        sim = grads("cuda")
+    assert torch.equal(sim[0], cpu[0]) and torch.equal(sim[1], cpu[1])
+
+
+def test_the_machine_is_restored_on_exit():
+    megatron_cpu.apply()
+    fixes = megatron_cpu.apply()
+    get_backend, record_stream = dist.get_backend, torch.Tensor.record_stream
+    env = dict(os.environ)
+    with simulated_cuda():
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        assert "fix_current_device" not in megatron_cpu.apply()  # the machine "has" CUDA: Megatron's GPU paths run
+        os.environ["QARL_SIMULATED_PROBE"] = "1"
+    assert not torch.cuda.is_available() and megatron_cpu.apply() == fixes
+    assert dist.get_backend is get_backend and torch.Tensor.record_stream is record_stream
+    assert dict(os.environ) == env
+
+
+# ------------------------------------------------------------------------------------------ the learner checks
+@pytest.fixture(scope="module")
+def simulated_checks(tmp_path_factory) -> dict[str, str]:
+    """One run of ``python -m megatron_qarl.gpu_smoke simulate`` (its own process: the simulation changes
+    process-wide state, and Megatron's parallel state lives there)."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_qarl.gpu_smoke", "simulate",
+                           "--model", str(REPO / "checkpoints" / "tiny-qwen3-moe")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("simulate"),
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    start = proc.stdout.find("{\n")
+    assert start >= 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(proc.stdout[start:])
+    assert proc.returncode == (1 if any(v.startswith("FAILED") for v in result["checks"].values()) else 0)
+    return result["checks"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("check", gpu_smoke.LEARNER_CHECKS)
+def test_learner_check_on_the_simulated_device(simulated_checks, check, scheme):
+    """r3_train_step: the server's routes (on the device, as train_step moves the batch) padded for TP with
+    expert ids made on the CPU failed here before learner.py made them on the routes' device."""
+    result = simulated_checks[f"{check}[local,{scheme}]"]
+    assert result.startswith("ok"), result
+
+
+def test_the_simulated_run_equals_the_cpu_run(simulated_checks):
+    result = simulated_checks["simulated_equals_cpu[local,w4a16]"]
+    assert result.startswith("ok: log-probs, loss and grad norm bit-identical"), result
+
+
+def test_the_smoke_wants_a_model_it_can_find(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not a checkout: no checkpoints/tiny-qwen3-moe here
+    with pytest.raises(SystemExit, match="--model: checkpoints/tiny-qwen3-moe holds no config.json"):
+        gpu_smoke.model_dir(None)
+    assert gpu_smoke.model_dir(str(REPO / "checkpoints" / "tiny-qwen3-moe")).endswith("tiny-qwen3-moe")
