@@ -129,8 +129,8 @@ def learner_checks(model_dir: str, impl: str, scheme: str, workdir: str, *, simu
     built with routing replay and the rollout-aligned fake quant, checked step by step; one entry per check,
     suffixed ``[impl,scheme]``: ``forward`` (the aligned log-probs), ``sync_payload`` (what a sync sends SGLang, every
     tensor on the device; on a real GPU also broadcast over an NCCL group of world size 1, which refuses CPU
-    tensors), ``train_step`` (routers routing on their own), ``r3_train_step`` (the server's routes replayed: the
-    routes of ``forward_routes`` handed to ``train_step``), ``delta`` (the delta encoder between the payloads before
+    tensors), ``train_step`` (routers routing on their own), ``r3_train_step`` (R3: the routes of ``forward_routes``
+    replayed by the aligned forward, which must give the same log-probs, then by ``train_step``), ``delta`` (the delta encoder between the payloads before
     and after the two steps, applied back bit for bit), ``checkpoint`` (a dist-checkpoint save)."""
     import torch
 
@@ -184,8 +184,10 @@ def learner_checks(model_dir: str, impl: str, scheme: str, workdir: str, *, simu
     def step(routes: bool):
         learner = state["learner"]
         extra = {}
-        if routes:
-            _, extra["routes_BSLK"] = learner.forward_routes(tokens)
+        if routes:  # the routes a server would return; the aligned forward replaying them gives the same log-probs
+            logp, extra["routes_BSLK"] = learner.forward_routes(tokens)
+            if not torch.equal(learner.forward_logprobs(tokens, extra["routes_BSLK"]), logp):
+                raise RuntimeError("the aligned forward replaying its own routes changed the log-probs")
         metrics = learner.train_step(Batch(tokens, mask, extra), nll)
         torch.cuda.synchronize()
         if metrics["skipped"] != 0.0:
