@@ -50,10 +50,10 @@ DEVICE = torch.device("cuda", 0)  # what the simulated device reports to Python
 _BACKING = torch.device("meta")  # what it is to C++ (autograd, the dispatcher)
 _aten = torch.ops.aten
 
-# ops that take tensors on different devices on CUDA too: copies between devices, indexing with CPU indices
-_CROSS_DEVICE_OPS = {_aten._to_copy.default, _aten.copy_.default, _aten.copy.default, _aten.index.Tensor,
-                     _aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default,
-                     _aten.lift_fresh.default, _aten.set_.source_Tensor}
+# ops that take tensors on different devices on CUDA too: copies between devices; a device tensor indexed with CPU
+# indices (not a CPU tensor with device indices)
+_COPY_OPS = {_aten._to_copy.default, _aten.copy_.default, _aten.copy.default, _aten.lift_fresh.default}
+_INDEX_OPS = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default}
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -182,8 +182,11 @@ def _run(func, args, kwargs):
     on_device = any(isinstance(t, SimTensor) for t in tensors) or _is_sim(kwargs.get("device"))
     if not on_device:
         return func(*args, **kwargs)
-    if func not in _CROSS_DEVICE_OPS:
-        host = [t for t in tensors if not isinstance(t, SimTensor) and t.dim() > 0]
+    if func not in _COPY_OPS:
+        checked = tensors
+        if func in _INDEX_OPS and isinstance(args[0], SimTensor):  # its indices (args[1]) may live on the CPU
+            checked = [a for a in tree_leaves((args[0], args[2:], kwargs)) if isinstance(a, torch.Tensor)]
+        host = [t for t in checked if not isinstance(t, SimTensor) and t.dim() > 0]
         if host:
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                f"{DEVICE} and cpu! ({func}: a CPU tensor of shape {list(host[0].shape)} among "

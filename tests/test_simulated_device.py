@@ -38,14 +38,15 @@ def test_cuda_allocations_land_on_the_simulated_device():
         assert type(host) is torch.Tensor and host.device.type == "cpu" and host.tolist() == [1.0, 1.0]
 
 
-@pytest.mark.parametrize("op", ["cat", "add", "matmul", "embedding"])
+@pytest.mark.parametrize("op", ["cat", "add", "matmul", "embedding", "cpu_indexed_by_device"])
 def test_a_cpu_tensor_in_device_arithmetic_fails_as_on_cuda(op):
     """cat and add fail on the meta device too; matmul and embedding with CPU operands would pass there."""
     with simulated_cuda():
         x = torch.ones(3, 3, device="cuda")
         cpu = torch.ones(3, 3)
         run = {"cat": lambda: torch.cat([x, cpu]), "add": lambda: x + cpu, "matmul": lambda: x @ cpu,
-               "embedding": lambda: torch.nn.functional.embedding(torch.zeros(2, dtype=torch.long), x)}[op]
+               "embedding": lambda: torch.nn.functional.embedding(torch.zeros(2, dtype=torch.long), x),
+               "cpu_indexed_by_device": lambda: cpu[torch.zeros(2, dtype=torch.long, device="cuda")]}[op]
         with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device.*cuda:0 and cpu"):
             run()
 
