@@ -10,14 +10,15 @@ short lease on one GPU (about a minute of work on an H200 for the tiny model):
   the same bf16 operands, against the bf16 product and against the SGLang-recipe result.
 - ``learner_step[impl,scheme]``: a TP1/EP1 ``Learner`` on CUDA (NCCL world size 1) for each quant scheme (bf16,
   w4a16, w8a8_fp8, w8a8_int8): load the tiny model, the aligned forward, one optimizer step; impl "local" always,
-  "te" too where Transformer Engine is installed (w8a8_fp8 then runs TE's blockwise FP8 GEMMs).
+  "te" too where Transformer Engine is installed (its GEMMs in BF16 on ModelOpt's fake-quant operands for the
+  quantized schemes, w8a8_fp8 too: docs/quantization.md, "FP8 on the TE spec").
 - ``sync_payload_nccl[impl,scheme]``: that learner's weight-sync payload (``sync.payload.iter_sync_tensors``, what a
   sync sends SGLang), every tensor broadcast over an NCCL group of world size 1, which rejects CPU tensors as a real
   weight-update group does; the failures name the tensors.
 - ``nccl_broadcast``: a 4 MiB NCCL broadcast from GPU 0 to every visible GPU (one process each).
 
 On a machine without CUDA it says so and exits 0. The GPU code it checks lives with its concept: the Transformer
-Engine model in ``moe/te.py`` (built by ``moe.model.build_model(..., te=quant)``), the backend choice in
+Engine model in ``moe/te.py`` (built by ``moe.model.build_model(..., te=True)``), the backend choice in
 ``moe/parallelize.py``, the SGLang command in ``rollout/sglang_launcher.py``.
 """
 
