@@ -63,13 +63,18 @@ class ModelConfig(_Section):
     """The policy: a Hugging Face Qwen3-MoE directory, the learner's parameter dtype and Megatron layer spec.
 
     impl: ``local`` Megatron's local spec (CPU-safe), ``te`` its Transformer Engine spec (fused norm + linear, TE
-        grouped-GEMM experts, and TE's blockwise FP8 GEMMs for w8a8_fp8; needs transformer_engine, else the learner
-        stops with an error naming this key), ``auto`` TE where transformer_engine imports on the learner's machine.
+        grouped-GEMM experts; needs transformer_engine, else the learner stops with an error naming this key),
+        ``auto`` TE where transformer_engine imports on the learner's machine. The quantized schemes (w8a8_fp8
+        too) run TE's GEMMs in BF16 on ModelOpt's fake-quant operands, the exported codes x scales.
+    te_fp8: TE's blockwise FP8 GEMMs for the learner (Megatron fp8="e4m3", fp8_recipe="blockwise"): a speed option
+        for bf16 runs with model.impl te only (``moe.te.check_te_fp8``: ModelOpt's quantizers, which every
+        quantized scheme inserts, refuse TE's fp8 autocast).
     """
 
     path: str
     dtype: Literal["float32", "bfloat16"] = "float32"
     impl: Literal["auto", "local", "te"] = "auto"
+    te_fp8: bool = False
 
     @field_validator("path")
     @classmethod
@@ -306,6 +311,9 @@ class QarlConfig(_Section):
         if self.rollout.backend == "sglang" and self.rollout.gpus_per_server < 1:
             raise ConfigError("rollout.gpus_per_server: sglang servers need at least 1 GPU")
         self._check_learner_memory_options()
+        from megatron_qarl.moe.te import check_te_fp8
+
+        check_te_fp8(self.model.te_fp8, self.model.impl, self.quant.scheme)
         return self
 
     @property

@@ -14,11 +14,16 @@ can run on the real GPU, sized for a short lease on one GPU (about a minute of w
   w4a16, w8a8_fp8, w8a8_int8), impl "local" always, "te" too where Transformer Engine is installed: build and load
   the tiny model, its first (aligned) forward, the weight-sync payload (what a sync sends SGLang) broadcast over an
   NCCL group of world size 1, which rejects CPU tensors as a real weight-update group does (the failures name the
-  tensors), a train step, an R3 train step (routes replayed), the delta encoder, a checkpoint save.
+  tensors), a train step, an R3 train step (routes replayed), the delta encoder, a checkpoint save. On the TE spec
+  the quantized schemes' GEMMs run in BF16 on ModelOpt's fake-quant operands, w8a8_fp8 too (docs/quantization.md,
+  "FP8 on the TE spec"): its ``forward[te,w8a8_fp8]`` is the first forward that ModelOpt's TE plugin refused under
+  fp8 autocast.
+- ``te_fp8[te,bf16]`` (Transformer Engine only): ``model.te_fp8``, a bf16 learner whose TE GEMMs run TE's blockwise
+  FP8 recipe: its first forward and a train step.
 - ``nccl_broadcast``: a 4 MiB NCCL broadcast from GPU 0 to every visible GPU (one process each).
 
 On a machine without CUDA it says so and exits 0. The GPU code it checks lives with its concept: the Transformer
-Engine model in ``moe/te.py`` (built by ``moe.model.build_model(..., te=quant)``), the backend choice in
+Engine model in ``moe/te.py`` (built by ``moe.model.build_model(..., te=True)``), the backend choice in
 ``moe/parallelize.py``, the SGLang command in ``rollout/sglang_launcher.py``.
 """
 
@@ -124,14 +129,16 @@ def _fp8_gemm(te: bool) -> dict[str, float]:
 # the checks of one learner, in order (each entry of learner_checks is one of these, suffixed [impl,scheme])
 LEARNER_CHECKS = ("build", "forward", "sync_payload", "train_step", "r3_train_step", "delta", "checkpoint")
 
+
 def learner_checks(model_dir: str, impl: str, scheme: str, workdir: str, *, simulated: bool = False) -> dict[str, str]:
     """One TP1/EP1 learner for ``scheme`` on the current CUDA device (real, or ``simulated_device.simulated_cuda``),
     built with routing replay and the rollout-aligned fake quant, checked step by step; one entry per check,
-    suffixed ``[impl,scheme]``: ``forward`` (the aligned log-probs), ``sync_payload`` (what a sync sends SGLang, every
-    tensor on the device; on a real GPU also broadcast over an NCCL group of world size 1, which refuses CPU
-    tensors), ``train_step`` (routers routing on their own), ``r3_train_step`` (R3: the routes of ``forward_routes``
-    replayed by the aligned forward, which must give the same log-probs, then by ``train_step``), ``delta`` (the delta encoder between the payloads before
-    and after the two steps, applied back bit for bit), ``checkpoint`` (a dist-checkpoint save)."""
+    suffixed ``[impl,scheme]``: ``forward`` (the aligned log-probs), ``sync_payload`` (what a sync sends SGLang,
+    broadcast through a weight-update group of world size 1, which refuses tensors not on the GPU as NCCL does),
+    ``train_step`` (routers routing on their own), ``r3_train_step`` (R3: the routes of ``forward_routes`` replayed by
+    the aligned forward, which must give the same log-probs, then by ``train_step``), ``delta`` (the delta encoder
+    between the payloads before and after the two steps, applied back bit for bit), ``checkpoint`` (a
+    dist-checkpoint save)."""
     import torch
 
     from megatron_qarl.config import OptimConfig, ParallelConfig
@@ -206,12 +213,13 @@ def learner_checks(model_dir: str, impl: str, scheme: str, workdir: str, *, simu
         return f"{sum(f.stat().st_size for f in path.rglob('*') if f.is_file()) / 2**20:.2f} MiB"
 
     steps = {"build": (build, None), "forward": (forward, "build"), "sync_payload": (payload, "forward"),
-             "train_step": (lambda: step(routes=False), "forward"), "r3_train_step": (lambda: step(routes=True), "forward"),
+             "train_step": (lambda: step(routes=False), "forward"),
+             "r3_train_step": (lambda: step(routes=True), "forward"),
              "delta": (delta, "sync_payload"), "checkpoint": (checkpoint, "build")}
     assert tuple(steps) == LEARNER_CHECKS
     for name, (fn, needs) in steps.items():
         check(name, fn, needs)
-    del state
+    state.clear()  # the learner goes before the next one is built
     return checks
 
 
@@ -267,6 +275,30 @@ def _delta_roundtrip(before: dict, after: dict) -> str:
     return f"{changed} of {len(after)} tensors changed, {sent / 2**10:.1f} KiB of deltas"
 
 
+def te_fp8_check(model_dir: str) -> str:
+    """``model.te_fp8``: a bf16 TE-spec learner whose GEMMs run TE's blockwise FP8 recipe; its first forward under
+    fp8 autocast and a train step (real CUDA with Transformer Engine only)."""
+    import torch
+
+    from megatron_qarl.config import OptimConfig, ParallelConfig
+    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+    from megatron_qarl.moe.model import Qwen3MoeArch
+
+    torch.manual_seed(0)
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-4), dtype=torch.bfloat16,
+                      quant=QuantConfig(scheme="bf16"), impl="te", te_fp8=True)
+    learner.load_hf(model_dir)
+    tokens = torch.randint(0, arch.vocab_size, (4, 128))  # TE blockwise FP8: token counts in multiples of 128
+    mask = torch.ones(4, 127)
+    logp = learner.forward_logprobs(tokens)
+    metrics = learner.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, int(mask.sum())))
+    torch.cuda.synchronize()
+    if not (torch.isfinite(logp).all() and metrics["skipped"] == 0.0):
+        raise RuntimeError(f"non-finite FP8 step: {metrics}")
+    return f"mean logp {float(logp.mean()):.4f}, loss {metrics['loss']:.4f}"
+
+
 def _learner_all(model_dir: str, impls: list[str], checks: dict[str, str], workdir: str) -> None:
     from megatron_qarl.moe.parallelize import destroy_parallel, free_port, init_parallel
 
@@ -277,6 +309,12 @@ def _learner_all(model_dir: str, impls: list[str], checks: dict[str, str], workd
         for impl in impls:
             for scheme in SCHEMES:
                 checks.update(learner_checks(model_dir, impl, scheme, workdir))
+        if "te" in impls:
+            t0 = time.perf_counter()
+            try:
+                checks["te_fp8[te,bf16]"] = f"ok: {te_fp8_check(model_dir)}, {time.perf_counter() - t0:.1f}s"
+            except Exception as err:  # noqa: BLE001 - report every check, then fail at the end
+                checks["te_fp8[te,bf16]"] = f"FAILED: {type(err).__name__}: {err}"
     finally:
         destroy_parallel()
 
@@ -421,7 +459,7 @@ def smoke(model: str | None = None) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - e.g. the process group cannot form
         checks["learner"] = f"FAILED: {type(err).__name__}: {err}"
     if not te:
-        checks["learner_step[te,*]"] = "skipped: transformer_engine not installed (the local spec ran)"
+        checks["learner[te,*]"] = "skipped: transformer_engine not installed (the local spec ran)"
     run("nccl_broadcast", _nccl_broadcast)
     checks["sglang"] = "ok: importable" if info["sglang"] else "skipped: sglang not installed"
     out["checks"] = checks

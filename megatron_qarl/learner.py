@@ -24,7 +24,7 @@ from megatron_qarl.algo.policy_loss import PolicyLossConfig, loss_normalizer, po
 from megatron_qarl.config import OptimConfig, ParallelConfig
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
-from megatron_qarl.moe.te import resolve_impl
+from megatron_qarl.moe.te import check_te_fp8, resolve_impl
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.modules import apply_fake_quant
 
@@ -93,9 +93,11 @@ class Learner:
                  micro_batch_size: int | None = None, temperature: float = 1.0, routing_replay: bool = False,
                  impl: str = "local", compile_quantizer: bool = False, distributed_optimizer: bool = True,
                  optimizer_cpu_offload: bool = False, optimizer_offload_fraction: float = 1.0, recompute: str = "none",
-                 recompute_num_layers: int = 1):
+                 recompute_num_layers: int = 1, te_fp8: bool = False):
         """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
-        Transformer Engine layers, for w8a8_fp8 under TE's blockwise FP8 recipe (``moe/te.py``).
+        Transformer Engine layers, in BF16 GEMMs on ModelOpt's fake-quant operands for the quantized schemes
+        (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (bf16 scheme and impl te only,
+        ``moe.te.check_te_fp8``).
         ``compile_quantizer``: learner.compile_quantizer (``qat.quantizer.fake_quantize_weight``).
         The memory options: see the class docstring."""
         from megatron.core import parallel_state as ps
@@ -114,9 +116,10 @@ class Learner:
             raise ValueError("optimizer_cpu_offload: Megatron's HybridDeviceOptimizer moves optimizer states from the "
                              "GPU to the CPU and needs CUDA (streams, pinned memory); this torch has no CUDA device")
         self.impl = resolve_impl(impl)
+        check_te_fp8(te_fp8, self.impl, (quant or QuantConfig()).scheme)
         self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
                                   dispatcher=parallel.dispatcher, routing_replay=routing_replay,
-                                  te=(quant or QuantConfig()) if self.impl == "te" else None, recompute=recompute,
+                                  te=self.impl == "te", te_fp8=te_fp8, recompute=recompute,
                                   recompute_num_layers=recompute_num_layers)
         self.routing_replay = routing_replay  # R3: routes given to logprobs() are replayed by Megatron's routers
         # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
@@ -182,7 +185,8 @@ class Learner:
                 raise ValueError(f"routes_BSLK: shape {list(routes_BSLK.shape)} does not match tokens "
                                  f"{list(tokens_BS.shape)}")
             k = routes_BSLK.shape[-1]  # TP padding positions: experts 0..K-1 (their outputs are never read)
-            fill = torch.arange(k, device=routes_BSLK.device).expand(routes_BSLK.shape[0], s - seq, routes_BSLK.shape[2], k)
+            fill = torch.arange(k, device=routes_BSLK.device).expand(routes_BSLK.shape[0], s - seq,
+                                                                     routes_BSLK.shape[2], k)
             routes_BSLK = torch.cat([routes_BSLK.to(torch.int64), fill], dim=1)
         replay = _Replay(self, padded.shape, routes_BSLK, record) if self.routing_replay else None
         try:

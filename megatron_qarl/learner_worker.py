@@ -78,7 +78,7 @@ class LearnerWorker:
         self.learner = Learner(arch, cfg.parallel, cfg.optim, dtype=dtype, quant=cfg.quant,
                                aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size,
                                temperature=cfg.rollout.sampling.temperature,
-                               routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl,
+                               routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl, te_fp8=cfg.model.te_fp8,
                                compile_quantizer=cfg.learner.compile_quantizer,
                                distributed_optimizer=cfg.learner.distributed_optimizer,
                                optimizer_cpu_offload=cfg.learner.optimizer_cpu_offload,

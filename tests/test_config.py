@@ -120,3 +120,25 @@ def test_wrong_learner_memory_keys_name_the_key(overrides, message, tiny_model_d
     with pytest.raises(ConfigError, match=message) as info:
         load_config(REPO / "configs" / "cpu_default.yaml", overrides)
     assert len(str(info.value).splitlines()) == 1, str(info.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.te_fp8=true", "model.impl=te", "quant.scheme=w8a8_fp8"],
+     r"^model\.te_fp8: TE's FP8 autocast cannot run with quant\.scheme='w8a8_fp8': .*ModelOpt"),
+    (["model.te_fp8=true", "model.impl=te", "quant.scheme=w4a16", "learner.aligned=false"],
+     r"^model\.te_fp8: .*quant\.scheme='w4a16'.*aligned or not"),
+    (["model.te_fp8=true", "model.impl=auto", "quant.scheme=bf16"],
+     r"^model\.te_fp8: .*model\.impl='te' \(got model\.impl='auto'\)"),
+])
+def test_te_fp8_with_modelopt_quantizers_or_without_the_te_spec_is_refused(overrides, message, tiny_model_dir):
+    """TE's fp8 autocast and ModelOpt's quant modules (every quantized scheme) cannot run together
+    (moe.te.check_te_fp8): refused at load, naming the keys."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(REPO / "configs" / "cpu_default.yaml", overrides)
+
+
+def test_te_fp8_loads_for_bf16_on_the_te_spec(tiny_model_dir):
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml", ["model.te_fp8=true", "model.impl=te",
+                                                                 "quant.scheme=bf16"])
+    assert cfg.model.te_fp8 and cfg.quant.scheme == "bf16"
+    assert load_config(REPO / "configs" / "cpu_default.yaml").model.te_fp8 is False

@@ -40,7 +40,6 @@ from megatron_qarl.moe.model import (
     transformer_config,
 )
 from megatron_qarl.moe.parallelize import init_parallel, run_ranks
-from megatron_qarl.qat.config import QuantConfig
 
 NEEDS_TE = pytest.mark.skipif(not moe_te.transformer_engine_available(),
                               reason="Transformer Engine is not installed (the stand-in tests cover the names)")
@@ -228,36 +227,6 @@ def test_auto_picks_te_where_it_imports(monkeypatch):
     assert moe_te.resolve_impl("local") == "local"
 
 
-class _Built(Exception):
-    pass
-
-
-@pytest.mark.parametrize("impl, scheme, recipe", [("te", "w8a8_fp8", "blockwise"), ("te", "bf16", None),
-                                                  ("local", "w8a8_fp8", None)])
-def test_the_learner_builds_te_with_the_schemes_fp8_recipe(impl, scheme, recipe, monkeypatch, tiny_model_dir):
-    """Learner(impl=...) -> build_model(te=...): with impl te the model gets the quant config, whose TE settings
-    are the blockwise FP8 recipe for w8a8_fp8 (moe/te.py); with local, no TE."""
-    from megatron_qarl import learner as learner_mod
-    from megatron_qarl.config import OptimConfig, ParallelConfig
-
-    seen = {}
-
-    def fake_build(arch, **kwargs):
-        seen.update(kwargs)
-        raise _Built
-
-    monkeypatch.setattr(moe_te, "require_transformer_engine", lambda: None)
-    monkeypatch.setattr(learner_mod, "build_model", fake_build)
-    arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
-    with pytest.raises(_Built):
-        learner_mod.Learner(arch, ParallelConfig(), OptimConfig(), quant=QuantConfig(scheme=scheme), impl=impl)
-    if impl == "local":
-        assert seen["te"] is None
-    else:
-        assert seen["te"].scheme == scheme
-        assert moe_te.te_config_overrides(seen["te"]).get("fp8_recipe") == recipe
-
-
 @pytest.mark.parametrize("capability, preset, expected", [((9, 0), None, "1"), ((10, 0), None, None),
                                                           ((9, 0), "0", "0")])
 def test_fp32_block_scales_are_preferred_on_hopper_only(capability, preset, expected, monkeypatch):
@@ -278,7 +247,7 @@ def test_real_te_model_matches_the_table(tiny_model_dir, one_rank):
     the HF weights to the local model's logits (bf16 GEMMs: within bf16 rounding)."""
     arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
     hf = SafetensorsDir(tiny_model_dir)
-    te_model = build_model(arch, dtype=torch.bfloat16, te=QuantConfig()).cuda()
+    te_model = build_model(arch, dtype=torch.bfloat16, te=True).cuda()
     declared, table = _declared_vs_table(te_model, arch, "te", Layout(), hf)
     assert declared == table
     local = build_model(arch, dtype=torch.bfloat16).cuda()

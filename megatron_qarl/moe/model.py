@@ -17,19 +17,14 @@ megatron_qarl.moe.parallelize.
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from megatron_qarl.errors import ConfigError
-
-if TYPE_CHECKING:
-    from megatron_qarl.qat.config import QuantConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,12 +196,14 @@ def layer_spec(arch: Qwen3MoeArch):
 
 
 def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None = None,
-                dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", te: QuantConfig | None = None,
-                routing_replay: bool = False, recompute: str = "none", recompute_num_layers: int = 1):
+                dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", te: bool = False,
+                te_fp8: bool = False, routing_replay: bool = False, recompute: str = "none",
+                recompute_num_layers: int = 1):
     """This rank's shard of the Qwen3-MoE GPTModel. Parallel state must be initialised first.
 
-    ``te`` None: Megatron's local layers (``layer_spec``, CPU-safe). A QuantConfig: Transformer Engine layers
-    with that scheme's TE settings (``moe/te.py``; CUDA with TE installed, else ImportError naming the package).
+    ``te`` False: Megatron's local layers (``layer_spec``, CPU-safe). True: Transformer Engine layers
+    (``moe/te.py``; CUDA with TE installed, else ImportError naming the package), under TE's blockwise FP8
+    autocast when ``te_fp8`` (``model.te_fp8``; ``moe.te.check_te_fp8`` says when it is allowed).
     ``routing_replay``: every router gets a Megatron ``RouterReplay``; they register in a process-global list
     in layer order, which is cleared first so that it holds this model's routers only.
     ``recompute``, ``recompute_num_layers``: activation recompute (``recompute_kwargs``).
@@ -216,7 +213,9 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
     megatron_cpu.apply()
     if sp is None:
         sp = tp > 1
-    if te is None:
+    if te_fp8 and not te:
+        raise ValueError("te_fp8: TE's FP8 GEMMs need the Transformer Engine layers (te=True)")
+    if not te:
         config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
                                     routing_replay=routing_replay, recompute=recompute,
                                     recompute_num_layers=recompute_num_layers)
@@ -224,7 +223,7 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
     else:
         from megatron_qarl.moe.te import te_layer_spec, te_transformer_config
 
-        config = te_transformer_config(arch, te, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
+        config = te_transformer_config(arch, te_fp8, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
                                        routing_replay=routing_replay, recompute=recompute,
                                        recompute_num_layers=recompute_num_layers)
         spec = te_layer_spec(arch)

@@ -1,5 +1,5 @@
 """Transformer Engine (TE) for the learner's Megatron model on CUDA. TE is imported lazily, so this module
-imports on CPU machines; ``moe.model.build_model(..., te=quant)`` builds the model with it.
+imports on CPU machines; ``moe.model.build_model(..., te=True)`` builds the model with it.
 
 - ``resolve_impl``: the config key ``model.impl`` (auto | local | te) to the layer spec a learner builds: auto is
   "te" where transformer_engine imports, else "local"; "te" where it does not is a ConfigError naming the key.
@@ -7,13 +7,14 @@ imports on CPU machines; ``moe.model.build_model(..., te=quant)`` builds the mod
 - ``te_layer_spec``: Megatron's TE layer spec for Qwen3-MoE (fused TE linears with the RMSNorm folded into
   linear_qkv / linear_fc1, qk-norm, TE grouped-GEMM experts).
 - ``te_transformer_config``: ``moe.model.transformer_config`` with ``te_config_overrides``: the CUDA fusions back
-  on and, for w8a8_fp8, TE's blockwise FP8 recipe (``te_fp8_settings``).
-- ``te_fp8_settings``: the TransformerConfig kwargs that run the learner's GEMMs in TE FP8 with the block-wise
-  recipe (Float8BlockScaling: 1 x 128 activation tiles, 128 x 128 weight blocks, the DeepSeek-V3 layout SGLang's
-  ``fp8`` block method serves). It is a speed path: TE quantizes with its own kernels (power-of-two scales unless
-  NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1, its own rounding), so its operands are close to, not identical with, the
-  exported codes. The rollout-aligned path of QaRL is the fake-quant forward (``qat/fake_quant.py``), whose
-  operands are exactly the exported ones.
+  on and, only with ``model.te_fp8``, TE's blockwise FP8 recipe (``te_fp8_settings``).
+
+FP8 and fake quantization (docs/quantization.md, "FP8 on the TE spec"): the quantized schemes, w8a8_fp8 included,
+run the TE spec's GEMMs in BF16 on ModelOpt fake-quant operands (``qat/modules.py``: the exported FP8 codes x
+scales, the fake-quantized activations), never under TE's fp8 autocast: ModelOpt 0.47's TE plugin refuses fp8
+autocast in every forward of a module it converted, and TE's own FP8 quantization (power-of-two scales by default,
+its own rounding) is not SGLang's. ``te_fp8_settings`` (Megatron fp8="e4m3", fp8_recipe="blockwise") serves only
+``model.te_fp8``, for bf16 runs, where nothing is ModelOpt-converted; ``check_te_fp8`` refuses every other use.
 Field names checked against megatron-core 0.16.1 (``TransformerConfig.fp8``, ``fp8_recipe``, ...).
 """
 
@@ -25,9 +26,6 @@ from types import ModuleType
 from typing import Any
 
 from megatron_qarl.errors import ConfigError
-from megatron_qarl.qat.config import QuantConfig
-
-TE_BLOCK = 128  # Float8BlockScaling's tile edge
 
 # TransformerConfig fields that moe/model.py turns off for CPU-only torch and that CUDA runs want on
 CUDA_FUSIONS = {"apply_rope_fusion": True, "masked_softmax_fusion": True, "bias_activation_fusion": True,
@@ -35,17 +33,11 @@ CUDA_FUSIONS = {"apply_rope_fusion": True, "masked_softmax_fusion": True, "bias_
                 "moe_grouped_gemm": True}
 
 
-def te_fp8_settings(cfg: QuantConfig) -> dict[str, Any]:
-    """Megatron TransformerConfig kwargs for ``cfg`` (empty for schemes TE FP8 does not serve).
-
-    w8a8_fp8 -> fp8 "e4m3" (forward and backward tensors in e4m3, as SGLang serves e4m3), fp8_recipe
-    "blockwise", weights kept in BF16 master params (fp8_param False), wgrad in FP8, no BF16 first/last
-    layers. Group sizes other than 128 have no TE recipe: ValueError.
-    """
-    if cfg.scheme != "w8a8_fp8":
-        return {}
-    if cfg.group_size != TE_BLOCK:
-        raise ValueError(f"group_size: TE blockwise FP8 uses {TE_BLOCK}-wide blocks, got {cfg.group_size}")
+def te_fp8_settings() -> dict[str, Any]:
+    """Megatron TransformerConfig kwargs of TE's blockwise FP8 GEMMs (``model.te_fp8``): fp8 "e4m3" (forward and
+    backward tensors in e4m3), fp8_recipe "blockwise" (Float8BlockScaling: 1 x 128 activation tiles, 128 x 128
+    weight blocks), weights kept in BF16 master params (fp8_param False), wgrad in FP8, no BF16 first/last
+    layers. Megatron then runs every TE linear under TE's fp8 autocast."""
     return {
         "fp8": "e4m3",
         "fp8_recipe": "blockwise",
@@ -53,6 +45,27 @@ def te_fp8_settings(cfg: QuantConfig) -> dict[str, Any]:
         "fp8_wgrad": True,
         "first_last_layers_bf16": False,
     }
+
+
+def check_te_fp8(te_fp8: bool, impl: str, scheme: str) -> None:
+    """``model.te_fp8`` against ``model.impl`` and ``quant.scheme``: ConfigError naming the keys unless it is off,
+    or on with model.impl 'te' and quant.scheme 'bf16'.
+
+    Every quantized scheme converts the learner's linears to ModelOpt quant modules (``qat/modules.py``; with
+    learner.aligned false too: their quantizers make the synced codes), and ModelOpt 0.47's TE plugin raises in
+    every forward of such a module while TE's fp8 autocast is on
+    (modelopt/torch/quantization/plugins/transformer_engine.py, ``_assert_te_fp8_enabled``)."""
+    if not te_fp8:
+        return
+    if scheme != "bf16":
+        raise ConfigError(f"model.te_fp8: TE's FP8 autocast cannot run with quant.scheme={scheme!r}: the learner "
+                          "converts its linears to ModelOpt quant modules for every quantized scheme (aligned or "
+                          "not), and ModelOpt's Transformer Engine plugin refuses fp8 autocast in each of their "
+                          "forwards; the quantized schemes run TE's GEMMs in BF16 on the exported codes x scales "
+                          "(docs/quantization.md). Set model.te_fp8=false, or quant.scheme=bf16")
+    if impl != "te":
+        raise ConfigError(f"model.te_fp8: TE's FP8 GEMMs need the Transformer Engine spec, model.impl='te' "
+                          f"(got model.impl={impl!r})")
 
 
 def transformer_engine_available() -> bool:
@@ -138,19 +151,19 @@ def te_layer_spec(arch):
     return get_gpt_layer_with_transformer_engine_spec(**te_layer_spec_kwargs(arch))
 
 
-def te_config_overrides(quant: QuantConfig) -> dict[str, Any]:
-    """The TransformerConfig fields the TE path changes: the CUDA fusions and, for w8a8_fp8, TE's blockwise FP8
-    recipe (FP8 grouped GEMMs need each expert's token count padded to a multiple of 16: the router pads).
-    Pure: checked against Megatron's fields without TE."""
-    fp8 = te_fp8_settings(quant)
-    return {**CUDA_FUSIONS, **fp8, **({"moe_router_padding_for_fp8": True} if fp8 else {})}
+def te_config_overrides(fp8: bool = False) -> dict[str, Any]:
+    """The TransformerConfig fields the TE path changes: the CUDA fusions and, with ``fp8`` (``model.te_fp8``),
+    TE's blockwise FP8 recipe (FP8 grouped GEMMs need each expert's token count padded to a multiple of 16: the
+    router pads). Pure: checked against Megatron's fields without TE."""
+    fp8_settings = te_fp8_settings() if fp8 else {}
+    return {**CUDA_FUSIONS, **fp8_settings, **({"moe_router_padding_for_fp8": True} if fp8 else {})}
 
 
-def te_transformer_config(arch, quant: QuantConfig, **kwargs):
-    """``moe.model.transformer_config(arch, **kwargs)`` with ``te_config_overrides(quant)``, for the TE spec on
+def te_transformer_config(arch, fp8: bool = False, **kwargs):
+    """``moe.model.transformer_config(arch, **kwargs)`` with ``te_config_overrides(fp8)``, for the TE spec on
     CUDA. ImportError naming the package when TE is absent."""
     from megatron_qarl.moe.model import transformer_config
 
-    overrides = te_config_overrides(quant)
+    overrides = te_config_overrides(fp8)
     require_transformer_engine()
     return dataclasses.replace(transformer_config(arch, **kwargs), **overrides)

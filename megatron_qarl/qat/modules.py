@@ -3,10 +3,14 @@
 `apply_fake_quant(model, arch, cfg)`:
   1. ``mtq.quantize`` (ModelOpt's Megatron plugin) turns every Megatron linear into a ModelOpt quant module
      (ColumnParallelLinear -> QuantColumnParallelLinear, RowParallelLinear -> QuantRowParallelLinear; on the
-     Transformer Engine spec TELayerNormColumnParallelLinear, TE{Column,Row}ParallelLinear and the TE grouped
-     expert linears), each with a weight and an input TensorQuantizer. The weight quantizers run the ModelOpt
-     backend ``qarl_weight``, the W8A8 input quantizers the backend ``qarl_act`` (both registered here with
-     ``register_quant_backend``); ModelOpt applies them to the linear functional's operands.
+     Transformer Engine spec ModelOpt's TE plugin converts TELayerNormColumnParallelLinear,
+     TE{Column,Row}ParallelLinear and the TE grouped expert linears), each with a weight and an input
+     TensorQuantizer. The weight quantizers run the ModelOpt backend ``qarl_weight``, the W8A8 input quantizers the
+     backend ``qarl_act`` (both registered here with ``register_quant_backend``); ModelOpt applies them to the
+     linear functional's operands. On the TE spec those functionals are TE's own GEMMs, run in BF16: ModelOpt's TE
+     plugin raises in every forward under TE's fp8 autocast (``_assert_te_fp8_enabled``, ModelOpt 0.47), so a
+     model built with TE's FP8 recipe (TransformerConfig.fp8, ``model.te_fp8``) is refused here, and w8a8_fp8's
+     FP8 is the operands' values (codes x scales), not TE's FP8 GEMMs (docs/quantization.md).
   2. Quantizers of linears whose Hugging Face tensors the config does not quantize (compressed-tensors targets /
      ignore semantics, ``qat.config.is_quantized``: the router, lm_head, attention under w4a16, ...) are
      disabled: those modules compute in high precision.
@@ -163,6 +167,11 @@ class FakeQuant:
 
         if not cfg.enabled:
             raise ValueError("quant.scheme is bf16: there is nothing to fake-quantize")
+        fp8 = getattr(getattr(model, "config", None), "fp8", None)
+        if fp8:
+            raise ValueError(f"model.te_fp8: the model runs its TE linears under TE's fp8 autocast (Megatron "
+                             f"TransformerConfig.fp8={fp8!r}), which ModelOpt's quant modules refuse in every forward; "
+                             f"quant.scheme={cfg.scheme!r} needs a model built without it")
         register_backends()
         self.arch, self.cfg, self.compiled = arch, cfg, compiled
         self.layout = layout or Layout.current()
