@@ -31,8 +31,12 @@ EXTRAS = {
     # installed with --no-deps, README); openai pinned as sglang 0.5.23 pins it
     "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.8", "schemathesis>=3.36",
              "msgspec>=0.19", "openai==2.8.0", "dill>=0.3", "vulture>=2.11"],
-    # GPU clusters only: none of these installs on a CPU-only machine. Imported lazily.
-    "gpu": ["transformer-engine[pytorch]>=2.4", "sglang[all]==0.5.23"],  # the version the contract tests check
+    # The LEARNER's GPU extra (CUDA nodes; none of it installs on a CPU-only machine; imported lazily): only what
+    # the learner imports. No inference engine: sglang 0.5.23 pins torch==2.14.1 and transformers==5.19.0 against
+    # our torch==2.13.0 and transformers==5.24.0 (its METADATA), so the rollout servers run in their OWN
+    # environment, requirements/sglang-server.txt, named by the config key rollout.server_python
+    # (docs/cluster.md "Installing"; tests/test_install.py checks both against SGLang's installed METADATA).
+    "gpu": ["transformer-engine[pytorch]>=2.4"],
 }
 
 setup(

@@ -188,6 +188,20 @@ class RolloutConfig(_Section):
 
     backend: ``embedded`` (``qarl serve``, CPU kernels) or ``sglang`` (``python -m sglang.launch_server``, GPUs).
     servers: how many; gpus_per_server is SGLang's --tp-size (0 on CPU).
+
+    server_python, launch_prefix: the environment the servers run in. Every launcher (launch/local.py, the Ray
+    fleet's server actors, and so slurm/qarl.sbatch) starts a server as
+    ``[*launch_prefix, server_python, "-m", <the backend's module>, ...]`` (launch/fleet.py ``server_command``).
+    An inference engine pins its own torch and transformers (sglang[all]==0.5.23: torch==2.14.1, transformers==
+    5.19.0), which cannot share the learner's environment (torch==2.13.0, transformers==5.24.0), so on a cluster
+    the servers run in their own environment (docs/cluster.md, "Installing"): ``server_python`` is that
+    environment's interpreter (None: the trainer's own, ``sys.executable``, as on CPU machines), ``launch_prefix``
+    an optional wrapper such as ``["apptainer", "exec", "--nv", "/images/sglang.sif"]`` (server_python is then
+    the interpreter inside it). Neither is specific to SGLang: the embedded server runs the same way (that
+    environment then needs megatron_qarl), and a vLLM backend (servers in their own environment too) reuses both.
+    At load only their form is checked (the config is loaded where the interpreter may not exist: the head
+    node, ``qarl plan``, CI); whether it exists, is executable and can import the engine is checked on the node
+    that starts each server, before it starts (launch/fleet.py ``check_server_interpreter``).
     """
 
     backend: Literal["embedded", "sglang"] = "embedded"
@@ -207,6 +221,34 @@ class RolloutConfig(_Section):
     startup_timeout_s: float = Field(default=300.0, gt=0)
     api_key: str | None = None
     sync: SyncConfig = SyncConfig()
+    server_python: str | None = None  # the servers' interpreter: an absolute path or a command name (PATH)
+    launch_prefix: list[str] = []  # argv put before it (a container runtime); [] = none
+
+    @field_validator("server_python")
+    @classmethod
+    def _interpreter_form(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_command(v, "rollout.server_python")
+        return v
+
+    @field_validator("launch_prefix")
+    @classmethod
+    def _prefix_form(cls, v: list[str]) -> list[str]:
+        if any(not a.strip() for a in v):
+            raise ValueError(f"every item must be a non-empty string, got {v!r}")
+        if v:
+            _check_command(v[0], "rollout.launch_prefix[0]")
+        return v
+
+
+def _check_command(cmd: str, key: str) -> None:
+    """An executable to start on another node: an absolute path, or a bare name looked up on that node's PATH.
+    A relative path would depend on the directory each launcher happens to run in."""
+    if not cmd.strip() or cmd != cmd.strip():
+        raise ValueError(f"{cmd!r} is not a command (empty, or with surrounding spaces)")
+    if "/" in cmd and not cmd.startswith("/"):
+        raise ValueError(f"{cmd!r} is a relative path; {key} must be an absolute path (servers start on other "
+                         "nodes, in other directories) or a command name looked up on PATH")
 
 
 class EvalConfig(_Section):

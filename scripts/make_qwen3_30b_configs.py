@@ -60,6 +60,7 @@ CLUSTERS = {  # nodes -> (learner ranks, EP)
 }
 GPUS_PER_NODE = 8
 PROMPTS, SAMPLES, RESPONSE = 32, 8, 8192
+SERVER_PYTHON = "/opt/sglang-env/bin/python"  # where docs/cluster.md installs the servers' environment
 
 
 def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
@@ -78,6 +79,8 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
         "# are dapo-math-17k and AIME 2024 in the DAPO parquet layout (prompt: chat messages,\n"
         "# reward_model.ground_truth).\n"
         f"# Submit (repository root): python -m launch.slurm submit configs/qwen3-30b-a3b/{name}.yaml model.path=...\n"
+        f"# SGLang servers run on {SERVER_PYTHON} (their own environment, docs/cluster.md \"Installing\"); elsewhere:\n"
+        "# rollout.server_python=/path/to/env/bin/python (or QARL_SERVER_PYTHON=... for slurm/qarl.sbatch).\n"
     )
     cfg = {
         "model": {"path": "configs/models/qwen3-30b-a3b", "dtype": "bfloat16"},
@@ -97,6 +100,8 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
             "sampling": {"n_samples": SAMPLES, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": RESPONSE},
             "timeout_s": 3600.0, "startup_timeout_s": 1800.0,
             "sync": {"bucket_mb": 1024, "timeout_s": 1800.0},
+            # SGLang runs in its own environment (requirements/sglang-server.txt; docs/cluster.md "Installing")
+            "server_python": SERVER_PYTHON,
         },
         "train": {
             "steps": 300, "prompts_per_step": PROMPTS, "output_dir": f"runs/qwen3-30b-a3b/{name}",

@@ -152,7 +152,7 @@ def test_server_command_is_accepted_by_sglangs_parser_with_the_configs_values(pa
     cfg = load_config(path, overrides)
     model_dir, host, port = serving_dir(cfg, tmp_path / "model"), "0.0.0.0", 30123
     cmd = server_command(cfg, model_dir, host, port)
-    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"], cmd
+    assert cmd[:3] == [cfg.rollout.server_python or sys.executable, "-m", "sglang.launch_server"], cmd
     expected = expected_server_args(cfg, model_dir, host, port, cfg.quant.scheme)
     out = sglang.run(sg_parse_server_argv, cmd[3:], sorted(expected))
     assert out["unknown"] == [], f"flags SGLang 0.5.23 does not have: {out['unknown']} in {cmd}"

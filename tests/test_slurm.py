@@ -72,10 +72,16 @@ def _steps(out: Path) -> list[int]:
 
 def test_two_node_job_runs_ray_across_nodes_and_completes(slurm, tmp_path, ray_tmp):
     out = tmp_path / "run"
+    # the servers' own environment, passed as the job's QARL_SERVER_PYTHON: an interpreter that records its argv
+    server_env = tmp_path / "server-env"
+    server_env.mkdir()
+    python = server_env / "python"
+    python.write_text(f'#!/bin/bash\nprintf "%s\\n" "$0" "$@" > "{server_env}/argv.$$"\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     # one Ray CPU per node: the learner rank and the rollout server cannot share a node
     job = _submit(slurm, "configs/cpu_default.yaml",
                   [f"train.output_dir={out}", "launch.nodes=2", "train.steps=2", *SMALL], ray_tmp,
-                  env={"QARL_RAY_NUM_CPUS": "1"})
+                  env={"QARL_RAY_NUM_CPUS": "1", "QARL_SERVER_PYTHON": str(python)})
     info = slurm.wait(job, timeout_s=900)
     log = _log(out, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-6000:]}"
@@ -86,6 +92,9 @@ def test_two_node_job_runs_ray_across_nodes_and_completes(slurm, tmp_path, ray_t
     assert {learner, servers} == {"127.0.0.2", "127.0.0.3"}, placed
     assert "step 1/2 reward=" in log and "step 2/2 reward=" in log, log[-4000:]
     assert "qarl train exited with 0" in log
+    assert f"rollout servers run on: {python}" in log
+    runs = [p.read_text().splitlines() for p in server_env.glob("argv.*")]
+    assert [str(python), "-m", "megatron_qarl.cli", "serve"] in [a[:4] for a in runs], runs
     assert _steps(out) == [1, 2]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
     assert sorted(p.name for p in (out / "slurm" / f"job-{job}").glob("ray-node*.log")) == \

@@ -222,8 +222,17 @@ def test_ray_launch_trains_and_tensorboard_holds_every_scalar(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "ray"
-    proc = _qarl_train(out, ["launch.backend=ray", "train.steps=2", "parallel.tp=2", "parallel.ep=2"])
+    # the servers' own environment (rollout.server_python): an interpreter that records its argv, then runs ours
+    env = tmp_path / "server-env"
+    (env / "bin").mkdir(parents=True)
+    python = env / "bin" / "python"
+    python.write_text(f'#!/bin/bash\nprintf "%s\\n" "$0" "$@" > "{env}/argv.$$"\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    proc = _qarl_train(out, ["launch.backend=ray", "train.steps=2", "parallel.tp=2", "parallel.ep=2",
+                             f"rollout.server_python={python}"])
     _finish(proc, out)
+    runs = [p.read_text().splitlines() for p in env.glob("argv.*")]
+    assert [str(python), "-m", "megatron_qarl.cli", "serve"] in [a[:4] for a in runs], runs  # the Ray server actor
     acc = EventAccumulator(str(out / "tb"))
     acc.Reload()
     have = set(acc.Tags()["scalars"])

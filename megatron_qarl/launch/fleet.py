@@ -1,15 +1,23 @@
 """What the trainer sees of a launch: the learner ranks (``LearnerRanks``: one LearnerWorker per rank, called in
 lockstep) and a server fleet (rollout server URLs that can be checked and restarted). launch/local.py and
-launch/ray_launcher.py implement both."""
+launch/ray_launcher.py implement both. Every server starts as ``server_command`` says, through the interpreter the
+config names (``rollout.server_python`` and ``rollout.launch_prefix``), checked on its node before it starts."""
 
 from __future__ import annotations
 
 import abc
+import importlib.util
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from megatron_qarl.config import QarlConfig
+from megatron_qarl.errors import ConfigError
 from megatron_qarl.learner_worker import LearnerWorker
 from megatron_qarl.rollout.process import embedded_command
 from megatron_qarl.rollout.sglang_launcher import SGLangServerSpec, launch_command
@@ -71,12 +79,60 @@ class ServerFleet(Protocol):
     def close(self) -> None: ...
 
 
-def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> list[str]:
-    """The command of one rollout server for this config (embedded ``qarl serve`` or SGLang)."""
+# the package each backend's server runs (``python -m``), whose top-level package the server's interpreter must
+# import; a new backend (vLLM, issue 22) adds its own here and reuses rollout.server_python / launch_prefix
+SERVER_MODULES = {"embedded": "megatron_qarl.cli", "sglang": "sglang.launch_server"}
+
+
+def server_interpreter(cfg: QarlConfig) -> list[str]:
+    """The argv that every rollout server's command starts with: ``[*rollout.launch_prefix, python]``, python
+    being ``rollout.server_python`` or, unset, the trainer's own interpreter."""
     r = cfg.rollout
+    return [*r.launch_prefix, r.server_python or sys.executable]
+
+
+def check_server_interpreter(cfg: QarlConfig) -> None:
+    """Before a server starts, on the node that starts it: the configured interpreter (or, with a launch prefix,
+    the prefix's program) is an executable file here, and the interpreter can import the backend's package. A
+    ConfigError names the key at fault. (Not checked at config load: the config is loaded also where the servers'
+    environment does not exist, such as the head node, ``qarl plan`` and CI.)"""
+    r = cfg.rollout
+    argv = server_interpreter(cfg)
+    key = "rollout.launch_prefix" if r.launch_prefix else "rollout.server_python"
+    where = socket.gethostname()
+    if shutil.which(argv[0]) is None:
+        what = "not an executable file" if "/" in argv[0] else "not found on PATH"
+        hint = ("" if r.launch_prefix else " (the servers' own environment, docs/cluster.md \"Installing\"; unset, "
+                "the trainer's interpreter)")
+        raise ConfigError(f"{key}: {argv[0]!r} is {what} on {where}{hint}")
+    package = SERVER_MODULES[r.backend].split(".")[0]
+    if argv == [sys.executable]:  # this very interpreter: no need to start another one to ask
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"rollout.server_python: unset, so {r.backend} servers run on the trainer's "
+                              f"interpreter {sys.executable}, which cannot import {package}; set it to the python of "
+                              f"the servers' environment (docs/cluster.md, \"Installing\")")
+        return
+    probe = [*argv, "-c", f"import importlib.util, sys; sys.exit(importlib.util.find_spec({package!r}) is None)"]
+    try:
+        proc = subprocess.run(probe, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ConfigError(f"{key}: {shlex.join(probe)} failed on {where}: {err}") from None
+    if proc.returncode != 0:
+        out = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise ConfigError(f"rollout.server_python: {shlex.join(argv)} cannot import {package} on {where} (exit "
+                          f"{proc.returncode}{': ' + ' | '.join(out) if out else ''}); rollout.backend="
+                          f"{r.backend} needs it installed there (docs/cluster.md, \"Installing\")")
+
+
+def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> list[str]:
+    """The command of one rollout server for this config (embedded ``qarl serve`` or SGLang), started by
+    ``server_interpreter``: the configured launch prefix and interpreter."""
+    r = cfg.rollout
+    *prefix, python = server_interpreter(cfg)
     if r.backend == "embedded":
-        return embedded_command(model_dir, port, host=host, dtype=r.dtype, max_batch_size=r.max_batch_size,
-                                return_routed_experts=cfg.algo.wants_routes, api_key=r.api_key)
+        return [*prefix, *embedded_command(model_dir, port, host=host, dtype=r.dtype, max_batch_size=r.max_batch_size,
+                                           return_routed_experts=cfg.algo.wants_routes, api_key=r.api_key,
+                                           python=python)]
     # the rollout manager seeds every sample (rollout/manager.py), which SGLang honours only in
     # deterministic inference
     spec = SGLangServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, ep=r.ep_size,
@@ -84,7 +140,7 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
                             random_seed=cfg.seed, deterministic_inference=True,
                             return_routed_experts=cfg.algo.wants_routes,
                             extra_args=("--max-running-requests", str(r.max_batch_size)))
-    return launch_command(spec)
+    return [*prefix, *launch_command(spec, python=python)]
 
 
 def server_env(cfg: QarlConfig) -> dict[str, str]:

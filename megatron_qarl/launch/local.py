@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_qarl.config import QarlConfig
-from megatron_qarl.launch.fleet import LearnerRanks, log_dir, server_command, server_env
+from megatron_qarl.launch.fleet import LearnerRanks, check_server_interpreter, log_dir, server_command, server_env
 from megatron_qarl.learner_worker import LearnerWorker
 from megatron_qarl.moe.parallelize import free_port
 from megatron_qarl.rollout.process import ServerProcess
@@ -30,6 +30,7 @@ class LocalLearnerRanks(LearnerRanks):
 class LocalServers:
     def __init__(self, cfg: QarlConfig, model_dir: str):
         host = cfg.launch.server_host
+        check_server_interpreter(cfg)  # rollout.server_python / launch_prefix exist here and have the engine
         self.procs = []
         for i in range(cfg.rollout.servers):
             port = free_port()

@@ -16,7 +16,7 @@ from typing import Any
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
-from megatron_qarl.launch.fleet import LearnerRanks, log_dir, server_command, server_env
+from megatron_qarl.launch.fleet import LearnerRanks, check_server_interpreter, log_dir, server_command, server_env
 from megatron_qarl.learner_worker import LearnerWorker
 from megatron_qarl.rollout.process import ServerProcess
 
@@ -31,6 +31,7 @@ class _ServerActor:
 
         from megatron_qarl.moe.parallelize import free_port
 
+        check_server_interpreter(cfg)  # on this node: rollout.server_python / launch_prefix, and the engine
         host = cfg.launch.server_host
         node_ip = ray.util.get_node_ip_address()
         url_host = "127.0.0.1" if host in ("127.0.0.1", "localhost") else node_ip

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import re
 import secrets
@@ -207,6 +208,8 @@ def run_settings(config: str, overrides: Sequence[str]) -> dict:
         "nodes": int(launch.get("nodes", LaunchConfig.model_fields["nodes"].default)),
         "gpus_per_node": int(launch.get("gpus_per_node", LaunchConfig.model_fields["gpus_per_node"].default)),
         "api_key": (data.get("rollout") or {}).get("api_key"),
+        "server_python": (data.get("rollout") or {}).get("server_python"),
+        "launch_prefix": list((data.get("rollout") or {}).get("launch_prefix") or []),
     }
 
 
@@ -215,16 +218,24 @@ def has_checkpoint(output_dir: str | Path) -> bool:
     return (Path(output_dir) / "checkpoints" / "latest").is_file()
 
 
+def server_python_override(env: Mapping[str, str] = os.environ) -> list[str]:
+    """``rollout.server_python=$QARL_SERVER_PYTHON`` when the job's environment names the rollout servers'
+    interpreter (their own environment, docs/cluster.md); a JSON string, which YAML reads back verbatim."""
+    python = env.get("QARL_SERVER_PYTHON", "").strip()
+    return [f"rollout.server_python={json.dumps(python)}"] if python else []
+
+
 def train_command(config: str, overrides: Sequence[str], *, nodes: int, python: str = sys.executable,
-                  resume: bool = False, api_key: str | None = None) -> list[str]:
-    """``qarl train`` for a job on ``nodes`` nodes: the cluster overrides first, the user's after (they win),
-    ``--resume`` when the run has a checkpoint, a per-job rollout API key when the config has none (servers
-    listen on the node address, and then their admin endpoints need one)."""
+                  resume: bool = False, api_key: str | None = None, server_python: Sequence[str] = ()) -> list[str]:
+    """``qarl train`` for a job on ``nodes`` nodes: the cluster overrides first (and ``server_python``, the
+    QARL_SERVER_PYTHON override), the user's after (they win), ``--resume`` when the run has a checkpoint, a
+    per-job rollout API key when the config has none (servers listen on the node address, and then their admin
+    endpoints need one)."""
     cmd = [python, "-m", "megatron_qarl.cli", "train", "--config", config, "--no-progress"]
     cmd += ["--resume"] if resume else []
     cmd += [*CLUSTER_OVERRIDES, f"launch.nodes={nodes}"]
     cmd += [f"rollout.api_key={api_key}"] if api_key else []
-    return cmd + list(overrides)
+    return cmd + list(server_python) + list(overrides)
 
 
 def check_job_layout(settings: dict, nodes: int, gpus: int) -> None:
@@ -242,7 +253,8 @@ def job_env(config: str, overrides: Sequence[str], env: Mapping[str, str] = os.e
             python: str = sys.executable) -> dict[str, str | list[str]]:
     """Everything the job script needs, computed on the batch (first) node. ``QARL_TRAIN`` is the argv."""
     nodes = job_nodes(env)
-    settings = run_settings(config, overrides)
+    server_python = server_python_override(env)
+    settings = run_settings(config, [*server_python, *overrides])
     check_job_layout(settings, len(nodes), node_gpus(env))
     head_addr = node_address(nodes[0], env=env)
     port = ray_port(env)
@@ -262,8 +274,10 @@ def job_env(config: str, overrides: Sequence[str], env: Mapping[str, str] = os.e
         "QARL_LOG_DIR": str(Path(out) / "slurm" / f"job-{job}"),
         "QARL_RESUME": "1" if resume else "0",
         **socket_env(head_addr, env),
+        # for the job's log: what every rollout server starts with (launch/fleet.py server_interpreter)
+        "QARL_SERVER_INTERPRETER": shlex.join([*settings["launch_prefix"], str(settings["server_python"] or python)]),
         "QARL_TRAIN": train_command(config, overrides, nodes=len(nodes), python=python, resume=resume,
-                                    api_key=api_key),
+                                    api_key=api_key, server_python=server_python),
     }
 
 
