@@ -181,6 +181,7 @@ ROUTES: dict[tuple[str, str], str | None] = {
     ("POST", "/update_weights_from_disk"): "UpdateWeightFromDiskReqInput",  # 1300
     ("POST", "/init_weights_update_group"): "InitWeightsUpdateGroupReqInput",  # 1404
     ("POST", "/destroy_weights_update_group"): "DestroyWeightsUpdateGroupReqInput",  # 1420
+    ("POST", "/update_weight_version"): "UpdateWeightVersionReqInput",  # 1527
     ("POST", "/begin_weight_update"): "BeginWeightUpdateReqInput",  # 1458
     ("POST", "/end_weight_update"): "EndWeightUpdateReqInput",  # 1473
     ("POST", "/update_weights_from_distributed"): "UpdateWeightsFromDistributedReqInput",  # 1488

@@ -220,3 +220,34 @@ def test_every_doubt_falls_back_to_a_full_sync(tiny_model_dir, w4a16_dir, w4a16_
     assert modes["after a failed sync"][0] == "full" and modes["after a failed sync"][1].startswith("no baseline")
     second = modes["bf16 to a float32 server: second"]
     assert second[0] == "full" and "computes in float32, the sync sends bfloat16" in second[1]
+
+
+def test_a_delta_sync_with_nothing_changed_still_moves_the_servers_weight_version(tiny_model_dir, w4a16_server):
+    """A delta sync in which no tensor changed sends no bucket, so no update call carries its weight_version: the
+    server must still report the new version (SGLang's /update_weight_version), and the next sync stays a delta
+    (before the fix it fell back to a full one: 'holds weight_version 'v1', not 'v2' sent last')."""
+    url = w4a16_server.url
+
+    def body():
+        init_parallel(seed=4)
+        learner = _learner(tiny_model_dir)
+        b = DistributedBroadcaster([Engine(url)], dtype=torch.float32, bucket_bytes=128 << 10, delta=True)
+        gen = torch.Generator().manual_seed(6)
+        rows = []
+        for label in ("first", "nothing changed", "after a step"):
+            if label == "after a step":
+                _step(learner, gen)
+            report = b.sync(learner)
+            held = httpx.get(url + "/get_model_info", timeout=60).json()["weight_version"]
+            rows.append((label, report.mode, report.full_reason, report.buckets, report.weight_version, held))
+        b.close()
+        return rows
+
+    rows = {label: tuple(row) for label, *row in run_ranks(1, body)[0]}
+    for label, row in rows.items():
+        print(f"\n{label}: mode, full_reason, buckets, version sent, version the server reports = {row}")
+    assert rows["first"][0] == "full"
+    assert rows["nothing changed"] == ("delta", "", 0, "v2", "v2")
+    mode, reason, buckets, sent, held = rows["after a step"]
+    assert (mode, reason) == ("delta", ""), rows["after a step"]
+    assert buckets > 0 and sent == held == "v3"

@@ -142,6 +142,15 @@ class CheckWeightsReq(_Body):
     rid: str | None = None
 
 
+class UpdateWeightVersionReq(_Body):
+    """POST /update_weight_version: name the held weights anew without changing them (SGLang's
+    UpdateWeightVersionReqInput)."""
+
+    new_version: str
+    abort_all_requests: bool = True
+    rid: str | None = None
+
+
 class DestroyGroupReq(_Body):
     group_name: str = "weight_update_group"
 
@@ -336,6 +345,14 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         if body.flush_cache and engine.num_pending():
             return _answer(False, NOT_FLUSHED)
         return _answer(True, "Succeeded to update parameter online.")
+
+    @app.post("/update_weight_version", dependencies=guarded)
+    def update_weight_version(body: UpdateWeightVersionReq) -> JSONResponse:
+        if body.abort_all_requests:
+            engine.abort_all("aborted by update_weight_version")
+        engine.set_weight_version(body.new_version)
+        return JSONResponse({"success": True, "message": f"Weight version updated to {body.new_version}",
+                             "new_version": body.new_version})
 
     @app.post("/destroy_weights_update_group", dependencies=guarded)
     def destroy_weights_update_group(body: DestroyGroupReq | None = None) -> JSONResponse:

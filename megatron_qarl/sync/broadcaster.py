@@ -4,7 +4,8 @@ One sync, in SGLang 0.5.23's order (its updates are refused outside a weight-upd
     pause_generation -> flush_cache -> begin_weight_update -> per bucket: POST
     /update_weights_from_distributed to every engine (names, dtypes, shapes, in order) while
     broadcasting each tensor from rank 0 in that same order -> end_weight_update (the server
-    repacks its low-bit weights once) -> continue_generation; every sync carries a new weight_version.
+    repacks its low-bit weights once) -> continue_generation; every sync carries a new weight_version (a delta
+    with nothing to send names it with /update_weight_version).
 A failure at any point raises SyncError naming the server(s); the sessions that were opened are
 closed, and a broadcast that cannot complete (a server refused its bucket or died) is abandoned by
 destroying the group on every side, so no collective stays pending; the next sync forms a new group.
@@ -205,6 +206,10 @@ class DistributedBroadcaster:
                 report.mode = "delta"
                 deltas = self.baseline.encode(tensors)
                 self._session((d.wire() for d in deltas), version, report, None, delta.LOAD_FORMAT)
+                if not report.buckets:  # nothing changed, so no update call carried the new version: name it
+                    for engine in self.engines:
+                        self._post(engine, "/update_weight_version", {"new_version": version,
+                                                                      "abort_all_requests": False})
                 report.blocks = dict(self.baseline.blocks)
                 if self.delta_check or self.verify:
                     self._check_delta(version, report)
