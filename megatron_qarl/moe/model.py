@@ -216,17 +216,15 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
     megatron_cpu.apply()
     if sp is None:
         sp = tp > 1
+    config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
+                                routing_replay=routing_replay, recompute=recompute,
+                                recompute_num_layers=recompute_num_layers)
     if te is None:
-        config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
-                                    routing_replay=routing_replay, recompute=recompute,
-                                    recompute_num_layers=recompute_num_layers)
         spec = layer_spec(arch)
     else:
         from megatron_qarl.moe.te import te_layer_spec, te_transformer_config
 
-        config = te_transformer_config(arch, te, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
-                                       routing_replay=routing_replay, recompute=recompute,
-                                       recompute_num_layers=recompute_num_layers)
+        config = te_transformer_config(config, te)
         spec = te_layer_spec(arch)
     if routing_replay:
         from megatron.core.transformer.moe.router_replay import RouterReplay

@@ -146,11 +146,9 @@ def te_config_overrides(quant: QuantConfig) -> dict[str, Any]:
     return {**CUDA_FUSIONS, **fp8, **({"moe_router_padding_for_fp8": True} if fp8 else {})}
 
 
-def te_transformer_config(arch, quant: QuantConfig, **kwargs):
-    """``moe.model.transformer_config(arch, **kwargs)`` with ``te_config_overrides(quant)``, for the TE spec on
-    CUDA. ImportError naming the package when TE is absent."""
-    from megatron_qarl.moe.model import transformer_config
-
+def te_transformer_config(config, quant: QuantConfig):
+    """``config`` (``moe.model.transformer_config``'s, which that module owns) with ``te_config_overrides(quant)``,
+    for the TE spec on CUDA. ImportError naming the package when TE is absent."""
     overrides = te_config_overrides(quant)
     require_transformer_engine()
-    return dataclasses.replace(transformer_config(arch, **kwargs), **overrides)
+    return dataclasses.replace(config, **overrides)
