@@ -138,7 +138,7 @@ class LearnerWorker:
         if report is None:
             return None
         return {"weight_version": report.weight_version, "bytes": report.bytes, "tensors": report.tensors,
-                "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode}
+                "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode, "check_s": report.check_s}
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, path: str) -> None:
