@@ -262,10 +262,6 @@ class Engine:
             self._paused = False
             self._cv.notify()
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     def abort_all(self, message: str = "aborted") -> None:
         with self.lock, self._cv:
             reqs = list(self._waiting) + list(self._active.values())
