@@ -345,10 +345,6 @@ def fmt_acc(s: Stat | None) -> str:
     return f"{100 * s.mean:.1f} ± {100 * s.sd:.1f} [{100 * s.lo:.1f}, {100 * s.hi:.1f}]"
 
 
-def fmt_num(s: Stat | None, pattern: str = "{:.3g}") -> str:
-    if s is None:
-        return "-"
-    return pattern.format(s.mean) + ("" if s.n == 1 else f" [{pattern.format(s.lo)}, {pattern.format(s.hi)}]")
 
 
 def verdict(name_a: str, a: Stat | None, name_b: str, b: Stat | None) -> str | None:

@@ -26,7 +26,6 @@ import torch
 
 from megatron_qarl.errors import UserError
 from megatron_qarl.moe.convert import model_impl
-from megatron_qarl.utils.parent_death import die_with_parent
 
 STATE_FILE = "trainer_state.json"
 LEARNER_META = "learner_meta.json"  # which Megatron layer spec (model.impl) wrote the model and optimizer shards
@@ -57,31 +56,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
 
 
-def results_queue_dies_with_trainer() -> None:
-    """dist-checkpointing's async writer gets its results queue from a multiprocessing Manager, a server
-    process started on the first save that outlives its parent: every ``kill -9`` of a trainer (or a
-    preempted job) would leave one behind (~260 MB each, seen here). Start that Manager with
-    PR_SET_PDEATHSIG instead, so it dies with the rank that started it (Linux; elsewhere unchanged)."""
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-
-    if getattr(fa._get_write_results_queue, "_qarl", False):
-        return
-
-    def get_write_results_queue():
-        if fa._results_queue is None:
-            manager = SyncManager(ctx=mp.get_context("spawn"))
-            manager.start(initializer=die_with_parent)
-            fa._results_queue = manager.Queue()
-            fa._qarl_manager = manager  # kept alive with the queue (and its pid visible to tests)
-        return fa._results_queue
-
-    get_write_results_queue._qarl = True
-    fa._get_write_results_queue = get_write_results_queue
-
-
 # How the distributed optimizer lays out its shards in a checkpoint (Megatron-LM's default): every DP rank writes
 # its own buckets in parallel; a resume may change the data-parallel size, not TP / EP. The non-distributed
 # optimizers ignore it. (0.16.1's own default, fully_sharded_model_space, fails there: "ShardedTensor.flattened_range
@@ -95,8 +69,6 @@ def save_learner(path: str | Path, module, optimizer) -> None:
     from megatron.core import dist_checkpointing
 
     from megatron_qarl.moe.parallelize import barrier
-
-    results_queue_dies_with_trainer()
 
     path = Path(path)
     if dist.get_rank() == 0:

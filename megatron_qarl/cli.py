@@ -20,7 +20,7 @@ SUBCOMMANDS: list[str] = [
     "megatron_qarl.data.evaluate",  # qarl eval
     "megatron_qarl.qat.cli",  # qarl quantize
     "megatron_qarl.plan_cli",  # qarl plan
-    "megatron_qarl.rollout.server",  # qarl serve
+    "megatron_qarl.rollout.serve_cli",  # qarl serve
 ]
 
 

@@ -18,6 +18,7 @@ import torch
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
+from megatron_qarl.wire import parse_dtype
 
 
 def require_gpu(cfg: QarlConfig, rank: int) -> None:
@@ -74,8 +75,7 @@ class LearnerWorker:
         self.master_addr = master_addr
         init_parallel(tp=cfg.parallel.tp, ep=cfg.parallel.ep, seed=cfg.seed)
         arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        self.learner = Learner(arch, cfg.parallel, cfg.optim, dtype=dtype, quant=cfg.quant,
+        self.learner = Learner(arch, cfg.parallel, cfg.optim, dtype=parse_dtype(cfg.model.dtype), quant=cfg.quant,
                                aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size,
                                temperature=cfg.rollout.sampling.temperature,
                                routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl, te_fp8=cfg.model.te_fp8,
@@ -126,11 +126,10 @@ class LearnerWorker:
         if self.broadcaster is not None:
             self.broadcaster.close()
         sync = self.cfg.rollout.sync
-        dtype = torch.bfloat16 if self.cfg.rollout.dtype == "bfloat16" else torch.float32
         self.broadcaster = DistributedBroadcaster(
             [Engine(u, ranks_per_engine, api_key) for u in urls], master_addr=self.master_addr,
-            bucket_bytes=sync.bucket_mb << 20, dtype=dtype, timeout_s=sync.timeout_s, verify=sync.verify,
-            delta=sync.delta)
+            bucket_bytes=sync.bucket_mb << 20, dtype=parse_dtype(self.cfg.rollout.dtype), timeout_s=sync.timeout_s,
+            verify=sync.verify, delta=sync.delta)
         self.broadcaster.version = self.weight_version
 
     def sync(self) -> dict | None:
@@ -139,7 +138,7 @@ class LearnerWorker:
         if report is None:
             return None
         return {"weight_version": report.weight_version, "bytes": report.bytes, "tensors": report.tensors,
-                "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode}
+                "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode, "check_s": report.check_s}
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, path: str) -> None:

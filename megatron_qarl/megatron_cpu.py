@@ -1,15 +1,19 @@
-"""Every fix Megatron-Core 0.16 needs to run without CUDA (or without Transformer Engine), in one place.
+"""Every patch of Megatron-Core (and of the libraries it calls) in one place: the fixes Megatron-Core 0.16 needs to run
+without CUDA (or without Transformer Engine), and the one it needs on every Linux machine (its checkpoint writer's
+results-queue process, ``fix_write_results_queue``, which outlives a killed trainer with or without a GPU).
 
 Each fix is a small function named ``fix_*`` whose docstring gives the reason, marked with the condition under which
-the machine needs it (``@when(cuda_absent)``, ``@when(te_absent)``): the condition of the failure itself, so a GPU
-machine without Transformer Engine gets the Transformer Engine fix and nothing else. A fix changes installed code only
-through ``_replace``, which records the attribute it replaced, so every fix can be undone.
+the machine needs it (``@when(cuda_absent)``, ``@when(te_absent)``, ``@when(linux)``): the condition of the failure
+itself, so a GPU machine without Transformer Engine gets the Transformer Engine fix (and the Linux one) and nothing
+else. A fix changes installed code only through ``_replace``, which records the attribute it replaced, so every fix
+can be undone.
 
 ``apply()`` installs, once, the fixes this machine needs, all or none: if one fails, the ones installed before it are
 undone and the error names the failing fix. ``remove()`` undoes them. Each fix has a test in
 tests/test_megatron_cpu.py that reproduces the upstream failure without the fix, so the test fails (and the fix can
 go) the day upstream no longer needs it. Installed packages are never edited: the fixes replace attributes at import
-time.
+time. ``moe.model.build_model`` and ``moe.parallelize.init_parallel`` call ``apply()``, so every learner process,
+on CPUs and GPUs, runs with the fixes its machine needs.
 
 Things that need no patch, only the right arguments (see megatron_qarl.moe.model):
 ``use_cpu_initialization``, an explicit boolean causal mask, the *_fusion flags off,
@@ -18,6 +22,7 @@ SequentialMLP experts, ``model_parallel_cuda_manual_seed(..., inference_rng_trac
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -39,6 +44,11 @@ def te_absent() -> bool:
     from megatron.core.transformer.moe import moe_utils
 
     return not moe_utils.HAVE_TE
+
+
+def linux() -> bool:
+    """The kernel has ``prctl(PR_SET_PDEATHSIG)``, which ``utils.parent_death.die_with_parent`` uses (Linux)."""
+    return sys.platform.startswith("linux")
 
 
 def when(condition: Callable[[], bool]) -> Callable[[Callable[[], None]], Callable[[], None]]:
@@ -169,41 +179,42 @@ def fix_clip_grads() -> None:
 
 
 @when(cuda_absent)
-def fix_checkpoint_preload() -> None:
-    """dist_checkpointing's torch_dist writer copies every tensor to the host with non_blocking=True
-    and then calls torch.cuda.synchronize(), which raises "Torch not compiled with CUDA enabled", so
-    no checkpoint can be saved. On CPU the copy is already synchronous: preload with
-    non_blocking=False, which skips the synchronize."""
+def fix_cuda_synchronize() -> None:
+    """torch.cuda.synchronize() raises "Torch not compiled with CUDA enabled" without CUDA, and two savers call it
+    unconditionally: dist_checkpointing's torch_dist writer after its host copies (filesystem_async.py,
+    ``FileSystemWriterAsync.preload_tensors``: ``if non_blocking: torch.cuda.synchronize()``), so no checkpoint can
+    be saved, and ModelOpt's Megatron plugin before it serializes a quant module's state (modelopt/torch/opt/plugins/
+    megatron.py, ``_modelopt_get_extra_state``), so no learner with ModelOpt quantizers can be saved. Both look the
+    function up at call time. Without CUDA there is no stream to wait for: make it a no-op."""
+    _replace(torch.cuda, "synchronize", lambda device=None: None)
+
+
+_writer_managers: list = []  # fix_write_results_queue's Managers, alive as long as their queues
+
+
+@when(linux)
+def fix_write_results_queue() -> None:
+    """dist-checkpointing's async writer gets its results queue from a multiprocessing Manager
+    (filesystem_async.py, ``_get_write_results_queue``: ``ctx.Manager().Queue()``), a server process started on the
+    first save that outlives its parent: every ``kill -9`` of a trainer (or a preempted job) leaves one behind
+    (~260 MB each, seen here), on a GPU machine as on a CPU one. Start that Manager with PR_SET_PDEATHSIG instead
+    (``die_with_parent``), so it dies with the rank that started it."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    preload = fa.FileSystemWriterAsync.preload_tensors
+    from megatron_qarl.utils.parent_death import die_with_parent
 
-    def preload_tensors(write_buckets, non_blocking=True):
-        return preload(write_buckets, non_blocking=False)
+    def _get_write_results_queue():
+        if fa._results_queue is None:
+            manager = SyncManager(ctx=mp.get_context("spawn"))
+            manager.start(initializer=die_with_parent)
+            _writer_managers.append(manager)  # kept alive with the queue (and its pid visible to tests)
+            fa._results_queue = manager.Queue()
+        return fa._results_queue
 
-    _replace(fa.FileSystemWriterAsync, "preload_tensors", staticmethod(preload_tensors))
-
-
-@when(cuda_absent)
-def fix_modelopt_extra_state_sync() -> None:
-    """ModelOpt's Megatron plugin serializes every quant module's state (``_extra_state`` in Megatron's sharded
-    state dict) after a torch.cuda.synchronize() (modelopt/torch/opt/plugins/megatron.py,
-    ``_modelopt_get_extra_state``), which raises "Torch not compiled with CUDA enabled": no checkpoint of a
-    learner with ModelOpt quantizers can be saved. Without CUDA there is nothing to wait for: run it with the
-    synchronize a no-op."""
-    from modelopt.torch.opt.plugins import megatron as mo_megatron
-
-    get_extra_state = mo_megatron._modelopt_get_extra_state
-
-    def _modelopt_get_extra_state(self):
-        synchronize = torch.cuda.synchronize
-        torch.cuda.synchronize = lambda device=None: None
-        try:
-            return get_extra_state(self)
-        finally:
-            torch.cuda.synchronize = synchronize
-
-    _replace(mo_megatron, "_modelopt_get_extra_state", _modelopt_get_extra_state)
+    _replace(fa, "_get_write_results_queue", _get_write_results_queue)
 
 
 @when(cuda_absent)
@@ -270,7 +281,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_optimizer_device, fix_clip_grads,
-         fix_checkpoint_preload, fix_modelopt_extra_state_sync, fix_distributed_optimizer_types, fix_recompute_rng)
+         fix_cuda_synchronize, fix_distributed_optimizer_types, fix_recompute_rng, fix_write_results_queue)
 
 
 def needed_fixes() -> list[Callable[[], None]]:

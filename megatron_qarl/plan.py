@@ -428,7 +428,6 @@ class RolloutMemory:
     weights: int  # per GPU
     overhead: int  # (1 - mem_fraction_static) * GPU: activations, CUDA graphs, context
     kv_pool: int  # mem_fraction_static * GPU - weights
-    kv_per_token: int
     kv_tokens: int  # tokens of KV the pool holds
     kv_needed: int  # bytes to keep every concurrent sequence of this server at full length
     seqs_at_full_length: int  # full-length sequences the pool holds
@@ -457,5 +456,5 @@ def rollout_memory(arch: Qwen3MoeArch, quant: QuantConfig, srv: ServerLayout, *,
     pool = int(mem_fraction_static * gpu_bytes) - weights
     tokens = max(pool, 0) // per_token
     return RolloutMemory(weights=weights, overhead=int((1 - mem_fraction_static) * gpu_bytes), kv_pool=pool,
-                         kv_per_token=per_token, kv_tokens=tokens, kv_needed=concurrent_seqs * seq_len * per_token,
+                         kv_tokens=tokens, kv_needed=concurrent_seqs * seq_len * per_token,
                          seqs_at_full_length=tokens // seq_len)

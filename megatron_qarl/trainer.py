@@ -9,45 +9,36 @@ The trainer is the driver: it holds the data stream, the reward workers and the 
 the learner ranks and rollout servers through megatron_qarl/launch/'s LearnerRanks and ServerFleet, so the same
 loop runs in one process on a laptop and on a Ray cluster started by Slurm.
 
-Server faults are steps of the loop too: a server that fails mid-rollout is dropped and its requests go to the
-others; when the last one fails, the rollout stops, the servers are restarted and get the current weights, and
-the missing requests are sent again (``_rollout``). Dead servers are restarted after each step, before the sync.
+Its rooms: train_rollouts.py (rollouts with server failover, restarts and the weight sync), train_eval.py
+(held-out evaluation, log ratios), train_metrics.py (a step's metrics); this module holds the step and the run.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from megatron_qarl import checkpoint as ckpt
 from megatron_qarl.algo.advantages import group_advantages
-from megatron_qarl.algo.error_tokens import error_token_metrics, error_token_stats
 from megatron_qarl.algo.mismatch import mismatch_metrics
 from megatron_qarl.algo.routing import routes_batch, routing_agreement
 from megatron_qarl.config import QarlConfig
-from megatron_qarl.data.math_task import heldout_problems
-from megatron_qarl.data.prompts import PromptStream, render_prompt, tokenize, uses_chat_template
+from megatron_qarl.data.prompts import PromptStream
 from megatron_qarl.data.reward import RewardScorer, shuffle_rewards_in_groups
 from megatron_qarl.errors import UserError
 from megatron_qarl.launch.fleet import LearnerRanks, ServerFleet
 from megatron_qarl.learner import Batch
-from megatron_qarl.rollout.client import ClientConfig, SGLangClient
-from megatron_qarl.rollout.manager import EveryServerDown, RolloutManager, RoutesSpec, Sample, SamplingConfig
+from megatron_qarl.rollout.manager import RoutesSpec, Sample
 from megatron_qarl.tracking import Tracker
-
-EVAL_SEED_OFFSET = 1 << 20  # eval sampling seeds never collide with training ones
-
-
-class TrainingAborted(UserError):
-    """The run cannot go on (too many non-finite steps in a row, every rollout server gone, ...)."""
+from megatron_qarl.train_eval import Evaluation, response_texts
+from megatron_qarl.train_metrics import scalar, step_metrics
+from megatron_qarl.train_rollouts import TrainingAborted, TrainRollouts
 
 
 class StopRequested(Exception):
@@ -87,10 +78,6 @@ def build_batch(groups: list[list[Sample]], pad_id: int) -> tuple[Batch, torch.T
     return Batch(tokens, mask), logp_sampler
 
 
-def _scalar(v: Any) -> float:
-    return float(v.item() if torch.is_tensor(v) else v)
-
-
 class Trainer:
     def __init__(self, cfg: QarlConfig, learners: LearnerRanks, servers: ServerFleet, *, tokenizer,
                  resume: bool = False, progress: bool = True, stream: PromptStream | None = None):
@@ -102,7 +89,7 @@ class Trainer:
         self.stream = stream or PromptStream(cfg.data, tokenizer)
         self.state = TrainerState()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         if resume:
             path = ckpt.latest(self.ckpt_root)
             if path is None:
@@ -115,8 +102,9 @@ class Trainer:
         self.progress = progress
         self.tracker: Tracker | None = None
         self.scorer = RewardScorer(cfg.reward)
-        self._eval_set = None
-        self._log_ratios: list = []  # train.save_log_ratios: per-token logp_old - logp_sampler since the last eval
+        self.rollouts = TrainRollouts(cfg, learners, servers, stop_ids, on_sync=self._synced,
+                                      console=lambda text: self.tracker.console(text))
+        self.evaluation = Evaluation(cfg, tokenizer, self.scorer, self.rollouts, self.out)
         self.routes: RoutesSpec | None = None  # R3: what the training rollouts return besides tokens
         if cfg.algo.wants_routes:
             from megatron_qarl.moe.model import Qwen3MoeArch
@@ -124,128 +112,11 @@ class Trainer:
             arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
             self.routes = RoutesSpec(arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts)
 
-    # ---------------------------------------------------------------------------------- plumbing
-    def _client(self, url: str) -> SGLangClient:
-        r = self.cfg.rollout
-        conf = ClientConfig(timeout_s=r.timeout_s, retries=r.retries, max_concurrency=r.max_concurrency)
-        return SGLangClient(url, api_key=r.api_key, config=conf)
-
-    def _live(self) -> list[int]:
-        return [i for i, a in enumerate(self.servers.alive()) if a]
-
-    def _generate(self, manager: RolloutManager, prompts: list[list[int]], seed_step: int,
-                  live: list[int]) -> list[list[Sample]]:
-        """One round of ``manager``'s requests to the ``live`` servers (clients live as long as the round)."""
-
-        async def run():
-            clients = [self._client(self.servers.urls[i]) for i in live]
-            try:
-                return await manager.generate(clients, prompts, seed_step)
-            finally:
-                for c in clients:
-                    await c.close()
-
-        return asyncio.run(run())
-
-    def _rollout(self, prompts: list[list[int]], sampling: SamplingConfig, seed_step: int,
-                 routes: RoutesSpec | None = None) -> tuple[list[list[Sample]], RolloutManager]:
-        """G samples per prompt from the live servers. A server that fails is dropped for this rollout and its
-        requests go to the others; when every one has failed (rollout.restart_dead), the servers are restarted,
-        get the current weights, and the requests that did not finish are sent again."""
-        manager = RolloutManager(sampling, self.stop_ids, seed=self.cfg.seed, routes=routes)
-        live = self._live()
-        if not live:
-            raise TrainingAborted("every rollout server is down")
-        while True:
-            try:
-                return self._generate(manager, prompts, seed_step, live), manager
-            except EveryServerDown:
-                if not self.cfg.rollout.restart_dead:
-                    raise
-            for i in live:  # each one failed this round: dead, or running but not answering
-                self.tracker.console(f"restarting rollout server {i} ({self.servers.urls[i]}) mid-rollout "
-                                     f"({len(manager.finished)} samples finished)")
-                self.servers.restart(i)
-            self._heal_servers()  # any that were down before this rollout
-            self._connect()
-            self._sync()
-            live = self._live()
-
-    def _connect(self) -> None:
-        """(Re)create the weight-update group with every live server and push the current weights."""
-        self.learners.set_engines(list(self.servers.urls), max(1, self.cfg.rollout.gpus_per_server),
-                                  self.cfg.rollout.api_key)
-
-    def _heal_servers(self) -> bool:
-        """Restart (or drop) dead servers; True when the weight group must be rebuilt."""
-        alive = self.servers.alive()
-        if all(alive):
-            return False
-        if not self.cfg.rollout.restart_dead:
-            dead = [u for u, a in zip(self.servers.urls, alive, strict=True) if not a]
-            raise TrainingAborted(f"rollout servers {dead} died and rollout.restart_dead is false")
-        for i, ok in enumerate(alive):
-            if not ok:
-                self.tracker.console(f"restarting rollout server {i} ({self.servers.urls[i]})")
-                self.servers.restart(i)
-        return True
-
-    def _sync(self) -> dict:
-        report = self.learners.sync()
+    def _synced(self, report: dict) -> None:
         self.state.weight_version = int(report["weight_version"].lstrip("v"))
-        return report
-
-    # --------------------------------------------------------------------------------------- eval
-    def _eval_prompts(self) -> tuple[list[list[int]], list[str]]:
-        if self._eval_set is None:
-            ev = self.cfg.train.eval
-            if ev.data is None:
-                task = self.cfg.data.synthetic
-                problems = heldout_problems(task, min(ev.n, task.heldout_size))
-                templated = uses_chat_template(self.tokenizer, self.cfg.data)
-                texts = [render_prompt([{"role": "user", "content": p.prompt}], self.tokenizer, self.cfg.data,
-                                       templated) for p in problems]
-                self._eval_set = (tokenize(texts, self.tokenizer, templated), [p.answer for p in problems])
-            else:
-                rows = PromptStream(ev.data.model_copy(update={"shuffle": False}), self.tokenizer)
-                n = min(ev.n, rows.num_prompts or ev.n)
-                batch = rows.next_batch(n)
-                self._eval_set = ([p.prompt_ids for p in batch], [p.answer for p in batch])
-        return self._eval_set
 
     def evaluate(self) -> dict[str, float]:
-        ev = self.cfg.train.eval
-        prompts, answers = self._eval_prompts()
-        out = {}
-        start = time.perf_counter()
-        greedy = SamplingConfig(n_samples=1, temperature=0.0, max_new_tokens=ev.max_new_tokens)
-        groups, _ = self._rollout(prompts, greedy, EVAL_SEED_OFFSET + self.state.step)
-        rewards, _ = self.scorer.score(self._texts(groups), answers)
-        out["eval/greedy_accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
-        if ev.sampled_n:
-            sampled = SamplingConfig(n_samples=ev.sampled_n, temperature=ev.temperature,
-                                     max_new_tokens=ev.max_new_tokens)
-            groups, _ = self._rollout(prompts, sampled, EVAL_SEED_OFFSET + self.state.step)
-            rewards, _ = self.scorer.score(self._texts(groups), [a for a in answers for _ in range(ev.sampled_n)])
-            out["eval/sampled_accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
-        out["time/eval_s"] = time.perf_counter() - start
-        self._write_log_ratios()
-        return out
-
-    def _write_log_ratios(self) -> None:
-        """train.save_log_ratios: the response tokens' logp_old - logp_sampler of every step since the last
-        evaluation, as one float32 .npy: log_ratios/step_NNNNNN.npy (NNNNNN: this evaluation's step)."""
-        if not self._log_ratios:
-            return
-        import numpy as np
-
-        d = self.out / "log_ratios"
-        d.mkdir(exist_ok=True)
-        np.save(d / f"step_{self.state.step:06d}.npy", np.concatenate(self._log_ratios).astype(np.float32))
-        self._log_ratios = []
-
-    def _texts(self, groups: list[list[Sample]]) -> list[str]:
-        return self.tokenizer.batch_decode([s.response_ids for g in groups for s in g], skip_special_tokens=True)
+        return self.evaluation.run(self.state.step)
 
     # --------------------------------------------------------------------------------------- step
     def step(self) -> dict[str, float]:
@@ -254,13 +125,14 @@ class Trainer:
         m: dict[str, float] = {}
         t0 = time.perf_counter()
         prompts = self.stream.next_batch(cfg.train.prompts_per_step)
-        groups, manager = self._rollout([p.prompt_ids for p in prompts], cfg.rollout.sampling, step, self.routes)
+        groups, manager = self.rollouts.rollout([p.prompt_ids for p in prompts], cfg.rollout.sampling, step,
+                                                self.routes)
         t_rollout = time.perf_counter()
         G = cfg.rollout.sampling.n_samples
-        texts = self._texts(groups)
+        texts = response_texts(self.tokenizer, groups)
         rewards, rstats = self.scorer.score(texts, [p.answer for p in prompts for _ in range(G)])
         # reward.shuffle (control runs): the update sees each group's rewards in a random order; the
-        # reward/* metrics below stay the true ones
+        # reward/* metrics stay the true ones
         train_rewards = shuffle_rewards_in_groups(rewards, G, cfg.seed, step) if cfg.reward.shuffle else rewards
         t_reward = time.perf_counter()
 
@@ -272,63 +144,44 @@ class Trainer:
         t_logp = time.perf_counter()
         adv_B = group_advantages(train_rewards, G, cfg.algo.advantage).float()
         batch.extra.update(adv_B=adv_B, logp_old_BT=logp_old_BT, logp_sampler_BT=logp_sampler_BT)
-        poison = step in cfg.train.inject_nonfinite_steps
-        loss_metrics = self.learners.train(batch, cfg.algo.loss, poison)
+        loss_metrics = self.learners.train(batch, cfg.algo.loss, step in cfg.train.inject_nonfinite_steps)
         t_update = time.perf_counter()
-
-        skipped = loss_metrics.get("skipped", 0.0) > 0
-        st.nonfinite_total += int(skipped)
-        st.nonfinite_in_row = st.nonfinite_in_row + 1 if skipped else 0
-        if st.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
-            raise TrainingAborted(f"step {step}: {st.nonfinite_in_row} steps in a row had a non-finite loss or "
-                                  f"gradient (limit train.max_nonfinite_in_row={cfg.train.max_nonfinite_in_row}); "
-                                  "lower optim.lr or check the data")
+        self._count_nonfinite(step, loss_metrics)
 
         st.server_failures += manager.server_failures
         st.resent += manager.resent
-        if self._heal_servers() or manager.server_failures:
-            self._connect()
-        report = self._sync()
+        st.reward_timeouts += int(rstats.get("timeouts", 0))
+        if self.rollouts.heal() or manager.server_failures:
+            self.rollouts.connect()
+        report = self.rollouts.sync()
         t_sync = time.perf_counter()
 
-        # ------------------------------------------------------------------------------- metrics
-        mask = batch.loss_mask_BT
-        lengths = mask.sum(-1)
-        n_tokens = float(mask.sum())
-        m.update({f"loss/{k}": v for k, v in loss_metrics.items()})
-        m.update({f"mismatch/{k}": _scalar(v) for k, v in mismatch_metrics(logp_old_BT, logp_sampler_BT,
-                                                                            mask).items()})
         if cfg.train.save_log_ratios:
-            self._log_ratios.append((logp_old_BT - logp_sampler_BT)[mask > 0].float().numpy())
-        stats = error_token_stats([s.response_ids for g in groups for s in g],
-                                  [s.logp_sampler for g in groups for s in g],
-                                  finish_reasons=[s.finish_reason for g in groups for s in g], texts=texts)
-        m.update({f"error_tokens/{k}": v for k, v in error_token_metrics(stats, rewards).items()})
-        m["reward/mean"] = sum(rewards) / len(rewards)
-        m["reward/accuracy"] = sum(r > 0 for r in rewards) / len(rewards)
-        m["reward/timeouts"] = float(rstats.get("timeouts", 0))
-        st.reward_timeouts += int(rstats.get("timeouts", 0))
-        m["length/response_mean"] = float(lengths.mean())
-        m["length/response_max"] = float(lengths.max())
-        m["length/truncated_frac"] = sum(s.finish_reason == "length" for g in groups for s in g) / len(lengths)
-        m["time/rollout_s"] = t_rollout - t0
-        m["time/reward_s"] = t_reward - t_rollout
-        m["time/logp_s"] = t_logp - t_reward
-        m["time/update_s"] = t_update - t_logp
-        m["time/sync_s"] = t_sync - t_update
-        m["time/step_s"] = t_sync - t0
-        m["throughput/rollout_tokens_per_s"] = n_tokens / max(t_rollout - t0, 1e-9)
-        m["throughput/tokens_per_s"] = n_tokens / max(t_sync - t0, 1e-9)
-        m["sync/bytes"] = float(report["bytes"])
-        m["sync/seconds"] = float(report["seconds"])
+            self.evaluation.log_ratios.append((logp_old_BT - logp_sampler_BT)[batch.loss_mask_BT > 0].float().numpy())
+        times = {"rollout": t_rollout - t0, "reward": t_reward - t_rollout, "logp": t_logp - t_reward,
+                 "update": t_update - t_logp, "sync": t_sync - t_update}
+        m.update(step_metrics(groups, texts, rewards, rstats, batch.loss_mask_BT, logp_old_BT, logp_sampler_BT,
+                              loss_metrics, times, report, len(prompts) * G - sum(len(g) for g in groups)))
         m["sync/weight_version"] = float(st.weight_version)
         m["faults/nonfinite_total"] = float(st.nonfinite_total)
         m["faults/server_failures"] = float(st.server_failures)
         m["faults/resent_requests"] = float(st.resent)
-        m["faults/prompts_lost"] = float(len(prompts) * G - sum(len(g) for g in groups))
+        m["faults/reward_timeouts_total"] = float(st.reward_timeouts)
         st.step = step
         st.data = self.stream.state_dict()
         return m
+
+    def _count_nonfinite(self, step: int, loss_metrics: dict[str, float]) -> None:
+        """A skipped update (non-finite loss or gradient) counts; train.max_nonfinite_in_row of them in a row
+        abort the run."""
+        st, limit = self.state, self.cfg.train.max_nonfinite_in_row
+        skipped = loss_metrics.get("skipped", 0.0) > 0
+        st.nonfinite_total += int(skipped)
+        st.nonfinite_in_row = st.nonfinite_in_row + 1 if skipped else 0
+        if st.nonfinite_in_row >= limit:
+            raise TrainingAborted(f"step {step}: {st.nonfinite_in_row} steps in a row had a non-finite loss or "
+                                  f"gradient (limit train.max_nonfinite_in_row={limit}); lower optim.lr or check "
+                                  "the data")
 
     def _routing(self, groups: list[list[Sample]], batch: Batch, logp_sampler_BT: torch.Tensor,
                  m: dict[str, float]) -> torch.Tensor:
@@ -343,7 +196,7 @@ class Trainer:
         mask = batch.loss_mask_BT
         m.update({f"routing/{k}": v for k, v in routing_agreement(out["routes_BSLK"], server_BSLK, mask).items()})
         free = mismatch_metrics(out["logp_free_BT"], logp_sampler_BT, mask)
-        m["routing/mismatch_free_tok_abs_mean"] = _scalar(free["mismatch_tok_abs_mean"])
+        m["routing/mismatch_free_tok_abs_mean"] = scalar(free["mismatch_tok_abs_mean"])
         m["routing/bytes_returned"] = float(sum(s.routes.numel() * 4 for s in samples))
         if not replay:
             return out["logp_free_BT"]
@@ -373,8 +226,8 @@ class Trainer:
         cfg = self.cfg
         tc = cfg.train
         self.tracker = Tracker(self.out, start_step=self.state.step, total=tc.steps, progress=self.progress)
-        self._connect()
-        self._sync()  # servers start from the initial checkpoint: push the learner's (possibly resumed) weights
+        self.rollouts.connect()
+        self.rollouts.sync()  # servers start from the initial checkpoint: push the learner's (possibly resumed) weights
         summary: dict[str, float] = {}
         ev = tc.eval
         if self.state.step == 0:

@@ -17,11 +17,11 @@ import argparse
 import warnings
 
 import torch
+from modelopt_compat import modelopt_fake_quant_weight, modelopt_int4_fake_quant  # scripts/modelopt_compat.py
 
 from megatron_qarl.qat.config import QuantConfig, is_quantized
 from megatron_qarl.qat.export import dequantize_state_dict, export_state_dict, iter_safetensors
 from megatron_qarl.qat.fake_quant import fake_quant_weight
-from megatron_qarl.qat.modelopt_compat import modelopt_fake_quant_weight, modelopt_int4_fake_quant
 
 SHAPES = [(768, 2048), (2048, 768), (4096, 2048)]
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from megatron_qarl.algo.advantages import group_advantages
+from megatron_qarl.algo.mismatch import sequence_mean_B
 from megatron_qarl.algo.policy_loss import PolicyLossConfig, loss_normalizer, policy_loss, policy_objective
 
 D = torch.float64
@@ -52,7 +53,21 @@ def close(x: torch.Tensor, expected: list, atol: float = 1e-12) -> bool:
     return torch.allclose(x, torch.tensor(expected, dtype=x.dtype), atol=atol, rtol=0)
 
 
-TOKEN = PolicyLossConfig.for_mode("token_ppo")
+# customary starting points per mode (the tests' configs): DAPO's clip-higher for token PPO, GSPO's sequence
+# clip, TBPO's defaults
+MODE_DEFAULTS: dict[str, dict[str, object]] = {
+    "token_ppo": {"eps_low": 0.2, "eps_high": 0.28, "dual_clip_c": 3.0},
+    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "dual_clip_c": None},
+    "tbpo": {"eps_low": 3e-4, "eps_high": 4e-4, "dual_clip_c": 3.0},
+}
+
+
+def for_mode(mode: str, **overrides: object) -> PolicyLossConfig:
+    """A config with the customary clip range of ``mode`` (MODE_DEFAULTS), then ``overrides``."""
+    return PolicyLossConfig(**{"mode": mode, **MODE_DEFAULTS[mode], **overrides})
+
+
+TOKEN = for_mode("token_ppo")
 
 
 # ---------------------------------------------------------------- config
@@ -107,7 +122,7 @@ def test_dual_clip_hand_computed() -> None:
 
 
 def test_gspo_hand_computed() -> None:
-    cfg = PolicyLossConfig.for_mode("gspo", eps_low=0.05, eps_high=0.08)
+    cfg = for_mode("gspo", eps_low=0.05, eps_high=0.08)
     s = (1.5 * 0.5 * 1.1) ** (1 / 3)  # 0.9378 < 1 - 0.05
     loss, grad, m = loss_and_grad(one([1.5, 0.5, 1.1], +1.0), cfg)
     assert float(loss) == pytest.approx(-s, abs=1e-12)
@@ -130,7 +145,7 @@ def test_gspo_hand_computed() -> None:
     ],
 )
 def test_mismatch_corrections_hand_computed(mode, mismatch, update, expected_obj, masked) -> None:
-    cfg = PolicyLossConfig.for_mode(mode, mismatch=mismatch, **update)
+    cfg = for_mode(mode, mismatch=mismatch, **update)
     loss, _, m = loss_and_grad(one([1.0, 1.0, 1.0], +1.0, weights=[3.0, 1.0, 0.4]), cfg)
     assert float(loss) == pytest.approx(-expected_obj, abs=1e-12)
     assert float(m["mis_masked_frac"]) == pytest.approx(masked)
@@ -199,7 +214,8 @@ def test_worked_example_of_the_docs() -> None:
         "token_ppo_grad_r4": 0.05892548,
     }
     assert adv.tolist() == pytest.approx(expected["A"], abs=1e-6)
-    assert policy_objective(*batch).response_obj_B.tolist() == pytest.approx(expected["J"], abs=1e-6)
+    out = policy_objective(*batch)
+    assert sequence_mean_B(out.obj_BT, batch[3]).tolist() == pytest.approx(expected["J"], abs=1e-6)
     loss, grad, m = loss_and_grad(batch, PolicyLossConfig())
     assert float(loss) == pytest.approx(expected["loss"], abs=1e-6)
     assert close(
@@ -265,11 +281,11 @@ def reference_loss(logp, old, sampler, mask, adv, cfg: PolicyLossConfig) -> torc
 
 _TOKEN_MISMATCH = ("none", "tis_token", "mis_token", "tis_seq", "mis_seq")
 CONFIGS = [
-    *(PolicyLossConfig.for_mode("token_ppo", mismatch=m) for m in _TOKEN_MISMATCH),
-    PolicyLossConfig.for_mode("token_ppo", dual_clip_c=None, eps_low=0.1),
-    PolicyLossConfig.for_mode("gspo"),
+    *(for_mode("token_ppo", mismatch=m) for m in _TOKEN_MISMATCH),
+    for_mode("token_ppo", dual_clip_c=None, eps_low=0.1),
+    for_mode("gspo"),
     *(
-        PolicyLossConfig.for_mode("gspo", mismatch=m, eps_low=0.05, eps_high=0.08)
+        for_mode("gspo", mismatch=m, eps_low=0.05, eps_high=0.08)
         for m in ("tis_seq", "mis_seq")
     ),
     PolicyLossConfig(),
@@ -377,7 +393,7 @@ def test_response_outside_a_band_gets_exactly_zero_gradient(seed, b, t, which, b
 
 
 WIDE_TBPO = PolicyLossConfig(delta_high=50.0, delta_low=0.99)  # bands wide enough for the dual clip to act
-GSPO_DUAL = PolicyLossConfig.for_mode("gspo", dual_clip_c=3.0)
+GSPO_DUAL = for_mode("gspo", dual_clip_c=3.0)
 
 
 @PROPS
@@ -399,7 +415,7 @@ def test_negative_advantage_loss_never_exceeds_c_abs_adv(seed, b, t, cfg) -> Non
     logp, old, sampler, mask, adv = make_batch(seed, b, t, prox=3.0, mis=0.3)
     out = policy_objective(logp, old, sampler, mask, -adv.abs(), cfg)
     s_mis = torch.exp(((old - sampler) * mask).sum(-1) / mask.sum(-1)) if cfg.mode == "tbpo" else 1.0
-    assert bool((-out.response_obj_B <= cfg.dual_clip_c * adv.abs() * s_mis + 1e-9).all())
+    assert bool((-sequence_mean_B(out.obj_BT, mask) <= cfg.dual_clip_c * adv.abs() * s_mis + 1e-9).all())
 
 
 @PROPS

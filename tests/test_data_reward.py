@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from pydantic import ValidationError
 
-from megatron_qarl.data.reward import RewardConfig, RewardScorer, judge, math_verify_reward, verify_boxed
+from megatron_qarl.data.math_task import extract_boxed
+from megatron_qarl.data.reward import RewardConfig, RewardScorer, judge, verify_boxed
 
 # sympy evaluates this tower for far longer than any timeout here (minutes), in interruptible Python code
 PATHOLOGICAL = "\\boxed{9^{9^{9}}}"
@@ -57,13 +58,16 @@ def scorer():
         ("\\boxed{}", "34", 0.0),
     ],
 )
-def test_math_verify_reward_in_process(response, truth, expected):
-    assert math_verify_reward(response, truth, timeout_s=5.0) == expected
+def test_the_workers_verdict_in_process(response, truth, expected):
+    """What a RewardScorer worker decides (judge(verify_boxed, ...)) on the last boxed answer (extract_boxed)."""
+    boxed = extract_boxed(response)
+    verdict = None if boxed is None else judge(verify_boxed, boxed, truth, 5.0)
+    assert (1.0 if verdict == "correct" else 0.0) == expected
 
 
-def test_math_verify_reward_times_out_in_process():
+def test_the_workers_verdict_times_out_in_process():
     start = time.monotonic()
-    assert math_verify_reward(PATHOLOGICAL, "34", timeout_s=0.5) == 0.0
+    assert judge(verify_boxed, extract_boxed(PATHOLOGICAL), "34", 0.5) == "timeout"
     assert time.monotonic() - start < 5.0
     assert verify_boxed("12", "12")  # sympy state still usable after the interruption
 

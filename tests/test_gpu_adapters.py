@@ -18,6 +18,7 @@ from megatron_qarl import gpu_smoke
 from megatron_qarl.config import load_config
 from megatron_qarl.launch.fleet import server_command
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model
+from megatron_qarl.moe.model import transformer_config as transformer_config_of
 from megatron_qarl.moe.te import te_config_overrides, te_transformer_config, transformer_engine_available
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def test_te_transformer_config_is_a_config_megatron_accepts(fp8, monkeypatch):
     for kernel in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
                    "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):
         monkeypatch.setattr(moe_utils, kernel, lambda *a, **k: None, raising=False)
-    config = te_transformer_config(Qwen3MoeArch.from_model_dir(QWEN), fp8)
+    config = te_transformer_config(transformer_config_of(Qwen3MoeArch.from_model_dir(QWEN)), fp8)
     assert {k: getattr(config, k) for k in te_config_overrides(fp8)} == te_config_overrides(fp8)
     assert (config.fp8, str(config.fp8_recipe)) == (("e4m3", "blockwise") if fp8 else (None, "delayed"))
 

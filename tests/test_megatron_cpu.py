@@ -112,8 +112,8 @@ def test_all_fixes_together_run(scenario, random_model_dir, probe_file):
     ("fix_te_general_gemm", "forward", "NameError: name 'te_general_gemm' is not defined"),
     ("fix_optimizer_device", "step", "Torch not compiled with CUDA enabled"),
     ("fix_clip_grads", "clip", "assert param.grad.type() == 'torch.cuda.FloatTensor'"),
-    ("fix_checkpoint_preload", "checkpoint", "Torch not compiled with CUDA enabled"),
-    ("fix_modelopt_extra_state_sync", "checkpoint_quant", "_modelopt_get_extra_state"),
+    ("fix_cuda_synchronize", "checkpoint", "in preload_tensors"),  # the torch_dist writer's host copies
+    ("fix_cuda_synchronize", "checkpoint_quant", "in _modelopt_get_extra_state"),  # ModelOpt's quantizer state
     ("fix_distributed_optimizer_types", "distopt", "Wrapped parameters must be one of torch.cuda.FloatTensor"),
     ("fix_recompute_rng", "recompute", "torch.cuda.random.get_rng_state"),
 ])
@@ -158,18 +158,22 @@ def _names(fixes) -> list[str]:
 
 
 def test_each_fix_is_keyed_on_the_condition_of_its_failure(monkeypatch):
-    """This machine (no CUDA, no Transformer Engine) needs every fix; a GPU without TE (the H200 smoke machine)
-    needs the te_general_gemm fix only; a GPU with TE none; the TE fix follows Megatron's own HAVE_TE."""
+    """This machine (Linux, no CUDA, no Transformer Engine) needs every fix; a Linux GPU without TE (the H200 smoke
+    machine) needs the te_general_gemm fix and the checkpoint writer's only; a GPU with TE the latter only, and
+    elsewhere than Linux none; the TE fix follows Megatron's own HAVE_TE."""
     from megatron.core.transformer.moe import moe_utils
 
     every = _names(megatron_cpu.FIXES)
     assert _names(megatron_cpu.needed_fixes()) == every
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert _names(megatron_cpu.needed_fixes()) == ["fix_te_general_gemm"]
+    assert _names(megatron_cpu.needed_fixes()) == ["fix_te_general_gemm", "fix_write_results_queue"]
     monkeypatch.setattr(moe_utils, "HAVE_TE", True)
+    assert _names(megatron_cpu.needed_fixes()) == ["fix_write_results_queue"]
+    monkeypatch.setattr(megatron_cpu.sys, "platform", "darwin")
     assert _names(megatron_cpu.needed_fixes()) == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _names(megatron_cpu.needed_fixes()) == [n for n in every if n != "fix_te_general_gemm"]
+    assert _names(megatron_cpu.needed_fixes()) == [n for n in every if n not in ("fix_te_general_gemm",
+                                                                                 "fix_write_results_queue")]
 
 
 def test_a_fix_without_a_condition_is_refused(monkeypatch):
@@ -190,7 +194,7 @@ def _owners():
     from megatron.core.transformer.moe import token_dispatcher as td
 
     return [torch.cuda, td.MoEAlltoAllTokenDispatcher, moe_utils, opt, opt.FP32Optimizer, opt.MixedPrecisionOptimizer,
-            opt.MegatronOptimizer, opt.ChainedOptimizer, fa.FileSystemWriterAsync]
+            opt.MegatronOptimizer, opt.ChainedOptimizer, fa]
 
 
 def _changed(before: list[dict], owners) -> list[str]:
@@ -236,11 +240,62 @@ def test_remove_restores_every_attribute_the_fixes_replaced():
             "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", "FP32Optimizer.__init__",
             "MixedPrecisionOptimizer.__init__", "MegatronOptimizer.get_grad_norm", "MegatronOptimizer.clip_grad_norm",
             "MegatronOptimizer.count_zeros", "ChainedOptimizer.get_grad_norm", "ChainedOptimizer.count_zeros",
-            "megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32", "FileSystemWriterAsync.preload_tensors"}
+            "megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32", "torch.cuda.synchronize",
+            "megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue"}
         megatron_cpu.remove()
         assert _changed(before, owners) == []
     finally:
         megatron_cpu.apply()  # as later tests in this process expect
+
+
+WRITER = textwrap.dedent("""
+    import os, signal, sys
+    if __name__ == "__main__":  # the Manager is spawned: it re-runs this file, so keep the imports below
+        from megatron_qarl import megatron_cpu
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+        if sys.argv[1] == "fixed":
+            megatron_cpu.apply()
+        queue = fa._get_write_results_queue()
+        print(queue._manager._process.pid, flush=True)  # the Manager's server process
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def _alive_after_trainer_killed(tmp_path, mode: str) -> bool:
+    """Start dist-checkpointing's results-queue Manager in a trainer, kill -9 the trainer: is the Manager alive
+    10 s later? (It is killed here if so.)"""
+    import time
+
+    script = tmp_path / f"saver_{mode}.py"
+    script.write_text(WRITER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    log = tmp_path / f"saver_{mode}.log"
+    with log.open("w") as err:  # not a pipe: a surviving Manager inherits the trainer's stdout and stderr
+        proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=env)
+        line = proc.stdout.readline()  # the first line only: EOF may never come while the Manager lives
+        proc.wait(timeout=300)
+    proc.stdout.close()
+    pids = [int(p) for p in line.split()]
+    assert len(pids) == 1, line + log.read_text()[-2000:]  # the trainer got as far as starting the Manager
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pids[0], 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.1)
+    os.kill(pids[0], 9)
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_checkpoint_writer_manager_dies_with_a_killed_trainer_and_the_fix_is_still_needed(tmp_path):
+    """fix_write_results_queue: with it, the Manager dies with a trainer killed by -9; without it (upstream's
+    ``ctx.Manager()``), it outlives the trainer."""
+    assert not _alive_after_trainer_killed(tmp_path, "fixed"), "the Manager outlived the killed trainer"
+    assert _alive_after_trainer_killed(tmp_path, "upstream"), \
+        "upstream's Manager no longer outlives a killed trainer: remove fix_write_results_queue"
 
 
 @pytest.mark.parametrize("config, overrides, asked", [

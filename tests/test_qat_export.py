@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from quantized_checkpoint import load_quantized_checkpoint
 from safetensors.torch import load_file, save_file
 
 from megatron_qarl.errors import UserError
@@ -19,7 +20,6 @@ from megatron_qarl.qat.export import (
     export_state_dict,
     is_linear_weight,
     iter_safetensors,
-    load_quantized_checkpoint,
     quantize_checkpoint,
 )
 from megatron_qarl.qat.fake_quant import fake_quant_weight

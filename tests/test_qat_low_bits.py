@@ -11,13 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from quantized_checkpoint import load_quantized_checkpoint
 
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import (
     dequantize_state_dict,
     export_state_dict,
     iter_safetensors,
-    load_quantized_checkpoint,
 )
 from megatron_qarl.qat.fake_quant import fake_quant_weight
 from megatron_qarl.qat.pack import pack_int4, unpack_int4

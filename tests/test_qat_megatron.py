@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quantized_checkpoint import load_quantized_checkpoint
 
 from megatron_qarl.moe.convert import Layout, SafetensorsDir, hf_to_shard, load_hf_into_model
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model, forward_logits
 from megatron_qarl.moe.parallelize import init_parallel, run_ranks
 from megatron_qarl.moe.verify import world_size
 from megatron_qarl.qat.config import QuantConfig
-from megatron_qarl.qat.export import dequantize_state_dict, export_state_dict, load_quantized_checkpoint
+from megatron_qarl.qat.export import dequantize_state_dict, export_state_dict
 from megatron_qarl.qat.modules import apply_fake_quant
+
+
+def handed_codes(fq) -> dict:
+    """Hugging Face name -> the QuantizedWeight the weight sync reads (sync/payload.py: ``target_codes``)."""
+    return {name: qw for t in fq.targets for name, qw in fq.target_codes(t).items()}
+
+
+def forward_weight(t) -> torch.Tensor:
+    """The weight the forward of target ``t`` multiplies: its ModelOpt weight quantizer applied to the master
+    weight, as the quant module's forward does (no autograd)."""
+    with torch.no_grad():
+        return t.weight_quantizer(t.param).detach()
 
 
 def _learner_vs_export(model_dir: str, scheme: str, tp: int, ep: int, offline: dict) -> dict:
@@ -27,13 +40,13 @@ def _learner_vs_export(model_dir: str, scheme: str, tp: int, ep: int, offline: d
     tokens = torch.randint(0, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         forward_logits(model, tokens)
-    qws = fq.quantized_weights()
+    qws = handed_codes(fq)
     exported, qcfg = export_state_dict({}, cfg, quantized=qws)
     deq = dequantize_state_dict(exported, qcfg, dtype=torch.float32)
     lay = Layout.current()
     differ_export = differ_offline = elements = 0
     for t in fq.targets:
-        used = fq.fake_quant_shard(t.pm.mcore)
+        used = forward_weight(t)
         differ_export += (used != hf_to_shard(t.pm, deq.__getitem__, arch, lay)).sum().item()
         differ_offline += (used != hf_to_shard(t.pm, offline.__getitem__, arch, lay)).sum().item()
         elements += used.numel()
@@ -133,7 +146,7 @@ def _ste_grads(model_dir: str) -> tuple[dict, dict]:
         if not quantize:
             with torch.no_grad():
                 for t in fq.targets:
-                    t.param.copy_(fq.fake_quant_shard(t.pm.mcore))
+                    t.param.copy_(forward_weight(t))
             fq.remove()
         forward_logits(model, tokens).logsumexp(-1).mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if "local_experts" in n})
@@ -208,13 +221,13 @@ def _resume(model_dir: str, tp: int, ep: int, ckpt: str) -> dict:
     straight.load_hf(model_dir)
     first = straight.train_step(batch, loss_fn)
     save_learner(ckpt, straight.module, straight.optimizer)
-    codes_saved = {k: v.codes.clone() for k, v in straight.fake_quant.quantized_weights().items()}
+    codes_saved = {k: v.codes.clone() for k, v in handed_codes(straight.fake_quant).items()}
     second = straight.train_step(batch, loss_fn)
 
     resumed = learner()  # random init, then the checkpoint
     load_learner(ckpt, resumed.module, resumed.optimizer)
     resumed.fake_quant.invalidate()
-    codes_loaded = {k: v.codes for k, v in resumed.fake_quant.quantized_weights().items()}
+    codes_loaded = {k: v.codes for k, v in handed_codes(resumed.fake_quant).items()}
     again = resumed.train_step(batch, loss_fn)
     return {"first": first["loss"], "second": second["loss"], "again": again["loss"],
             "codes_equal": codes_saved.keys() == codes_loaded.keys()

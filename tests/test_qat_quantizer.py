@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from megatron_qarl.qat.config import QuantConfig, check_scheme, is_quantized
 from megatron_qarl.qat.export import dequantize_state_dict, export_state_dict
-from megatron_qarl.qat.fake_quant import fake_quant_act, fake_quant_weight, qat_linear
+from megatron_qarl.qat.fake_quant import fake_quant_act, fake_quant_weight, straight_through
 from megatron_qarl.qat.pack import pack_int4, unpack_int4
 from megatron_qarl.qat.quantizer import (
     dequantize_weight,
@@ -171,10 +171,18 @@ def test_int8_act_few_ops_equals_plain_formula(seed, log_scale, dtype):
     assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
 
 
-def test_qat_linear_w8a8_uses_fake_quant_operands():
+def _quant_linear(x, w, cfg):
+    """What a ModelOpt quant linear of the learner computes (qat/modules.py: its input quantizer runs
+    fake_quant_act, its weight quantizer straight_through(w, w_fq) with fake_quantize_weight's one-pass w_fq):
+    y = x_fq @ w_fq^T."""
+    qw, w_fq = fake_quantize_weight(w.detach(), cfg, "weight")
+    return torch.nn.functional.linear(fake_quant_act(x, cfg), straight_through(w, w_fq.to(w.dtype))), qw
+
+
+def test_quant_linear_w8a8_uses_fake_quant_operands():
     x, w = _weight((4, 256), seed=6) * 50, _weight((64, 256), seed=7)
     cfg = QuantConfig(scheme="w8a8_fp8")
-    y, qw = qat_linear(x, w, cfg)
+    y, qw = _quant_linear(x, w, cfg)
     ref = torch.nn.functional.linear(fake_quant_act(x, cfg), qw.dequantize(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
     assert torch.equal(fake_quant_act(x, QuantConfig(scheme="w4a16")), x)
@@ -194,7 +202,7 @@ def test_straight_through_gradient(scheme, dtype):
 def test_straight_through_through_a_linear():
     x = (_weight((8, 256), seed=9) * 30).requires_grad_()
     w = _weight((32, 256), seed=10).requires_grad_()
-    y, _ = qat_linear(x, w, QuantConfig(scheme="w8a8_int8"))
+    y, _ = _quant_linear(x, w, QuantConfig(scheme="w8a8_int8"))
     g = torch.randn_like(y)
     y.backward(g)
     x_fq = fake_quant_act(x.detach(), QuantConfig(scheme="w8a8_int8"))

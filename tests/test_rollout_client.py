@@ -60,9 +60,9 @@ def test_retries_run_out_on_a_dead_server():
 
     async def run():
         async with _client(handler, retries=2) as c:
-            await c.get_model_info()
+            await c.generate([1], {})
 
-    with pytest.raises(RolloutServerError, match="get_model_info: ConnectError"):
+    with pytest.raises(RolloutServerError, match="generate: ConnectError"):
         asyncio.run(run())
 
 

@@ -18,15 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from quantized_checkpoint import load_quantized_checkpoint
 from safetensors.torch import save_file
 
 from megatron_qarl.qat.config import QuantConfig
-from megatron_qarl.qat.export import iter_safetensors, load_quantized_checkpoint, quantize_checkpoint
+from megatron_qarl.qat.export import iter_safetensors, quantize_checkpoint
 from megatron_qarl.qat.fake_quant import fake_quant_act
 from megatron_qarl.rollout import native
 from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams
 from megatron_qarl.rollout.kernels import DenseLinear, Fp8Linear, Int4Linear, Int8Linear
-from megatron_qarl.rollout.server import NO_SESSION, OUTSIDE_SESSION, SESSION_OPEN
+from megatron_qarl.rollout.weight_receiver import NO_SESSION, OUTSIDE_SESSION, SESSION_OPEN
 from megatron_qarl.sync.checksum import engine_checksum, overall_checksum, weight_checksums
 
 REPO = Path(__file__).resolve().parents[1]

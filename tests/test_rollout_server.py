@@ -377,10 +377,10 @@ def test_openapi_fuzz_never_500(model_dir, monkeypatch):
 def _serve_parser():
     import argparse
 
-    from megatron_qarl.rollout import server as server_mod
+    from megatron_qarl.rollout import serve_cli
 
     parser = argparse.ArgumentParser(prog="qarl")
-    server_mod.register(parser.add_subparsers(dest="command"))
+    serve_cli.register(parser.add_subparsers(dest="command"))
     return parser
 
 

@@ -15,7 +15,7 @@ from megatron_qarl.moe.verify import world_size
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import quantize_checkpoint
 from megatron_qarl.rollout.process import ServerProcess, embedded_command
-from megatron_qarl.rollout.server import OUTSIDE_SESSION
+from megatron_qarl.rollout.weight_receiver import OUTSIDE_SESSION
 from megatron_qarl.sync import delta
 from megatron_qarl.sync.broadcaster import DistributedBroadcaster, Engine, SyncError, SyncReport
 from megatron_qarl.sync.checksum import weight_checksums
@@ -115,18 +115,18 @@ def test_delta_syncs_leave_the_server_bit_identical_to_full_syncs(tp, ep, tiny_m
 
 def _refusals(url: str) -> dict:
     name = "model.layers.0.mlp.experts.1.down_proj.weight_packed"  # int32 [128, 16] in the tiny W4A16 checkpoint
-    engine = Engine(url)
-    b = DistributedBroadcaster([engine], dtype=torch.float32)
+    b = DistributedBroadcaster([Engine(url)], dtype=torch.float32)
+    transport, api = b.transport, b.apis[0]
     report = SyncReport("v1", 0, 0, 0, 0.0)
     before = held_checksums(url)[0]
     good = delta.Delta(name, torch.tensor([1], dtype=torch.int32), torch.zeros(1, 16, dtype=torch.int32))
     out = {}
     b.connect()
     with pytest.raises(SyncError) as outside:  # no session: refused before receiving, group destroyed
-        b._send(good.wire(), "v1", report, None, delta.LOAD_FORMAT)
+        transport.send(good.wire(), "v1", report, None, delta.LOAD_FORMAT)
     out["outside"] = str(outside.value)
     b.connect()
-    b._post(engine, "/begin_weight_update", {})
+    api.begin_weight_update()
     bad = {
         "missing": delta.Delta("model.layers.0.no_such_proj.weight", good.index, good.values).wire(),
         "index": delta.Delta(name, torch.tensor([128], dtype=torch.int32), good.values).wire(),
@@ -136,9 +136,9 @@ def _refusals(url: str) -> dict:
     }
     for case, tensors in bad.items():  # refused after the broadcast completed: the group stays usable
         with pytest.raises(SyncError) as refused:
-            b._send(tensors, "v1", report, None, delta.LOAD_FORMAT)
+            transport.send(tensors, "v1", report, None, delta.LOAD_FORMAT)
         out[case] = str(refused.value)
-    b._post(engine, "/end_weight_update", {})
+    api.end_weight_update()
     out["unchanged"] = held_checksums(url)[0] == before
     b.close()
     return out
@@ -192,11 +192,11 @@ def test_every_doubt_falls_back_to_a_full_sync(tiny_model_dir, w4a16_dir, w4a16_
         server.start()
         sync("restarted server")
         sync("after the restart")
-        real_send = b._send
-        b._send = lambda *a, **k: (_ for _ in ()).throw(SyncError("injected failure"))
+        real_send = b.transport.send
+        b.transport.send = lambda *a, **k: (_ for _ in ()).throw(SyncError("injected failure"))
         with pytest.raises(SyncError, match="injected failure"):
             sync("failed")  # raises before it is recorded
-        b._send = real_send
+        b.transport.send = real_send
         sync("after a failed sync")
         b.close()
         b = DistributedBroadcaster([Engine(url)], dtype=torch.bfloat16, delta=True)  # verify would refuse the casts
@@ -220,3 +220,34 @@ def test_every_doubt_falls_back_to_a_full_sync(tiny_model_dir, w4a16_dir, w4a16_
     assert modes["after a failed sync"][0] == "full" and modes["after a failed sync"][1].startswith("no baseline")
     second = modes["bf16 to a float32 server: second"]
     assert second[0] == "full" and "computes in float32, the sync sends bfloat16" in second[1]
+
+
+def test_a_delta_sync_with_nothing_changed_still_moves_the_servers_weight_version(tiny_model_dir, w4a16_server):
+    """A delta sync in which no tensor changed sends no bucket, so no update call carries its weight_version: the
+    server must still report the new version (SGLang's /update_weight_version), and the next sync stays a delta
+    (before the fix it fell back to a full one: 'holds weight_version 'v1', not 'v2' sent last')."""
+    url = w4a16_server.url
+
+    def body():
+        init_parallel(seed=4)
+        learner = _learner(tiny_model_dir)
+        b = DistributedBroadcaster([Engine(url)], dtype=torch.float32, bucket_bytes=128 << 10, delta=True)
+        gen = torch.Generator().manual_seed(6)
+        rows = []
+        for label in ("first", "nothing changed", "after a step"):
+            if label == "after a step":
+                _step(learner, gen)
+            report = b.sync(learner)
+            held = httpx.get(url + "/get_model_info", timeout=60).json()["weight_version"]
+            rows.append((label, report.mode, report.full_reason, report.buckets, report.weight_version, held))
+        b.close()
+        return rows
+
+    rows = {label: tuple(row) for label, *row in run_ranks(1, body)[0]}
+    for label, row in rows.items():
+        print(f"\n{label}: mode, full_reason, buckets, version sent, version the server reports = {row}")
+    assert rows["first"][0] == "full"
+    assert rows["nothing changed"] == ("delta", "", 0, "v2", "v2")
+    mode, reason, buckets, sent, held = rows["after a step"]
+    assert (mode, reason) == ("delta", ""), rows["after a step"]
+    assert buckets > 0 and sent == held == "v3"

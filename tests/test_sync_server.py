@@ -14,8 +14,8 @@ from megatron_qarl.moe.verify import world_size
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import quantize_checkpoint
 from megatron_qarl.rollout.process import ServerProcess, embedded_command
-from megatron_qarl.rollout.server import OUTSIDE_SESSION
-from megatron_qarl.sync import broadcaster as broadcaster_mod
+from megatron_qarl.rollout.weight_receiver import OUTSIDE_SESSION
+from megatron_qarl.sync import weight_update as weight_update_mod
 from megatron_qarl.sync.broadcaster import DistributedBroadcaster, Engine, SyncError
 
 pytestmark = pytest.mark.multiproc
@@ -130,7 +130,7 @@ def test_sync_follows_sglang_session_order_and_a_client_without_session_fails_as
         calls.append(target.removeprefix(url))
         return real_post(target, *args, **kwargs)
 
-    monkeypatch.setattr(broadcaster_mod.httpx, "post", recording_post)
+    monkeypatch.setattr(weight_update_mod.httpx, "post", recording_post)
 
     def body():
         arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
@@ -143,9 +143,7 @@ def test_sync_follows_sglang_session_order_and_a_client_without_session_fails_as
         order = list(calls)
         calls.clear()
         forgetful = DistributedBroadcaster([Engine(url)], dtype=torch.float32, group_name="forgetful")
-        real = forgetful._post
-        forgetful._post = lambda engine, path, payload=None: (  # the client mistake: no session
-            {"success": True} if path == "/begin_weight_update" else real(engine, path, payload))
+        forgetful.apis[0].begin_weight_update = lambda: {"success": True}  # the client mistake: no session
         start = time.monotonic()
         with pytest.raises(SyncError) as refused:
             forgetful.sync(learner)

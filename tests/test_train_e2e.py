@@ -96,7 +96,7 @@ def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipp
     trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, progress=False,
                       stream=PromptStream(cfg.data, tokenizer))
     killed = {}
-    generate = trainer._generate
+    generate = trainer.rollouts.generate
 
     def generate_and_kill(manager, prompts, seed_step, live):
         if seed_step == 2 and not killed:  # step 2's rollout: kill server 1 once requests are in flight
@@ -110,7 +110,7 @@ def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipp
             threading.Thread(target=kill, daemon=True).start()
         return generate(manager, prompts, seed_step, live)
 
-    trainer._generate = generate_and_kill
+    trainer.rollouts.generate = generate_and_kill
     try:
         trainer.run()
         rows = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss/loss" in r}
@@ -152,7 +152,7 @@ def test_the_only_server_killed_mid_rollout_is_restarted_with_the_weights_and_a_
     servers = LocalServers(cfg, rollout_model_dir(cfg))
     learners = LocalLearnerRanks(cfg)
     trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, progress=False)
-    generate = trainer._generate
+    generate = trainer.rollouts.generate
     killed = []
     stop = threading.Event()
 
@@ -165,7 +165,7 @@ def test_the_only_server_killed_mid_rollout_is_restarted_with_the_weights_and_a_
             stop.set()
         return generate(manager, prompts, seed_step, live)
 
-    trainer._generate = generate_and_kill
+    trainer.rollouts.generate = generate_and_kill
     try:
         trainer.run()
         s2 = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}[2]

@@ -89,36 +89,6 @@ def test_tracker_writes_tensorboard_and_truncates_on_resume(tmp_path):
     assert [(e.step, round(e.value, 3)) for e in events] == [(1, 0.1), (2, 0.2), (3, 0.9)]
 
 
-def test_checkpoint_writer_manager_dies_with_a_killed_trainer(tmp_path):
-    """A trainer killed with -9 after a checkpoint must not leave dist-checkpointing's Manager running."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    script = tmp_path / "saver.py"
-    script.write_text(
-        "import os, signal\n"
-        "if __name__ == '__main__':  # the Manager is spawned: it re-runs this file, so keep the imports below\n"
-        "    from megatron_qarl.checkpoint import results_queue_dies_with_trainer\n"
-        "    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa\n"
-        "    results_queue_dies_with_trainer()\n"
-        "    q = fa._get_write_results_queue()\n"
-        "    print(fa._qarl_manager._process.pid, flush=True)\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    pid = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    os.kill(pid, 9)
-    raise AssertionError(f"the Manager process {pid} outlived the killed trainer")
-
-
 def test_closing_ray_learner_ranks_logs_what_it_swallows(caplog):
     """Shutting down after a failure: a rank that cannot close is reported, and the run's own error stays on top."""
     from megatron_qarl.launch.ray_launcher import RayLearnerRanks

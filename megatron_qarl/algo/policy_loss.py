@@ -117,19 +117,6 @@ class PolicyLossConfig(BaseModel):
             raise ValueError(f"aggregation 'seq_mean_token_sum' needs norm_len >= 1, got {self.norm_len}")
         return self
 
-    @classmethod
-    def for_mode(cls, mode: PolicyLossMode, **overrides: object) -> PolicyLossConfig:
-        """A config with the customary clip range of ``mode`` (see MODE_DEFAULTS), then ``overrides``."""
-        return cls(**{"mode": mode, **MODE_DEFAULTS[mode], **overrides})
-
-
-# customary starting points per mode: DAPO's clip-higher for token PPO, GSPO's sequence clip, TBPO's defaults
-MODE_DEFAULTS: dict[str, dict[str, object]] = {
-    "token_ppo": {"eps_low": 0.2, "eps_high": 0.28, "dual_clip_c": 3.0},
-    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "dual_clip_c": None},
-    "tbpo": {"eps_low": 3e-4, "eps_high": 4e-4, "dual_clip_c": 3.0},
-}
-
 
 def clipped_objective(
     ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip_c: float | None
@@ -146,13 +133,13 @@ def clipped_objective(
 
 @dataclass(frozen=True)
 class PolicyObjective:
-    """Everything one evaluation of the objective produces. ``obj_BT`` and ``response_obj_B`` carry grad.
+    """Everything one evaluation of the objective produces. ``obj_BT`` carries grad (its per-response mean,
+    ``sequence_mean_B(obj_BT, mask)``, is J_i in the sequence modes).
 
     Units are tokens ([B, T] flags) in token_ppo and responses ([B] flags) in gspo / tbpo.
     """
 
     obj_BT: Tensor  # objective per token (maximised), 0 on padding and on masked tokens / responses
-    response_obj_B: Tensor  # (1/L_i) sum_t obj[i,t]: J_i in the sequence modes; 0 for an empty response
     unit_valid_U: Tensor  # units taking part in the statistics (response tokens, or non-empty responses)
     clip_high_U: Tensor  # A > 0 and ratio > 1 + eps_high
     clip_low_U: Tensor  # A < 0 and ratio < 1 - eps_low
@@ -247,7 +234,6 @@ def policy_objective(
     dual_U = (adv_U < 0) & (ratio_U > c) if c is not None else torch.zeros_like(unit_valid_U)
     return PolicyObjective(
         obj_BT=obj_BT,
-        response_obj_B=sequence_mean_B(obj_BT, mask_BT),
         unit_valid_U=unit_valid_U,
         clip_high_U=(adv_U > 0) & (ratio_U > 1.0 + eps_high),
         clip_low_U=(adv_U < 0) & (ratio_U < 1.0 - eps_low),

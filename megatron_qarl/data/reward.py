@@ -150,18 +150,6 @@ def judge(verify_fn: Callable[[str, str], bool], boxed: str, ground_truth: str, 
         return "error"
 
 
-def math_verify_reward(response_text: str, ground_truth: str, timeout_s: float = 5.0) -> float:
-    """1.0 if the last boxed answer of ``response_text`` is math-verify-equivalent to ``ground_truth``, else 0.0.
-
-    No boxed answer, a timeout (``timeout_s``) or an error give 0.0. In-process and main-thread only (signal
-    timer); a C-level hang is not interruptible here. Trainers should use ``RewardScorer``.
-    """
-    boxed = extract_boxed(response_text)
-    if boxed is None:
-        return 0.0
-    return 1.0 if judge(verify_boxed, boxed, ground_truth, timeout_s) == "correct" else 0.0
-
-
 def _function_spec(fn: Callable[[str, str], bool]) -> str:
     """``"module:qualname"`` of a module-level function, which a worker process can import."""
     spec = f"{fn.__module__}:{fn.__qualname__}"

@@ -215,17 +215,15 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
         sp = tp > 1
     if te_fp8 and not te:
         raise ValueError("te_fp8: TE's FP8 GEMMs need the Transformer Engine layers (te=True)")
+    config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
+                                routing_replay=routing_replay, recompute=recompute,
+                                recompute_num_layers=recompute_num_layers)
     if not te:
-        config = transformer_config(arch, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
-                                    routing_replay=routing_replay, recompute=recompute,
-                                    recompute_num_layers=recompute_num_layers)
         spec = layer_spec(arch)
     else:
         from megatron_qarl.moe.te import te_layer_spec, te_transformer_config
 
-        config = te_transformer_config(arch, te_fp8, tp=tp, ep=ep, sp=sp, dtype=dtype, dispatcher=dispatcher,
-                                       routing_replay=routing_replay, recompute=recompute,
-                                       recompute_num_layers=recompute_num_layers)
+        config = te_transformer_config(config, te_fp8)
         spec = te_layer_spec(arch)
     if routing_replay:
         from megatron.core.transformer.moe.router_replay import RouterReplay

@@ -159,11 +159,9 @@ def te_config_overrides(fp8: bool = False) -> dict[str, Any]:
     return {**CUDA_FUSIONS, **fp8_settings, **({"moe_router_padding_for_fp8": True} if fp8 else {})}
 
 
-def te_transformer_config(arch, fp8: bool = False, **kwargs):
-    """``moe.model.transformer_config(arch, **kwargs)`` with ``te_config_overrides(fp8)``, for the TE spec on
-    CUDA. ImportError naming the package when TE is absent."""
-    from megatron_qarl.moe.model import transformer_config
-
+def te_transformer_config(config, fp8: bool = False):
+    """``config`` (``moe.model.transformer_config``'s, which that module owns) with ``te_config_overrides(fp8)``,
+    for the TE spec on CUDA. ImportError naming the package when TE is absent."""
     overrides = te_config_overrides(fp8)
     require_transformer_engine()
-    return dataclasses.replace(transformer_config(arch, **kwargs), **overrides)
+    return dataclasses.replace(config, **overrides)

@@ -305,15 +305,3 @@ def quantize_checkpoint(
         if path.is_file() and path.suffix != ".safetensors" and path.name not in _SKIP_COPY:
             shutil.copy2(path, dst / path.name)
     return dst
-
-
-def load_quantized_checkpoint(model_dir: str | Path, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """Read a checkpoint written by ``quantize_checkpoint`` (any of the three formats, or an unquantized
-    one) and return HF name -> dequantized tensor (``dequantize_state_dict`` for the dtype rule)."""
-    model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    tensors = dict(iter_safetensors(model_dir))
-    quant_cfg = config.get("quantization_config")
-    if quant_cfg is None:
-        return tensors
-    return dequantize_state_dict(tensors, quant_cfg, dtype)

@@ -1,10 +1,13 @@
 """Fake quantization for training: the forward uses the quantizer's dequantize(quantize(w)), the
 backward is straight-through (the gradient at the fake-quant weight reaches the master weight unchanged).
 
-``fake_quant_weight`` returns the ``QuantizedWeight`` it computed, so the exporter / weight sync can
-publish the very codes and scales this forward used: nothing is quantized twice.
+``fake_quant_weight`` is the two-step form (quantize, then dequantize) of what the learner's weight quantizers
+compute in one pass (``quantizer.fake_quantize_weight``, equal bit for bit: tests/test_qat_quantizer.py); the
+learner hands the weight sync the ``QuantizedWeight`` of that very pass (qat/modules.py), so nothing is quantized
+twice.
 
-Learner forward of a quantized linear (``qat_linear``), in the module's dtype (bf16 in training):
+Learner forward of a quantized linear, in the module's dtype (bf16 in training): ModelOpt's quant module of the
+linear (qat/modules.py) with its weight quantizer returning w_fq and its input quantizer x_fq:
     w4a16:      y = x @ w_fq^T                          w_fq = bf16((q - z) * s_b): Marlin's operand, exact
     w8a8_fp8:   y = x_fq @ w_fq^T                       x_fq = (q_x * s_x) per token group of 128,
     w8a8_int8:  y = x_fq @ w_fq^T                       w_fq = q_w * s_w, both cast to the module dtype
@@ -76,11 +79,3 @@ def fake_quant_act(x: Tensor, cfg: QuantConfig) -> Tensor:
     else:
         return x
     return straight_through(x, x_fq)
-
-
-def qat_linear(
-    x: Tensor, w: Tensor, cfg: QuantConfig, bias: Tensor | None = None, name: str = "weight"
-) -> tuple[Tensor, QuantizedWeight]:
-    """y = fake_quant_act(x) @ w_fq^T (+ bias), in the module dtype; returns (y, the QuantizedWeight used)."""
-    w_fq, qw = fake_quant_weight(w, cfg, name)
-    return torch.nn.functional.linear(fake_quant_act(x, cfg), w_fq, bias), qw

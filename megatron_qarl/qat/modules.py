@@ -27,7 +27,7 @@ gathered the same way for the W8A8 per-token scales.
 
 Codes are refreshed once per weight version, not per forward: a target keeps its QuantizedWeights until the
 master parameter's version (``_version``, ``data_ptr``) changes or ``invalidate()`` is called (the learner calls
-it after every optimizer step), and ``quantized_weights()`` hands the exporter / weight sync those very codes
+it after every optimizer step), and ``target_codes(t)`` hands the weight sync (sync/payload.py) those very codes
 and scales: nothing is quantized twice.
 
 Why not ModelOpt's own numerics: its INT4 fake quant rounds with an fp32 scale and codes in [-7, 7]; SGLang's
@@ -244,20 +244,6 @@ class FakeQuant:
         codes a weight sync sends; quantized once per optimizer step)."""
         self._refresh(t)
         return t.quantized
-
-    def quantized_weights(self) -> dict[str, QuantizedWeight]:
-        """Hugging Face name -> the QuantizedWeight this rank's forward uses (its own experts only)."""
-        out = {}
-        for t in self.targets:
-            self._refresh(t)
-            out.update(t.quantized)
-        return out
-
-    def fake_quant_shard(self, mcore_name: str) -> Tensor:
-        """The fake-quant local weight the forward of ``mcore_name`` computes with (no autograd)."""
-        t = next(t for t in self.targets if t.pm.mcore == mcore_name)
-        self._refresh(t)
-        return t.local_fq
 
     # ----------------------------------------------------------------------------- the backends' work
     def _weight_fn(self, t: _Target) -> Callable[[Tensor], Tensor]:

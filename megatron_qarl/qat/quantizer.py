@@ -22,7 +22,6 @@ from torch import Tensor
 from megatron_qarl.qat.config import QuantConfig, check_scheme
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-INT4_MIN, INT4_MAX = -8, 7
 W4A16_BITS: tuple[int, ...] = (2, 3, 4)  # integer weight-only code widths; all stored in int4 containers
 ACT_EPS = 1e-10  # SGLang's floor on a token (group) amax
 
@@ -318,12 +317,6 @@ def dequant_act_fp8_per_token_group(codes: Tensor, scales: Tensor, dtype: torch.
     g = k // scales.shape[-1]
     x = codes.float().reshape(*lead, k // g, g) * scales[..., None]
     return x.reshape(*lead, k).to(dtype)
-
-
-def _round_half_away(t: Tensor) -> Tensor:
-    # libdevice.round: ties away from zero. Exact: t - trunc(t) is exact in fp32.
-    r = torch.trunc(t)
-    return r + torch.where((t - r).abs() >= 0.5, torch.sign(t), torch.zeros_like(t))
 
 
 def quant_act_int8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,5 +1,6 @@
-"""The trainer's client for SGLang's HTTP protocol: one method per endpoint, the same object for the
-embedded CPU server (`qarl serve`) and a real SGLang server.
+"""The trainer's client for SGLang's generation endpoint (POST /generate), the same object for the embedded
+CPU server (`qarl serve`) and a real SGLang server. The weight-update endpoints are
+megatron_qarl/sync/weight_update.py's (blocking, no retries: an update is not idempotent).
 
 Async (httpx), with bounded concurrency (at most ``max_concurrency`` requests in flight per server),
 a timeout per request, and retries with exponential back-off on connection errors, timeouts and
@@ -54,8 +55,8 @@ class SGLangClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, payload: dict | None = None, *, retries: int | None = None) -> Any:
-        attempts = 1 + (self.config.retries if retries is None else retries)
+    async def _request(self, method: str, path: str, payload: dict | None = None) -> Any:
+        attempts = 1 + self.config.retries
         last = None
         for attempt in range(attempts):
             try:
@@ -80,63 +81,3 @@ class SGLangClient:
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob,
                    "logprob_start_len": logprob_start_len, **extra}
         return await self._request("POST", "/generate", payload)
-
-    async def health(self) -> bool:
-        try:
-            await self._request("GET", "/health", retries=0)
-            return True
-        except RolloutServerError:
-            return False
-
-    async def get_model_info(self) -> dict:
-        return await self._request("GET", "/get_model_info")
-
-    # ----------------------------------------------------------------------------------- admin
-    async def flush_cache(self) -> None:
-        await self._request("POST", "/flush_cache", retries=0)
-
-    async def pause_generation(self, mode: str = "abort") -> None:
-        await self._request("POST", "/pause_generation", {"mode": mode})
-
-    async def continue_generation(self) -> None:
-        await self._request("POST", "/continue_generation", {})
-
-    # --------------------------------------------------------------------------- weight update
-    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "nccl") -> dict:
-        return await self._request("POST", "/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}, retries=0)
-
-    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str = "weight_update_group", flush_cache: bool = True,
-                                              weight_version: str | None = None,
-                                              load_format: str | None = None) -> dict:
-        return await self._request("POST", "/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "weight_version": weight_version, "load_format": load_format}, retries=0)
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
-        return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
-
-    async def update_weights_from_disk(self, model_path: str, *, load_format: str | None = None,
-                                       weight_version: str | None = None) -> dict:
-        return await self._request("POST", "/update_weights_from_disk", {
-            "model_path": model_path, "load_format": load_format, "weight_version": weight_version}, retries=0)
-
-    async def begin_weight_update(self, selector: str = "all") -> dict:
-        """Open the weight-update session that SGLang requires around update_weights_from_* (400 if open)."""
-        return await self._request("POST", "/begin_weight_update", {"selector": selector}, retries=0)
-
-    async def end_weight_update(self) -> dict:
-        """Close the session; the server finalizes (repacks) the weights loaded in it."""
-        return await self._request("POST", "/end_weight_update", {}, retries=0)
-
-    async def weights_checker(self, action: str = "checksum", *, skip_tensor_list: list[str] | None = None) -> dict:
-        """SGLang's /weights_checker: with ``checksum``, ``{success, message, ranks: [{checksums,
-        per_gpu_checksum, parallelism_info}], per_engine_checksum}`` (megatron_qarl/sync/checksum.py)."""
-        payload: dict[str, Any] = {"action": action}
-        if skip_tensor_list is not None:
-            payload["skip_tensor_list"] = skip_tensor_list
-        return await self._request("POST", "/weights_checker", payload)

@@ -12,8 +12,9 @@ temperature, filtered by top_k then top_p, and sampled with the request's own ``
 sampled tokens follow SGLang's default: log-softmax of the *temperature-scaled* logits, before any
 top-k / top-p filtering (SGLang's sampler; ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` there, like
 ``EngineConfig.return_original_logprob`` here, returns the unscaled log-softmax instead). Greedy
-requests get the plain log-softmax. At the RL default, temperature 1, both are the model's
-distribution, which is what the learner's log-probabilities are compared with.
+requests get the plain log-softmax. The learner divides its logits by the same temperature
+(``rollout.sampling.temperature``: 1.0 in the CPU configs, 0.8 in the 30B ones) before its log-softmax, so
+the two are log-probabilities of the same distribution at any temperature.
 """
 
 from __future__ import annotations
@@ -261,10 +262,6 @@ class Engine:
             self._paused = False
             self._cv.notify()
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     def abort_all(self, message: str = "aborted") -> None:
         with self.lock, self._cv:
             reqs = list(self._waiting) + list(self._active.values())
@@ -286,6 +283,10 @@ class Engine:
         """Apply one bucket of a delta sync in place (``Qwen3MoeEngineModel.apply_deltas``); finalized at
         ``finalize_weights`` like a loaded bucket."""
         self._update(lambda: self.model.apply_deltas(parts), weight_version)
+
+    def set_weight_version(self, weight_version: str) -> None:
+        """Name the held weights ``weight_version`` without changing them (SGLang's /update_weight_version)."""
+        self._update(lambda: None, weight_version)
 
     def _update(self, change: Callable[[], None], weight_version: str | None) -> None:
         """A weight change between two engine steps; the version moves only once it succeeded."""

@@ -40,7 +40,6 @@ class ServerProcess:
         self.env = dict(os.environ, **(env or {}))
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
-        self.restarts = 0
 
     def start(self) -> str:
         """Start (or restart) the server and wait until /health answers 200; return its URL."""
@@ -71,7 +70,6 @@ class ServerProcess:
 
     def restart(self) -> str:
         self.stop()
-        self.restarts += 1
         return self.start()
 
     def stop(self) -> None:

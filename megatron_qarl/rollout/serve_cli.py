@@ -1,0 +1,50 @@
+"""``qarl serve``: the command line of the embedded rollout server (rollout/server.py), a Qwen3-MoE checkpoint
+(BF16 or a ``qarl quantize`` export) served over SGLang's native HTTP API with uvicorn."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_qarl.errors import ConfigError, UserError
+from megatron_qarl.rollout.engine import Engine, EngineConfig
+from megatron_qarl.rollout.server import ServerConfig, build_app
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a Qwen3-MoE checkpoint (bf16 or qat/ export) over SGLang's API")
+    p.add_argument("--model", required=True, help="Hugging Face model dir (bf16/fp32 or w4a16/w8a8 export)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="required when --host is not loopback")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="answer return_routed_experts requests (SGLang's flag; routing replay, R3)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads of the engine (default: torch's, one per core); on a machine shared with "
+                        "a learner, fewer threads avoid OpenMP stalls when a core is taken (BENCHMARKS.md)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key)
+    if not server_cfg.loopback and not server_cfg.api_key:
+        raise UserError(f"--host {args.host} is not loopback: --api-key is required")
+    if not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
+    try:
+        engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                                     max_seq_len=args.max_seq_len, num_threads=args.num_threads,
+                                     enable_return_routed_experts=args.enable_return_routed_experts))
+    except (KeyError, ValueError, json.JSONDecodeError) as err:
+        raise UserError(f"--model {args.model}: {err}") from None
+    app = build_app(engine, server_cfg)
+    try:
+        uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,104 @@
+"""The rollout servers as the trainer drives them: rollouts with failover, dead servers restarted, the
+weight-update group (re)formed and the learner's weights synced.
+
+Server faults are steps of the loop too: a server that fails mid-rollout is dropped and its requests go to the
+others; when the last one fails, the rollout stops, the servers are restarted and get the current weights, and
+the missing requests are sent again (``rollout``). Dead servers are restarted after each step, before the sync
+(``heal``, then ``connect``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from megatron_qarl.config import QarlConfig
+from megatron_qarl.errors import UserError
+from megatron_qarl.launch.fleet import LearnerRanks, ServerFleet
+from megatron_qarl.rollout.client import ClientConfig, SGLangClient
+from megatron_qarl.rollout.manager import EveryServerDown, RolloutManager, RoutesSpec, Sample, SamplingConfig
+
+
+class TrainingAborted(UserError):
+    """The run cannot go on (too many non-finite steps in a row, every rollout server gone, ...)."""
+
+
+class TrainRollouts:
+    """Rollouts from ``servers`` and weight syncs from ``learners`` for one training run. ``on_sync`` receives
+    every sync's report (the trainer records the weight version); ``console`` prints an operator message."""
+
+    def __init__(self, cfg: QarlConfig, learners: LearnerRanks, servers: ServerFleet, stop_ids: list[int],
+                 on_sync: Callable[[dict], None], console: Callable[[str], None] = print):
+        self.cfg, self.learners, self.servers, self.stop_ids = cfg, learners, servers, stop_ids
+        self.on_sync, self.console = on_sync, console
+
+    def client(self, url: str) -> SGLangClient:
+        r = self.cfg.rollout
+        conf = ClientConfig(timeout_s=r.timeout_s, retries=r.retries, max_concurrency=r.max_concurrency)
+        return SGLangClient(url, api_key=r.api_key, config=conf)
+
+    def live(self) -> list[int]:
+        return [i for i, a in enumerate(self.servers.alive()) if a]
+
+    def generate(self, manager: RolloutManager, prompts: list[list[int]], seed_step: int,
+                 live: list[int]) -> list[list[Sample]]:
+        """One round of ``manager``'s requests to the ``live`` servers (clients live as long as the round)."""
+
+        async def run():
+            clients = [self.client(self.servers.urls[i]) for i in live]
+            try:
+                return await manager.generate(clients, prompts, seed_step)
+            finally:
+                for c in clients:
+                    await c.close()
+
+        return asyncio.run(run())
+
+    def rollout(self, prompts: list[list[int]], sampling: SamplingConfig, seed_step: int,
+                routes: RoutesSpec | None = None) -> tuple[list[list[Sample]], RolloutManager]:
+        """G samples per prompt from the live servers. A server that fails is dropped for this rollout and its
+        requests go to the others; when every one has failed (rollout.restart_dead), the servers are restarted,
+        get the current weights, and the requests that did not finish are sent again."""
+        manager = RolloutManager(sampling, self.stop_ids, seed=self.cfg.seed, routes=routes)
+        live = self.live()
+        if not live:
+            raise TrainingAborted("every rollout server is down")
+        while True:
+            try:
+                return self.generate(manager, prompts, seed_step, live), manager
+            except EveryServerDown:
+                if not self.cfg.rollout.restart_dead:
+                    raise
+            for i in live:  # each one failed this round: dead, or running but not answering
+                self.console(f"restarting rollout server {i} ({self.servers.urls[i]}) mid-rollout "
+                             f"({len(manager.finished)} samples finished)")
+                self.servers.restart(i)
+            self.heal()  # any that were down before this rollout
+            self.connect()
+            self.sync()
+            live = self.live()
+
+    def connect(self) -> None:
+        """(Re)create the weight-update group with every live server."""
+        self.learners.set_engines(list(self.servers.urls), max(1, self.cfg.rollout.gpus_per_server),
+                                  self.cfg.rollout.api_key)
+
+    def heal(self) -> bool:
+        """Restart (or drop) dead servers; True when the weight group must be rebuilt."""
+        alive = self.servers.alive()
+        if all(alive):
+            return False
+        if not self.cfg.rollout.restart_dead:
+            dead = [u for u, a in zip(self.servers.urls, alive, strict=True) if not a]
+            raise TrainingAborted(f"rollout servers {dead} died and rollout.restart_dead is false")
+        for i, ok in enumerate(alive):
+            if not ok:
+                self.console(f"restarting rollout server {i} ({self.servers.urls[i]})")
+                self.servers.restart(i)
+        return True
+
+    def sync(self) -> dict:
+        """Push the learner's weights to every server; the report goes to ``on_sync`` too."""
+        report = self.learners.sync()
+        self.on_sync(report)
+        return report
