@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import types
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -70,11 +70,11 @@ class SimTensor(torch.Tensor):
         out._data = data
         return out
 
-    def __repr__(self, *, tensor_contents=None) -> str:
+    def __repr__(self) -> str:
         return f"SimTensor({self._data!r}, device='{DEVICE}')"
 
     @classmethod
-    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         answer = _python_view(func, args, kwargs)
         if answer is not _NOT_HANDLED:
@@ -83,7 +83,7 @@ class SimTensor(torch.Tensor):
             return func(*args, **kwargs)
 
     @classmethod
-    def __torch_dispatch__(cls, func, types_, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _run(func, args, kwargs or {})
 
 
@@ -143,7 +143,7 @@ class _CudaArguments(TorchFunctionMode):
     """Turns CUDA devices in torch calls into the simulated device (C++'s "meta") before torch's argument parser
     would initialise CUDA: factory ``device=`` arguments, ``Tensor.to(cuda)``, ``Tensor.cuda()``."""
 
-    def __torch_function__(self, func, types_, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         answer = _python_view(func, args, kwargs)
         if answer is not _NOT_HANDLED:
@@ -219,7 +219,7 @@ def _run(func, args, kwargs):
 
 
 class _DeviceDispatch(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return _run(func, args, kwargs or {})
 
 
@@ -242,9 +242,6 @@ class _Stream:
     def synchronize(self) -> None:
         pass
 
-    def query(self) -> bool:
-        return True
-
 
 class _Event:
     def __init__(self, *args, **kwargs):
@@ -259,9 +256,6 @@ class _Event:
     def synchronize(self) -> None:
         pass
 
-    def query(self) -> bool:
-        return True
-
     def elapsed_time(self, other) -> float:
         return 0.0
 
@@ -274,7 +268,7 @@ def _record_stream(self, stream) -> None:
 
 
 def _properties(device=None):
-    return types.SimpleNamespace(name="simulated CUDA device (CPU-backed)", major=9, minor=0,
+    return SimpleNamespace(name="simulated CUDA device (CPU-backed)", major=9, minor=0,
                                  total_memory=80 * 2**30, multi_processor_count=132)
 
 
