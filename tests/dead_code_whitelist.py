@@ -27,7 +27,7 @@ int8_plain  # rollout/native.py Kernels: binding of the C library's plain loop, 
 selector  # rollout/weight_receiver.py: a field of SGLang's weight-update request bodies, accepted so they validate
 torch_empty_cache  # rollout/weight_receiver.py: a field of SGLang's UpdateWeightsFromDistributedReqInput
 allow_quant_error  # rollout/weight_receiver.py: a field of SGLang's CheckWeightsReqInput
-wait_stream  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron (param_and_grad_buffer, dispatchers)
+wait_stream  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's grad buffers, dispatchers
 wait_event  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's token dispatchers
-record_event  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's optimizer offload / dispatchers
+record_event  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's dispatchers
 elapsed_time  # simulated_device.py _Event: torch.cuda.Event's API, called by Megatron's timers
