@@ -19,7 +19,7 @@ from megatron_qarl.algo.error_tokens import (
 from megatron_qarl.algo.policy_loss import PolicyLossConfig, policy_loss
 
 D = torch.float64
-TOKEN = PolicyLossConfig.for_mode("token_ppo")  # eps 0.2 / 0.28, dual clip c = 3, no mismatch correction
+TOKEN = PolicyLossConfig(mode="token_ppo", eps_low=0.2, eps_high=0.28, dual_clip_c=3.0)  # DAPO clip-higher
 
 
 def brute_force_repeat_run(ids: list[int], max_ngram: int) -> int:
