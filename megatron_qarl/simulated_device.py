@@ -164,8 +164,9 @@ class _CudaArguments(TorchFunctionMode):
         if func in _FROM_DATA:
             # torch.tensor(data) reads and places its data in C++ beneath the dispatcher (no mode sees it): hand it
             # the values of device tensors, build it on the host, then place it
+            on_self = func is torch.Tensor.new_tensor and isinstance(args[0], SimTensor) and "device" not in kwargs
             args = tuple(tree_map(lambda a: a._data if isinstance(a, SimTensor) else a, a) for a in args)
-            to_device = _is_cuda(kwargs.get("device"))
+            to_device = on_self or _is_cuda(kwargs.get("device"))
             if to_device:
                 kwargs["device"] = "cpu"
             out = func(*args, **kwargs)

@@ -29,6 +29,7 @@ def test_cuda_allocations_land_on_the_simulated_device():
     with simulated_cuda():
         made = [torch.empty(2, device="cuda"), torch.zeros(2, device=torch.cuda.current_device()),
                 torch.ones(2).to("cuda"), torch.ones(2).cuda(), torch.tensor([1.0, 2.0], device="cuda")]
+        made.append(made[0].new_tensor([3.0]))  # on its tensor's device, as on CUDA
         with torch.device("cuda"):
             made.append(torch.nn.Linear(2, 2).weight)
         for t in made:
