@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import tempfile
@@ -300,10 +299,9 @@ def te_fp8_check(model_dir: str) -> str:
 
 
 def _learner_all(model_dir: str, impls: list[str], checks: dict[str, str], workdir: str) -> None:
-    from megatron_qarl.moe.parallelize import destroy_parallel, free_port, init_parallel
+    from megatron_qarl.moe.parallelize import destroy_parallel, init_parallel, single_rank_env
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    single_rank_env()
     init_parallel(tp=1, ep=1)
     try:
         for impl in impls:
@@ -326,11 +324,10 @@ def simulate(model_dir: str, workdir: str) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_qarl.moe.parallelize import destroy_parallel, free_port, init_parallel
+    from megatron_qarl.moe.parallelize import destroy_parallel, init_parallel, single_rank_env
     from megatron_qarl.simulated_device import simulated_cuda
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    single_rank_env()
     dist.init_process_group("gloo")  # the simulated GPU has no NCCL: its groups are gloo (module docstring)
     checks: dict[str, str] = {}
     try:

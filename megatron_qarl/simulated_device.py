@@ -207,7 +207,7 @@ def _run(func, args, kwargs):
         return a
 
     out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-    if func in (_aten._to_copy.default,) and kwargs.get("device") is not None and not _is_sim(kwargs["device"]):
+    if func is _aten._to_copy.default and kwargs.get("device") is not None and not _is_sim(kwargs["device"]):
         return out  # a copy to the host
 
     def wrap(o):

@@ -169,12 +169,17 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
             dist.destroy_process_group()
 
 
+def single_rank_env() -> None:
+    """The env:// variables of a world of one rank in this process, on a free local port."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+
+
 def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 600.0) -> list[Any]:
     """Run ``fn(*args)`` on ``world`` local processes joined in one gloo group; return per-rank
     results (rank order). ``fn`` must be picklable (a module-level function)."""
     if world == 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                          WORLD_SIZE="1", LOCAL_RANK="0")
+        single_rank_env()
         try:
             return [fn(*args)]
         finally:
