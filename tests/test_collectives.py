@@ -194,3 +194,23 @@ def test_the_real_payload_refuses_a_tensor_it_did_not_place(random_model_dir, mo
     with pytest.raises(DeviceError, match=r"model\.layers\.0\.mlp\.experts\.0\.\w+_proj\.weight_packed: .* was not "
                                           r"placed by parallelize\.to_group_device"):
         parallelize.run_ranks(1, _payload_without_placement, random_model_dir)
+
+
+def _rank_sees() -> tuple:
+    import os
+
+    import megatron_qarl.learner  # noqa: F401 - preloaded by the forkserver: must be importable, and cheap here
+
+    return os.environ.get("QARL_TEST_MARK"), os.getcwd(), os.environ["RANK"], torch.get_num_threads()
+
+
+@pytest.mark.multiproc
+def test_ranks_see_the_callers_environment_and_directory(tmp_path, monkeypatch):
+    """run_ranks forks ranks from a forkserver started once (CPU machines): a rank must still see the environment and
+    working directory of the call, not the forkserver's from when it started."""
+    parallelize.run_ranks(2, _rank_sees)  # the forkserver now runs, started with the old environment
+    monkeypatch.setenv("QARL_TEST_MARK", "set-after-the-forkserver-started")
+    monkeypatch.chdir(tmp_path)
+    got = parallelize.run_ranks(2, _rank_sees)
+    assert [g[:3] for g in got] == [("set-after-the-forkserver-started", str(tmp_path), str(r)) for r in range(2)]
+    assert parallelize.rank_context().get_start_method() == ("spawn" if torch.cuda.is_available() else "forkserver")
