@@ -39,3 +39,4 @@ start_weight_update  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's worker calls it
 receive_weights  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's WeightTransferEngine.update_weights calls it
 finish_weight_update  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's worker calls it (/finish_weight_update)
 QarlWorkerExtension  # rollout/vllm_ext/qarl_vllm_ext.py: named by the vLLM server's --worker-extension-cls
+VLLM_VERSION  # rollout/vllm_launcher.py: the pinned vLLM; tests/test_vllm_contract.py checks the env and requirements

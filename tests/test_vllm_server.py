@@ -8,12 +8,15 @@ the tiny BF16 checkpoint, a float32 learner (bf16 scheme: the learner's forward 
 - an unchanged full sync leaves vLLM's sampled tokens and log-probs bit-identical and its own weight checksums
   (/weight_checker) unchanged (fails without ``reprepack_reloaded_experts``: the reloaded experts are unpacked);
 - after a training step, a sync moves vLLM's log-probs to the learner's new ones (within 1e-5), and
-  /weight_info names the synced version.
+  /weight_info names the synced version;
+- a vLLM server killed (SIGKILL) mid-rollout loses no prompt: its requests go to the other server (an embedded one
+  here), and stopping it ends the engine processes it left behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import pytest
@@ -46,7 +49,7 @@ def vllm_server(tmp_path_factory, private_tiny_copy):
         "rollout.backend=vllm", f"rollout.server_python={VLLM_PYTHON}", "rollout.dtype=float32",
         f"train.output_dir={root / 'run'}", "rollout.startup_timeout_s=900", "launch.backend=local"])
     servers = LocalServers(cfg, model_dir)
-    yield model_dir, servers.urls[0], servers.pids()[0]
+    yield model_dir, servers
     servers.close()
 
 
@@ -107,7 +110,8 @@ def _sync_story(model_dir: str, url: str) -> dict:
 
 @needs_vllm
 def test_vllm_rollouts_and_syncs_agree_with_the_learner_and_an_unchanged_sync_changes_nothing(vllm_server):
-    model_dir, url, _ = vllm_server
+    model_dir, servers = vllm_server
+    url = servers.urls[0]
     out = run_ranks(1, _sync_story, model_dir, url)[0]
     r1, r2 = out["report_unchanged"], out["report_changed"]
     print(f"\nfloat32 vLLM vs float32 learner, max/mean |dlogp|: start {out['start'][0]:.2e}/{out['start'][1]:.2e}; "
@@ -126,16 +130,18 @@ def test_vllm_rollouts_and_syncs_agree_with_the_learner_and_an_unchanged_sync_ch
 def test_a_vllm_server_killed_mid_rollout_loses_no_prompt(vllm_server, tmp_path):
     """Runs last in the module (it kills the shared server). Two servers: the vLLM one and an embedded one; vLLM
     gets SIGKILL once its requests are in flight; they are re-sent to the other and every sample comes back."""
-    import os
     import signal
     import threading
     import time
+
+    import psutil
 
     from megatron_qarl.moe.parallelize import free_port
     from megatron_qarl.rollout.client import SGLangClient
     from megatron_qarl.rollout.process import ServerProcess, embedded_command
 
-    model_dir, url, pid = vllm_server
+    model_dir, servers = vllm_server
+    url, pid = servers.urls[0], servers.pids()[0]
     port = free_port()
     other = ServerProcess(embedded_command(model_dir, port, dtype="float32"), f"http://127.0.0.1:{port}",
                           tmp_path / "embedded.log", env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=300)
@@ -158,4 +164,17 @@ def test_a_vllm_server_killed_mid_rollout_loses_no_prompt(vllm_server, tmp_path)
           f"{sum(len(g) for g in groups)} samples in {seconds:.1f} s from {sorted(served)}")
     assert manager.server_failures == 1 and manager.resent > 0
     assert [len(g) for g in groups] == [4] * len(PROMPTS) * 2 and all(s.response_ids for g in groups for s in g)
+    # vLLM's engine core and worker outlive a SIGKILLed API server; stopping the server ends its process group
+    left = [q for q in psutil.process_iter(["pid"]) if _pgid(q.pid) == pid]
+    servers.close()
+    print(f"processes of the killed server's group before it was stopped: {len(left)}; after: "
+          f"{[q.pid for q in psutil.process_iter(['pid']) if _pgid(q.pid) == pid]}")
+    assert not [q for q in psutil.process_iter(["pid"]) if _pgid(q.pid) == pid]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 

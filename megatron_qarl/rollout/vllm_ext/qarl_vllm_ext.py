@@ -47,7 +47,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.logger import init_logger
 
 BACKEND = "qarl"
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured "vllm" logger
 
 
 @dataclass
