@@ -52,5 +52,5 @@ def test_qarl_train_two_steps_with_vllm_rollouts(config, tmp_path):
               f"reward {r['reward/mean']:.3f}, sync {r['sync/seconds']:.2f} s, responses {r['loss/num_responses']}")
         assert r["loss/num_responses"] == 16 and r["faults/prompts_lost"] == 0
         assert r["mismatch/mismatch_tok_abs_mean"] < 0.1  # the sampler's log-probs are the served policy's
-    assert rows[2]["sync/weight_version"] == 2.0
+    assert rows[2]["sync/weight_version"] == 3.0  # the sync at the start (v1), then one after each step
     assert "version 0.32.0" in (out / "logs" / "server0.log").read_text(errors="replace")  # vLLM's banner
