@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import httpx
 import pytest
@@ -132,9 +133,6 @@ def test_a_vllm_server_killed_mid_rollout_loses_no_prompt(vllm_server, tmp_path)
     gets SIGKILL once its requests are in flight; they are re-sent to the other and every sample comes back."""
     import signal
     import threading
-    import time
-
-    import psutil
 
     from megatron_qarl.moe.parallelize import free_port
     from megatron_qarl.rollout.client import SGLangClient
@@ -165,16 +163,25 @@ def test_a_vllm_server_killed_mid_rollout_loses_no_prompt(vllm_server, tmp_path)
     assert manager.server_failures == 1 and manager.resent > 0
     assert [len(g) for g in groups] == [4] * len(PROMPTS) * 2 and all(s.response_ids for g in groups for s in g)
     # vLLM's engine core and worker outlive a SIGKILLed API server; stopping the server ends its process group
-    left = [q for q in psutil.process_iter(["pid"]) if _pgid(q.pid) == pid]
+    left = _group(pid)
     servers.close()
-    print(f"processes of the killed server's group before it was stopped: {len(left)}; after: "
-          f"{[q.pid for q in psutil.process_iter(['pid']) if _pgid(q.pid) == pid]}")
-    assert not [q for q in psutil.process_iter(["pid"]) if _pgid(q.pid) == pid]
+    deadline = time.monotonic() + 10
+    while _group(pid) and time.monotonic() < deadline:  # SIGKILLed orphans linger as zombies until reaped
+        time.sleep(0.2)
+    print(f"live processes of the killed server's group before it was stopped: {len(left)}; after: {_group(pid)}")
+    assert left and not _group(pid)
 
 
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    import psutil
+
+    out = []
+    for q in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(q.pid) == pgid and q.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(q.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
 
