@@ -48,7 +48,9 @@ setup(
     packages=find_packages(include=["megatron_qarl", "megatron_qarl.*"]),
     include_package_data=True,
     # the native kernels' sources, compiled on first use (megatron_qarl/rollout/native.py)
-    package_data={"megatron_qarl.rollout": ["int8_gemv.c", "int4_gemv.c", "qarl_bf16.h"]},
+    # vllm_ext/: the one file vLLM servers import (put on their PYTHONPATH, not a package of ours)
+    package_data={"megatron_qarl.rollout": ["int8_gemv.c", "int4_gemv.c", "qarl_bf16.h",
+                                            "vllm_ext/qarl_vllm_ext.py"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

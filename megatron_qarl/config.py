@@ -186,8 +186,10 @@ class SyncConfig(_Section):
 class RolloutConfig(_Section):
     """The rollout servers and how they sample. They serve ``quant.scheme``'s weights (bf16: full precision).
 
-    backend: ``embedded`` (``qarl serve``, CPU kernels) or ``sglang`` (``python -m sglang.launch_server``, GPUs).
-    servers: how many; gpus_per_server is SGLang's --tp-size (0 on CPU).
+    backend: ``embedded`` (``qarl serve``, CPU kernels), ``sglang`` (``python -m sglang.launch_server``, GPUs) or
+        ``vllm`` (``python -m vllm.entrypoints.openai.api_server``: vLLM 0.32 on CPUs or GPUs, in its own
+        environment, rollout/vllm_launcher.py; docs/rollout.md "vLLM").
+    servers: how many; gpus_per_server is SGLang's --tp-size, vLLM's --tensor-parallel-size (0 on CPU).
 
     server_python, launch_prefix: the environment the servers run in. Every launcher (launch/local.py, the Ray
     fleet's server actors, and so slurm/qarl.sbatch) starts a server as
@@ -204,7 +206,7 @@ class RolloutConfig(_Section):
     that starts each server, before it starts (launch/fleet.py ``check_server_interpreter``).
     """
 
-    backend: Literal["embedded", "sglang"] = "embedded"
+    backend: Literal["embedded", "sglang", "vllm"] = "embedded"
     servers: int = Field(default=1, ge=1)
     gpus_per_server: int = Field(default=0, ge=0)
     ep_size: int = Field(default=1, ge=1)  # SGLang's --ep-size: experts over ep, each split over tp / ep
@@ -352,6 +354,10 @@ class QarlConfig(_Section):
                               "(docs/rollout.md, 'Delta weight sync')")
         if self.rollout.backend == "sglang" and self.rollout.gpus_per_server < 1:
             raise ConfigError("rollout.gpus_per_server: sglang servers need at least 1 GPU")
+        if self.rollout.backend == "vllm":
+            from megatron_qarl.rollout.vllm_launcher import check_vllm_run
+
+            check_vllm_run(self)
         self._check_learner_memory_options()
         from megatron_qarl.moe.te import check_te_fp8
 

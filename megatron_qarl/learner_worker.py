@@ -125,11 +125,15 @@ class LearnerWorker:
 
         if self.broadcaster is not None:
             self.broadcaster.close()
+        from megatron_qarl.sync.vllm_weight_update import VLLMWeightUpdateAPI
+        from megatron_qarl.sync.weight_update import WeightUpdateAPI
+
         sync = self.cfg.rollout.sync
         self.broadcaster = DistributedBroadcaster(
             [Engine(u, ranks_per_engine, api_key) for u in urls], master_addr=self.master_addr,
             bucket_bytes=sync.bucket_mb << 20, dtype=parse_dtype(self.cfg.rollout.dtype), timeout_s=sync.timeout_s,
-            verify=sync.verify, delta=sync.delta)
+            verify=sync.verify, delta=sync.delta,
+            api_cls=VLLMWeightUpdateAPI if self.cfg.rollout.backend == "vllm" else WeightUpdateAPI)
         self.broadcaster.version = self.weight_version
 
     def sync(self) -> dict | None:

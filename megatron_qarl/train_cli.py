@@ -32,13 +32,15 @@ def rollout_model_dir(cfg: QarlConfig) -> str:
     from megatron_qarl.qat.export import quantize_checkpoint
 
     q = cfg.quant
-    out = Path(cfg.train.output_dir) / "rollout_init" / (q.scheme if q.num_bits == 4 else f"{q.scheme}_{q.num_bits}bit")
+    name = q.scheme if q.num_bits == 4 else f"{q.scheme}_{q.num_bits}bit"
+    engine = "vllm" if cfg.rollout.backend == "vllm" else "sglang"  # vLLM's INT8 config.json differs
+    out = Path(cfg.train.output_dir) / "rollout_init" / (name + ("_vllm" if engine == "vllm" else ""))
     if not (out / "config.json").is_file():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         quantize_checkpoint(cfg.model.path, cfg.quant.scheme, tmp, group_size=cfg.quant.group_size,
                             symmetric=cfg.quant.symmetric, num_bits=cfg.quant.num_bits,
-                            scale_bits=cfg.quant.scale_bits)
+                            scale_bits=cfg.quant.scale_bits, engine=engine)
         os.replace(tmp, out)
     return str(out)
 

@@ -17,6 +17,7 @@ from megatron_qarl.errors import UserError
 from megatron_qarl.launch.fleet import LearnerRanks, ServerFleet
 from megatron_qarl.rollout.client import ClientConfig, SGLangClient
 from megatron_qarl.rollout.manager import EveryServerDown, RolloutManager, RoutesSpec, Sample, SamplingConfig
+from megatron_qarl.rollout.vllm_client import VLLMClient
 
 
 class TrainingAborted(UserError):
@@ -35,7 +36,7 @@ class TrainRollouts:
     def client(self, url: str) -> SGLangClient:
         r = self.cfg.rollout
         conf = ClientConfig(timeout_s=r.timeout_s, retries=r.retries, max_concurrency=r.max_concurrency)
-        return SGLangClient(url, api_key=r.api_key, config=conf)
+        return (VLLMClient if r.backend == "vllm" else SGLangClient)(url, api_key=r.api_key, config=conf)
 
     def live(self) -> list[int]:
         return [i for i, a in enumerate(self.servers.alive()) if a]

@@ -31,3 +31,12 @@ wait_stream  # simulated_device.py _Stream: torch.cuda.Stream's API, called by M
 wait_event  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's token dispatchers
 record_event  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's dispatchers
 elapsed_time  # simulated_device.py _Event: torch.cuda.Event's API, called by Megatron's timers
+init_info_cls  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's WeightTransferEngine reads it (parse_init_info)
+update_info_cls  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's WeightTransferEngine reads it (parse_update_info)
+supports_draft_weight_update  # rollout/vllm_ext/qarl_vllm_ext.py: read by vLLM's worker (start_draft_weight_update)
+init_transfer_engine  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's worker calls it (/init_weight_transfer_engine)
+start_weight_update  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's worker calls it (/start_weight_update)
+receive_weights  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's WeightTransferEngine.update_weights calls it
+finish_weight_update  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's worker calls it (/finish_weight_update)
+QarlWorkerExtension  # rollout/vllm_ext/qarl_vllm_ext.py: named by the vLLM server's --worker-extension-cls
+VLLM_VERSION  # rollout/vllm_launcher.py: the pinned vLLM; tests/test_vllm_contract.py checks the env and requirements

@@ -21,6 +21,8 @@ from megatron_qarl.errors import ConfigError
 from megatron_qarl.learner_worker import LearnerWorker
 from megatron_qarl.rollout.process import embedded_command
 from megatron_qarl.rollout.sglang_launcher import SGLangServerSpec, launch_command
+from megatron_qarl.rollout.vllm_launcher import MODULE as VLLM_MODULE
+from megatron_qarl.rollout.vllm_launcher import VLLMServerSpec, vllm_command, vllm_env
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +83,7 @@ class ServerFleet(Protocol):
 
 # the package each backend's server runs (``python -m``), whose top-level package the server's interpreter must
 # import; a new backend (vLLM, issue 22) adds its own here and reuses rollout.server_python / launch_prefix
-SERVER_MODULES = {"embedded": "megatron_qarl.cli", "sglang": "sglang.launch_server"}
+SERVER_MODULES = {"embedded": "megatron_qarl.cli", "sglang": "sglang.launch_server", "vllm": VLLM_MODULE}
 
 
 def server_interpreter(cfg: QarlConfig) -> list[str]:
@@ -125,10 +127,14 @@ def check_server_interpreter(cfg: QarlConfig) -> None:
 
 
 def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> list[str]:
-    """The command of one rollout server for this config (embedded ``qarl serve`` or SGLang), started by
+    """The command of one rollout server for this config (embedded ``qarl serve``, SGLang or vLLM), started by
     ``server_interpreter``: the configured launch prefix and interpreter."""
     r = cfg.rollout
     *prefix, python = server_interpreter(cfg)
+    if r.backend == "vllm":
+        spec = VLLMServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, dtype=r.dtype,
+                              max_num_seqs=r.max_batch_size, seed=cfg.seed, api_key=r.api_key)
+        return [*prefix, *vllm_command(spec, python=python)]
     if r.backend == "embedded":
         return [*prefix, *embedded_command(model_dir, port, host=host, dtype=r.dtype, max_batch_size=r.max_batch_size,
                                            return_routed_experts=cfg.algo.wants_routes, api_key=r.api_key,
@@ -144,8 +150,11 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
 
 
 def server_env(cfg: QarlConfig) -> dict[str, str]:
+    """What every server's environment gets on top of its launcher's: the embedded server's torch threads;
+    vLLM's weight-transfer routes, our worker extension and its CPU KV cache (rollout/vllm_launcher.py)."""
     threads = cfg.rollout.threads
-    return {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    return {**env, **vllm_env()} if cfg.rollout.backend == "vllm" else env
 
 
 def log_dir(cfg: QarlConfig) -> Path:

@@ -32,6 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--asymmetric", action="store_true", help="w4a16 with zero points (not for MoE)")
     parser.add_argument("--num-bits", type=int, default=4,
                         help="w4a16 code width: 4, or 3 / 2 (stored as int4 values, served by the 4-bit kernel)")
+    parser.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
+                        help="whose config.json to write (vllm: INT8 as compressed-tensors int-quantized; "
+                             "docs/rollout.md 'vLLM as a rollout backend')")
     parser.set_defaults(func=run)
     return parser
 
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = quantize_checkpoint(
             args.model, args.scheme, args.out, group_size=args.group_size, symmetric=not args.asymmetric,
-            num_bits=args.num_bits,
+            num_bits=args.num_bits, engine=args.engine,
         )
     except ValidationError as err:
         first = err.errors()[0]

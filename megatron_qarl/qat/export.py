@@ -8,7 +8,9 @@ Per quantized linear ``P`` (HF module name; its weight is ``P.weight``):
     w8a8_fp8   P.weight float8_e4m3fn [N, K], P.weight_scale_inv fp32 [ceil(N/B), ceil(K/B)]
                config: quant_method fp8, weight_block_size [B, B], activation_scheme dynamic
     w8a8_int8  P.weight int8 [N, K], P.weight_scale fp32 [N, 1]
-               config: quant_method w8a8_int8 (compressed-tensors-style config_groups: channel / token)
+               config: quant_method w8a8_int8 (compressed-tensors-style config_groups: channel / token); for
+               vLLM (``engine="vllm"``, which has no w8a8_int8 method) the same tensors with quant_method
+               compressed-tensors, format int-quantized
 Every other tensor passes through unchanged. The codes and scales come from the caller's
 QuantizedWeights (the ones its forward used) or, for weights it did not hand over, from
 ``quantizer.quantize_weight`` (the same function the forward calls).
@@ -78,8 +80,10 @@ def from_sglang_tensors(
     raise ValueError(f"{prefix}: unknown scheme {scheme!r}")
 
 
-def quantization_config(cfg: QuantConfig, ignored_modules: list[str]) -> dict:
-    """The ``quantization_config`` entry of config.json that SGLang reads for ``cfg.scheme``.
+def quantization_config(cfg: QuantConfig, ignored_modules: list[str], engine: str = "sglang") -> dict:
+    """The ``quantization_config`` entry of config.json that SGLang (``engine``) reads for ``cfg.scheme``; with
+    ``engine="vllm"``, W8A8-INT8 is written as compressed-tensors int-quantized, the only INT8 config vLLM 0.32
+    loads (the tensors are the same); the other schemes are the same for both engines.
 
     ``ignored_modules``: full names of the linear layers left in BF16 (listed explicitly for the fp8
     format, whose SGLang loader matches names; the others carry ``cfg``'s regexes, read by both
@@ -111,10 +115,17 @@ def quantization_config(cfg: QuantConfig, ignored_modules: list[str]) -> dict:
             "weight_block_size": [cfg.group_size, cfg.group_size],
             "ignored_layers": sorted(ignored_modules),
         }
+    if engine not in ("sglang", "vllm"):
+        raise ValueError(f"engine {engine!r}: expected 'sglang' or 'vllm'")
     if cfg.scheme == "w8a8_int8":
         weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel", dynamic=False)
         acts = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
         group = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+        if engine == "vllm":
+            qc = QuantizationConfig(config_groups={"group_0": group}, quant_method="compressed-tensors",
+                                    format="int-quantized", quantization_status="compressed",
+                                    ignore=ignore_for_config_json(cfg))
+            return qc.model_dump(mode="json")
         # no embed_tokens entry here: SGLang's W8A8Int8Config answers an ignored prefix with
         # UnquantizedLinearMethod, which VocabParallelEmbedding refuses (it has no 'embedding' method;
         # sglang/srt/layers/quantization/w8a8_int8.py, vocab_parallel_embedding.py); an embedding is never
@@ -208,11 +219,11 @@ def scheme_of(quant_cfg: Mapping) -> tuple[str, int | None]:
         if not block or block[0] != block[1]:
             raise ValueError(f"fp8 checkpoint without square weight_block_size: {block}")
         return "w8a8_fp8", int(block[0])
-    if method == "w8a8_int8":
+    if method == "w8a8_int8" or (method == "compressed-tensors" and quant_cfg.get("format") == "int-quantized"):
         return "w8a8_int8", None
     raise ValueError(
         f"unsupported quantization_config (quant_method={method!r}, format={quant_cfg.get('format')!r}); "
-        "readable: compressed-tensors pack-quantized, fp8 (block), w8a8_int8"
+        "readable: compressed-tensors pack-quantized or int-quantized, fp8 (block), w8a8_int8"
     )
 
 
@@ -272,8 +283,10 @@ def quantize_checkpoint(
     max_shard_bytes: int = 5 * 2**30,
     num_bits: int = 4,
     scale_bits: int | None = QuantConfig.model_fields["scale_bits"].default,
+    engine: str = "sglang",
 ) -> Path:
-    """Quantize a BF16 HF checkpoint into the SGLang format of ``scheme``; returns ``out_dir``.
+    """Quantize a BF16 HF checkpoint into the SGLang format of ``scheme``; returns ``out_dir``. ``engine="vllm"``:
+    the config.json vLLM loads (``quantization_config``).
 
     ``num_bits`` / ``scale_bits``: see ``QuantConfig`` (w4a16 only; 2/3-bit codes are written as int4).
 
@@ -294,7 +307,7 @@ def quantize_checkpoint(
     ignored: list[str] = []
     for name, tensor in iter_safetensors(src):  # one BF16 tensor in memory at a time
         _export_one(name, tensor, cfg, out, ignored)
-    qcfg = quantization_config(cfg, ignored)
+    qcfg = quantization_config(cfg, ignored, engine)
     dst.mkdir(parents=True, exist_ok=True)
     for stale in list(dst.glob("*.safetensors")) + [dst / _WEIGHT_INDEX]:
         stale.unlink(missing_ok=True)

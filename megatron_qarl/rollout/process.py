@@ -8,6 +8,7 @@ Ray actor) own one per server; the trainer only sees URLs.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,8 +46,10 @@ class ServerProcess:
         """Start (or restart) the server and wait until /health answers 200; return its URL."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            # its own process group: a server's helper processes (vLLM's engine core and workers) are stopped with
+            # it, also when the server itself died by SIGKILL (they would outlive it, holding memory and cores)
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         preexec_fn=die_with_parent)
+                                         preexec_fn=die_with_parent, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -73,6 +76,7 @@ class ServerProcess:
         return self.start()
 
     def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s), then whatever is left of its process group."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -82,6 +86,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group's id is the server's pid (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing left of it
         self.proc = None
 
     def log_tail(self, lines: int = 20) -> str:

@@ -74,10 +74,11 @@ class DistributedBroadcaster:
     def __init__(self, engines: Iterable[Engine], *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  backend: str | None = None, bucket_bytes: int = 512 << 20, group_name: str = "weight_update_group",
                  dtype: torch.dtype = torch.bfloat16, timeout_s: float = 300.0, verify: bool = False,
-                 progress: Callable[[int, int], None] | None = None, delta: bool = False, delta_check: bool = True):
+                 progress: Callable[[int, int], None] | None = None, delta: bool = False, delta_check: bool = True,
+                 api_cls: type[WeightUpdateAPI] = WeightUpdateAPI):
         self.transport = BroadcastTransport(engines, master_addr=master_addr, master_port=master_port,
                                             backend=backend, bucket_bytes=bucket_bytes, group_name=group_name,
-                                            timeout_s=timeout_s, progress=progress)
+                                            timeout_s=timeout_s, progress=progress, api_cls=api_cls)
         self.dtype, self.verify = dtype, verify
         self.version = 0
         self._is_sender = not dist.is_initialized() or dist.get_rank() == 0
@@ -136,7 +137,7 @@ class DistributedBroadcaster:
                 pass
             self.baseline = None  # the servers may hold part of this sync: the next one is full
             raise
-        transport.each(WeightUpdateAPI.continue_generation)
+        transport.each(lambda api: api.continue_generation())
         self._held = {api.url: version for api in self.apis}
         self._last_sent = self.version
         if checksums is not None and report.mode == "full":  # a delta was checked against the full state above

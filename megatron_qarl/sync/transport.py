@@ -29,9 +29,12 @@ class BroadcastTransport:
 
     def __init__(self, engines: Iterable[Engine], *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  backend: str | None = None, bucket_bytes: int = 512 << 20, group_name: str = "weight_update_group",
-                 timeout_s: float = 300.0, progress: Callable[[int, int], None] | None = None):
+                 timeout_s: float = 300.0, progress: Callable[[int, int], None] | None = None,
+                 api_cls: type[WeightUpdateAPI] = WeightUpdateAPI):
         self.engines = list(engines)
-        self.apis = [WeightUpdateAPI(e, timeout_s) for e in self.engines]
+        # api_cls: the engines' HTTP protocol (SGLang's, or vLLM's under the same method names:
+        # sync/vllm_weight_update.py)
+        self.apis = [api_cls(e, timeout_s) for e in self.engines]
         self.master_addr, self.master_port = master_addr, master_port or free_port()
         self._auto_port = not master_port  # a group formed anew takes a fresh port
         self.backend = backend or dist_backend()

