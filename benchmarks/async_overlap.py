@@ -66,7 +66,8 @@ def run(extra: list[str], steps: int, out: Path, learner_cores: str, server_core
            "configs/cpu_default.yaml", "--no-progress", f"train.output_dir={out}", f"train.steps={steps}",
            "launch.backend=local", "train.eval.every=0", "train.eval.n=8", "train.eval.sampled_n=0",
            "train.checkpoint.every=0", f"train.learner_threads={n_learner}", f"rollout.threads={n_server}",
-           f"rollout.launch_prefix=[{taskset},-c,'{server_cores}']", "train.mismatch_split=false", *extra]
+           f"rollout.launch_prefix=[{taskset},-c,'{server_cores}']", "train.mismatch_split=false",
+           "rollout.startup_timeout_s=1800", *extra]  # a server pinned to a busy core starts slowly
     log = out.parent / f"{out.name}.log"
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
