@@ -287,6 +287,35 @@ class TrainConfig(_Section):
     # write every response token's logp_old - logp_sampler to log_ratios/step_NNNNNN.npy (float32) at each
     # evaluation, covering the steps since the previous one (mismatch histograms; benchmarks/repro_mini.py)
     save_log_ratios: bool = False
+    # asynchronous rollouts (megatron_qarl/rollout_pipeline.py; docs/training.md, 'Asynchronous rollouts'):
+    # off: sequential; one_step: step t+1's rollouts are sampled while step t trains, the sync waits for them;
+    # bounded: the servers keep sampling up to max_staleness steps ahead, a sync retracts running requests
+    # (SGLang's pause_generation mode retract) and they continue under the new weights; a sample with a token
+    # more than max_staleness versions behind the learner is regenerated, never trained on
+    async_mode: Literal["off", "one_step", "bounded"] = Field(default="off", alias="async")
+    max_staleness: int = Field(default=2, ge=1)  # bounded: weight versions
+    # async modes: the servers rescore each batch at the learner's version, splitting the mismatch into its
+    # staleness part (policy change) and its quantization part (learner vs server, same weights)
+    mismatch_split: bool = True
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True,
+                              validate_by_alias=True, serialize_by_alias=True)
+
+    @field_validator("async_mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare off as false
+
+    @property
+    def staleness_bound(self) -> int:
+        """How many weight versions a trained sample may lag the learner: 0 off, 1 one_step, max_staleness."""
+        return {"off": 0, "one_step": 1, "bounded": self.max_staleness}[self.async_mode]
+
+    @property
+    def sync_pause_mode(self) -> str:
+        """/pause_generation's mode for the weight sync: ``retract`` when requests stay in flight across it
+        (bounded), else ``abort`` (nothing is in flight; SGLang's default)."""
+        return "retract" if self.async_mode == "bounded" else "abort"
 
 
 class LaunchConfig(_Section):

@@ -132,7 +132,7 @@ class LearnerWorker:
         self.broadcaster = DistributedBroadcaster(
             [Engine(u, ranks_per_engine, api_key) for u in urls], master_addr=self.master_addr,
             bucket_bytes=sync.bucket_mb << 20, dtype=parse_dtype(self.cfg.rollout.dtype), timeout_s=sync.timeout_s,
-            verify=sync.verify, delta=sync.delta,
+            verify=sync.verify, delta=sync.delta, pause_mode=self.cfg.train.sync_pause_mode,
             api_cls=VLLMWeightUpdateAPI if self.cfg.rollout.backend == "vllm" else WeightUpdateAPI)
         self.broadcaster.version = self.weight_version
 

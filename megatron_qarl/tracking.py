@@ -16,7 +16,10 @@ from tqdm import tqdm
 
 PLOTTED = (("reward/mean", "eval/greedy_accuracy", "eval/sampled_accuracy"),
            ("mismatch/mismatch_tok_abs_mean", "mismatch/mismatch_tok_abs_p99"),
-           ("time/rollout_s", "time/logp_s", "time/update_s", "time/sync_s"))
+           ("time/rollout_s", "time/logp_s", "time/update_s", "time/sync_s"),
+           # train.async runs only (panels without data are left out)
+           ("staleness/token_mean", "staleness/token_frac_0", "staleness/token_frac_1", "staleness/token_frac_2"),
+           ("mismatch_quant/mismatch_tok_abs_mean", "mismatch_stale/mismatch_tok_abs_mean"))
 
 
 class Tracker:
@@ -54,6 +57,13 @@ class Tracker:
         elif post:  # no terminal (a batch job's log): one line per step
             print(f"step {step}/{self.bar.total} " + " ".join(f"{k}={v}" for k, v in post.items()), flush=True)
 
+    def histogram(self, step: int, name: str, values: list[float]) -> None:
+        """A TensorBoard histogram (e.g. the per-token staleness of an asynchronous run's step)."""
+        import numpy as np
+
+        self.writer.add_histogram(name, np.asarray(values, dtype=np.float64), step)
+        self.writer.flush()
+
     def console(self, message: str) -> None:
         self.bar.write(message)
 
@@ -78,8 +88,10 @@ def plot_metrics(jsonl: str | Path, png: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(jsonl)
-    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(5 * len(PLOTTED), 3.5))
-    for ax, keys in zip(axes, PLOTTED, strict=True):
+    panels = [keys for keys in PLOTTED if any(isinstance(r.get(k), (int, float)) for r in rows for k in keys)]
+    panels = panels or list(PLOTTED[:1])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for ax, keys in zip(axes[0], panels, strict=True):
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:

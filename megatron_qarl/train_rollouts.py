@@ -56,11 +56,14 @@ class TrainRollouts:
         return asyncio.run(run())
 
     def rollout(self, prompts: list[list[int]], sampling: SamplingConfig, seed_step: int,
-                routes: RoutesSpec | None = None) -> tuple[list[list[Sample]], RolloutManager]:
+                routes: RoutesSpec | None = None, *, manager: RolloutManager | None = None,
+                restart: bool = True) -> tuple[list[list[Sample]], RolloutManager]:
         """G samples per prompt from the live servers. A server that fails is dropped for this rollout and its
         requests go to the others; when every one has failed (rollout.restart_dead), the servers are restarted,
-        get the current weights, and the requests that did not finish are sent again."""
-        manager = RolloutManager(sampling, self.stop_ids, seed=self.cfg.seed, routes=routes)
+        get the current weights, and the requests that did not finish are sent again. ``manager``: continue
+        that rollout (only its unfinished requests are sent); ``restart`` False (a rollout in a background
+        thread, which must not sync): EveryServerDown is raised for the caller's thread to continue with."""
+        manager = manager or RolloutManager(sampling, self.stop_ids, seed=self.cfg.seed, routes=routes)
         live = self.live()
         if not live:
             raise TrainingAborted("every rollout server is down")
@@ -68,7 +71,7 @@ class TrainRollouts:
             try:
                 return self.generate(manager, prompts, seed_step, live), manager
             except EveryServerDown:
-                if not self.cfg.rollout.restart_dead:
+                if not self.cfg.rollout.restart_dead or not restart:
                     raise
             for i in live:  # each one failed this round: dead, or running but not answering
                 self.console(f"restarting rollout server {i} ({self.servers.urls[i]}) mid-rollout "
@@ -78,6 +81,36 @@ class TrainRollouts:
             self.connect()
             self.sync()
             live = self.live()
+
+    def rescore(self, groups: list[list[Sample]], temperature: float) -> list[list[float]]:
+        """The servers' log-probs of each sample's response tokens under the weights they hold now (one prefill
+        per sample: /generate of prompt + response with ``logprob_start_len`` at the response and one new token,
+        whose ``input_token_logprobs`` are those log-probs), in sample order. The mismatch split of the
+        asynchronous pipeline (rollout_pipeline.py) compares them with the learner's and the sampler's."""
+        samples = [s for g in groups for s in g]
+        live = self.live()
+        if not live:
+            raise TrainingAborted("every rollout server is down")
+
+        async def one(client, s: Sample) -> list[float]:
+            params = {"temperature": temperature, "max_new_tokens": 1, "stop_token_ids": []}
+            resp = await client.generate(s.prompt_ids + s.response_ids, params, return_logprob=True,
+                                         logprob_start_len=len(s.prompt_ids))
+            got = [float(t[0]) for t in resp["meta_info"]["input_token_logprobs"]][: len(s.response_ids)]
+            if len(got) != len(s.response_ids):
+                raise TrainingAborted(f"{client.url}: rescoring returned {len(got)} log-probs for "
+                                      f"{len(s.response_ids)} response tokens")
+            return got
+
+        async def run():
+            clients = [self.client(self.servers.urls[i]) for i in live]
+            try:
+                return await asyncio.gather(*(one(clients[k % len(clients)], s) for k, s in enumerate(samples)))
+            finally:
+                for c in clients:
+                    await c.close()
+
+        return asyncio.run(run())
 
     def connect(self) -> None:
         """(Re)create the weight-update group with every live server."""

@@ -9,8 +9,10 @@ The trainer is the driver: it holds the data stream, the reward workers and the 
 the learner ranks and rollout servers through megatron_qarl/launch/'s LearnerRanks and ServerFleet, so the same
 loop runs in one process on a laptop and on a Ray cluster started by Slurm.
 
-Its rooms: train_rollouts.py (rollouts with server failover, restarts and the weight sync), train_eval.py
-(held-out evaluation, log ratios), train_metrics.py (a step's metrics); this module holds the step and the run.
+Its rooms: train_rollouts.py (rollouts with server failover, restarts and the weight sync), rollout_pipeline.py
+(``train.async``: whether a step's rollout runs in line or overlaps the previous steps' training, the staleness
+bound, the mismatch split), train_eval.py (held-out evaluation, log ratios), train_metrics.py (a step's metrics);
+this module holds the step and the run.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from megatron_qarl.errors import UserError
 from megatron_qarl.launch.fleet import LearnerRanks, ServerFleet
 from megatron_qarl.learner import Batch
 from megatron_qarl.rollout.manager import RoutesSpec, Sample
+from megatron_qarl.rollout_pipeline import RolloutPipeline, mismatch_split, rescored_BT, staleness_metrics
 from megatron_qarl.tracking import Tracker
 from megatron_qarl.train_eval import Evaluation, response_texts
 from megatron_qarl.train_metrics import scalar, step_metrics
@@ -111,6 +114,9 @@ class Trainer:
 
             arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
             self.routes = RoutesSpec(arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts)
+        self.pipeline = RolloutPipeline(cfg, self.rollouts, self.stream, self.routes,
+                                        version=lambda: self.state.weight_version)
+        self.staleness: list[int] = []  # the last step's per-token staleness (TensorBoard histogram)
 
     def _synced(self, report: dict) -> None:
         self.state.weight_version = int(report["weight_version"].lstrip("v"))
@@ -124,9 +130,21 @@ class Trainer:
         step = st.step + 1
         m: dict[str, float] = {}
         t0 = time.perf_counter()
-        prompts = self.stream.next_batch(cfg.train.prompts_per_step)
-        groups, manager = self.rollouts.rollout([p.prompt_ids for p in prompts], cfg.rollout.sampling, step,
-                                                self.routes)
+        job = self.pipeline.take(step)  # off: sampled now; async: sampled while earlier steps trained
+        prompts, groups, manager = job.prompts, job.groups, job.manager
+        t_rescore_start = time.perf_counter()
+        rescored = None
+        if cfg.train.async_mode != "off" and cfg.train.mismatch_split:
+            # the servers hold the learner's version; before ahead() (one_step: they are idle, no queueing behind
+            # the next rollout's requests)
+            rescored = self.rollouts.rescore(groups, cfg.rollout.sampling.temperature)
+        t_rescore = time.perf_counter()
+        self.pipeline.ahead(step)  # async: the next steps' rollouts start now, at the current weights
+        if cfg.train.async_mode != "off":
+            stale, self.staleness = staleness_metrics(groups, st.weight_version, cfg.train.staleness_bound)
+            m.update(stale)
+            m["async/regenerated"] = float(job.regenerated)
+            m["async/rollout_busy_s"] = job.busy_s
         t_rollout = time.perf_counter()
         G = cfg.rollout.sampling.n_samples
         texts = response_texts(self.tokenizer, groups)
@@ -142,11 +160,16 @@ class Trainer:
         else:
             logp_old_BT = self._routing(groups, batch, logp_sampler_BT, m)
         t_logp = time.perf_counter()
+        if rescored is not None:
+            m.update(mismatch_split(logp_old_BT, rescored_BT(groups, rescored, tuple(logp_sampler_BT.shape)),
+                                    logp_sampler_BT, batch.loss_mask_BT))
         adv_B = group_advantages(train_rewards, G, cfg.algo.advantage).float()
         batch.extra.update(adv_B=adv_B, logp_old_BT=logp_old_BT, logp_sampler_BT=logp_sampler_BT)
         loss_metrics = self.learners.train(batch, cfg.algo.loss, step in cfg.train.inject_nonfinite_steps)
         t_update = time.perf_counter()
         self._count_nonfinite(step, loss_metrics)
+        self.pipeline.before_sync()  # one_step: the next rollout ends before the weights change
+        t_wait = time.perf_counter()
 
         st.server_failures += manager.server_failures
         st.resent += manager.resent
@@ -158,17 +181,20 @@ class Trainer:
 
         if cfg.train.save_log_ratios:
             self.evaluation.log_ratios.append((logp_old_BT - logp_sampler_BT)[batch.loss_mask_BT > 0].float().numpy())
-        times = {"rollout": t_rollout - t0, "reward": t_reward - t_rollout, "logp": t_logp - t_reward,
-                 "update": t_update - t_logp, "sync": t_sync - t_update}
+        times = {"rollout": t_rescore_start - t0, "rescore": t_rescore - t_rescore_start,
+                 "reward": t_reward - t_rollout, "logp": t_logp - t_reward, "update": t_update - t_logp,
+                 "rollout_wait": t_wait - t_update, "sync": t_sync - t_wait}
         m.update(step_metrics(groups, texts, rewards, rstats, batch.loss_mask_BT, logp_old_BT, logp_sampler_BT,
                               loss_metrics, times, report, len(prompts) * G - sum(len(g) for g in groups)))
+        if cfg.train.async_mode != "off":  # the rollout ran in the background: its own seconds, not the wait
+            m["throughput/rollout_tokens_per_s"] = float(batch.loss_mask_BT.sum()) / max(job.busy_s, 1e-9)
         m["sync/weight_version"] = float(st.weight_version)
         m["faults/nonfinite_total"] = float(st.nonfinite_total)
         m["faults/server_failures"] = float(st.server_failures)
         m["faults/resent_requests"] = float(st.resent)
         m["faults/reward_timeouts_total"] = float(st.reward_timeouts)
         st.step = step
-        st.data = self.stream.state_dict()
+        st.data = self.pipeline.data_state()  # async: before the prompts of rollouts still in flight
         return m
 
     def _count_nonfinite(self, step: int, loss_metrics: dict[str, float]) -> None:
@@ -243,6 +269,8 @@ class Trainer:
                 if (ev.every and step % ev.every == 0) or step == tc.steps:
                     metrics.update(self.evaluate())
                 self.tracker.log(step, metrics)  # before the checkpoint: a crash between the two redoes the step
+                if self.staleness:
+                    self.tracker.histogram(step, "staleness/tokens", self.staleness)
                 summary.update(metrics)
                 ck = tc.checkpoint
                 if (ck.every and step % ck.every == 0) or step == tc.steps:
@@ -250,6 +278,7 @@ class Trainer:
                     self.save()
                     self.tracker.log(step, {"time/checkpoint_s": time.perf_counter() - t}, jsonl=False)
         finally:
+            self.pipeline.close()
             self.tracker.close()
         return summary
 

@@ -46,11 +46,26 @@ def test_overrides_are_typed(tiny_model_dir):
     ("model.path=/nonexistent", r"^model\.path: '/nonexistent': no Hugging Face config.json"),
     ("trainer.steps=3", r"^trainer: unknown key$"),
     ("optim.clip_grad=[1]", r"^optim\.clip_grad: Input should be a valid number"),
+    ("train.async=fast", r"^train\.async: Input should be 'off', 'one_step' or 'bounded'"),
+    ("train.max_staleness=0", r"^train\.max_staleness: Input should be greater than or equal to 1"),
 ])
 def test_wrong_configs_name_the_key(override, message, tiny_model_dir):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(REPO / "configs" / "cpu_default.yaml", [override])
     assert len(str(info.value).splitlines()) == 1, str(info.value)
+
+
+def test_train_async_modes_and_their_bounds(tiny_model_dir):
+    """train.async: off (YAML's bare off, a boolean, included), one_step (bound 1), bounded (max_staleness); a
+    sync retracts running requests only in bounded mode; the saved config spells the key train.async."""
+    modes = {}
+    for value in ("off", "one_step", "bounded"):
+        cfg = load_config(REPO / "configs" / "cpu_default.yaml", [f"train.async={value}", "train.max_staleness=3"])
+        modes[value] = (cfg.train.async_mode, cfg.train.staleness_bound, cfg.train.sync_pause_mode,
+                        cfg.model_dump(mode="json")["train"]["async"])
+    assert modes == {"off": ("off", 0, "abort", "off"), "one_step": ("one_step", 1, "abort", "one_step"),
+                     "bounded": ("bounded", 3, "retract", "bounded")}
+    assert load_config(REPO / "configs" / "cpu_default.yaml").train.async_mode == "off"
 
 
 def test_yaml_errors_name_file_and_line(tmp_path):

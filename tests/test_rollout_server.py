@@ -156,6 +156,8 @@ def _wait_pending(engine, n: int = 1) -> None:
 
 
 def test_pause_in_place_flush_continue(server, http):
+    """As SGLang's flush_cache (is_fully_idle(ignore_waiting=paused)): a paused engine flushes unless a request
+    holds its cache (in_place keeps a running request's); a request that arrived during the pause only waits."""
     base, engine = server
     assert http.post("/flush_cache").status_code == 200
     assert http.post("/pause_generation", json={"mode": "in_place"}).json()["success"]
@@ -164,10 +166,21 @@ def test_pause_in_place_flush_continue(server, http):
     _wait_pending(engine)
     time.sleep(0.2)
     assert engine.num_pending() == 1  # paused: it waits
-    assert http.post("/flush_cache").status_code == 400  # requests pending: trainers retry
+    assert http.post("/flush_cache").status_code == 200  # waiting, no cache yet
     assert http.post("/continue_generation").json()["success"]
     thread.join(timeout=60)
     assert result["response"]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    with slow_steps(engine):  # now one paused mid-generation, its cache kept in place
+        thread, result = _background(base, {"input_ids": PROMPT, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 100, "ignore_eos": True}})
+        _wait_pending(engine)
+        while not any(r.output_ids for r in list(engine._active.values())):
+            time.sleep(0.005)
+        assert http.post("/pause_generation", json={"mode": "in_place"}).json()["success"]
+        assert http.post("/flush_cache").status_code == 400  # requests hold their cache: trainers retry
+        assert http.post("/continue_generation").json()["success"]
+    thread.join(timeout=60)
+    assert result["response"]["meta_info"]["completion_tokens"] == 100
     assert http.post("/flush_cache").status_code == 200
 
 
@@ -219,6 +232,9 @@ def test_pause_retract_resumes_identically(server, http):
     assert paused["num_paused_requests"] == 1
     time.sleep(0.1)
     assert engine.num_pending() == 1 and thread.is_alive()
+    # SGLang flushes a paused engine whose requests wait without a cache (is_fully_idle(ignore_waiting=paused)):
+    # the sync of the bounded-staleness pipeline runs exactly this while requests are in flight
+    assert http.post("/flush_cache").status_code == 200
     http.post("/continue_generation")
     thread.join(timeout=60)
     assert result["response"]["output_ids"] == straight

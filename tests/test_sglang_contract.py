@@ -349,7 +349,7 @@ def client_requests() -> list[Sent]:
 WEIGHT_UPDATE_CALLS = {
     "health": lambda a: a.health(),
     "model_info": lambda a: a.model_info(),
-    "pause_generation": lambda a: a.pause_generation(),
+    "pause_generation": lambda a: (a.pause_generation(), a.pause_generation("retract")),  # sync; bounded async
     "flush_cache": lambda a: a.flush_cache(),
     "continue_generation": lambda a: a.continue_generation(),
     "init_weights_update_group": lambda a: a.init_weights_update_group(
@@ -423,6 +423,52 @@ def test_client_weight_update_and_rollout_manager_bodies_are_sglangs_request_typ
     problems = sglang.run(sg_judge_requests, requests)
     assert not problems, summary(problems)
     print(f"\n{len(requests)} requests judged by SGLang, {len(paths)} routes")
+
+
+# requests spanning weight updates: (the versions replaced, with the output tokens at each change), the version
+# at the end, the output tokens; an update before any output, two in a row, one at the last token
+SPAN_CASES = [([], "v1", 5), ([("v1", 3)], "v2", 8), ([("v1", 0), ("v2", 2), ("v3", 2)], "v4", 6),
+              ([("v1", 4), ("v2", 7)], "v3", 7), ([("v1", 2)], "v1", 4), ([], "default", 0)]
+
+
+def _span_responses() -> list[dict]:
+    """The embedded server's /generate answers (rollout/server.py) for the SPAN_CASES requests."""
+    from megatron_qarl.rollout.engine import Request, SamplingParams
+    from megatron_qarl.rollout.server import GenerateReq, _response
+
+    out = []
+    for events, current, n in SPAN_CASES:
+        req = Request([3, 4, 5], SamplingParams(), 8, frozenset(), output_ids=[7] * n, version_events=list(events),
+                      weight_version=current, finish_reason={"type": "length", "length": n})
+        out.append(_response(req, GenerateReq(input_ids=[3, 4, 5]), None, None))
+    return out
+
+
+def sg_weight_versions(responses: list[dict]) -> list[str]:
+    """SGLang's own spans (compute_weight_version_spans, add_weight_versions_to_meta_info) for each case, against
+    ours; and our meta_info decoded by SGLang's API type (GenerateMetaInfo)."""
+    wv = stubs.module("sglang.srt.utils.weight_versions")
+    api = stubs.module("sglang.api.v1.api_types")
+    problems = []
+    for (events, current, n), resp in zip(SPAN_CASES, responses, strict=True):
+        spans = wv.compute_weight_version_spans([wv.WeightVersionEvent(old_version=v, num_output_tokens=k)
+                                                 for v, k in events], current_version=current, num_output_tokens=n)
+        want: dict = {}
+        wv.add_weight_versions_to_meta_info(want, spans, num_output_tokens=n)
+        got = {k: resp["meta_info"][k] for k in ("weight_versions", "weight_version")}
+        if got != want:
+            problems.append(f"{events}, {current}, {n}: ours {got}, SGLang's {want}")
+        meta = api.GenerateMetaInfo.from_json_value(resp["meta_info"])
+        if [(s.version, s.start, s.end) for s in meta.weight_versions] != [(s["version"], s["start"], s["end"])
+                                                                            for s in want["weight_versions"]]:
+            problems.append(f"{events}: SGLang's GenerateMetaInfo reads our spans as {meta.weight_versions}")
+    return problems
+
+
+def test_weight_version_spans_of_requests_spanning_updates_are_sglangs(sglang):
+    """A request that spans weight updates reports each token range's version exactly as SGLang 0.5.23 does."""
+    problems = sglang.run(sg_weight_versions, _span_responses())
+    assert not problems, "\n".join(problems)
 
 
 def _sync_and_record(model_dir: str, url: str) -> tuple[list[Sent], str | None]:

@@ -77,6 +77,38 @@ def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path):
         assert not diff, f"step {step} differs after resume: {diff}"
 
 
+def test_one_step_kill_9_mid_overlap_then_resume_loses_no_prompt(tmp_path):
+    """train.async=one_step: kill -9 after step 2's checkpoint, while step 3's rollout (sampled during step 2) is
+    in flight or waiting; --resume draws step 3's prompts again and regenerates them at the checkpoint's weights
+    (the in-flight samples are not saved): every prompt is trained on once, none is skipped."""
+    from megatron_qarl import checkpoint as ckpt
+
+    out = tmp_path / "async"
+    steps = ["train.steps=3", "train.async=one_step", "train.eval.n=4", "train.learner_threads=1", "rollout.threads=1"]
+    proc = _qarl_train(out, steps)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while not (latest.is_file() and latest.read_text().strip() == "step_000002"):
+        assert proc.poll() is None, (tmp_path / "async.log").read_text()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    at_kill = ckpt.read_state(out / "checkpoints" / "step_000002")["trainer"]["data"]
+    _finish(_qarl_train(out, steps, resume=True), out)
+
+    rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if "loss/loss" in r}
+    assert sorted(rows) == [1, 2, 3]
+    # the checkpoint's data position is after steps 1-2's prompts only: step 3's, drawn for the rollout in flight,
+    # were not counted as trained, and after the resume exactly those 4 were
+    assert at_kill["index"] == 2 * 4
+    assert ckpt.read_state(out / "checkpoints" / "step_000003")["trainer"]["data"]["index"] == 3 * 4
+    assert rows[2]["staleness/token_frac_1"] == 1.0  # step 2 trained on step-1-era samples: one version behind
+    assert rows[3]["staleness/token_frac_0"] == 1.0  # regenerated after the resume, at the checkpoint's weights
+    assert all(r["loss/num_responses"] == 4 * 4 and r["async/regenerated"] == 0 for r in rows.values())
+    assert all(r["mismatch_quant/mismatch_tok_abs_mean"] <= 1e-5 for r in rows.values())  # fp32 servers
+
+
 def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipped(tmp_path, tiny_model_dir):
     """In process: two servers; server 1 gets SIGKILL while step 2's rollout is in flight. Step 2's loss is
     poisoned with NaN: the update is skipped and counted. Then three poisoned steps in a row end the run."""

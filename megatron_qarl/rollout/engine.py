@@ -125,6 +125,10 @@ class Request:
     input_logprobs: list[float | None] = field(default_factory=list)
     finish_reason: dict | None = None
     weight_version: str = ""
+    # SGLang's WeightVersionEvent list: (the version that was replaced, output tokens at that moment), one per
+    # weight change while the request was live with output (weight_versions_spans turns them into spans)
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+    num_retractions: int = 0
     slot: int | None = None
     on_done: Callable[[Request], None] | None = None
     created: float = field(default_factory=time.monotonic)
@@ -133,6 +137,23 @@ class Request:
         self.generator = torch.Generator()
         seed = self.params.sampling_seed
         self.generator.manual_seed(seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little"))
+
+
+def weight_version_spans(events: list[tuple[str, int]], current: str, num_output_tokens: int) -> list[dict]:
+    """The output's token ranges per weight version, as SGLang 0.5.23 computes them
+    (sglang/srt/utils/weight_versions.py, compute_weight_version_spans): each event (old version, n) says
+    tokens [.., n) were sampled before the weights changed from the old version; the rest are ``current``'s.
+    Spans are half-open ``{"version", "start", "end"}``; equal neighbours merge, empty ones are dropped."""
+    spans: list[dict] = []
+    for version, end in [*events, (current, num_output_tokens)]:
+        end = min(end, num_output_tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
 
 
 def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator,
@@ -238,6 +259,13 @@ class Engine:
         with self._cv:
             return len(self._waiting) + len(self._active)
 
+    def num_unflushable(self) -> int:
+        """The requests that keep /flush_cache from flushing: SGLang's ``is_fully_idle(ignore_waiting=paused)``
+        (sglang/srt/managers/scheduler.py): the running ones, plus the waiting ones unless generation is paused
+        (a retracted request waits without a cache and is re-prefilled on continue)."""
+        with self._cv:
+            return len(self._active) + (0 if self._paused else len(self._waiting))
+
     def pause(self, mode: str = "abort") -> int:
         """Stop stepping. ``abort``: finish every request with finish_reason abort; ``in_place``: keep them
         with their KV cache; ``retract``: drop their KV cache, re-prefilled on continue. Returns how many
@@ -252,6 +280,7 @@ class Engine:
                 with self._cv:
                     for slot, req in sorted(self._active.items(), reverse=True):
                         req.slot = None
+                        req.num_retractions += 1
                         self._waiting.appendleft(req)
                         self._free_slots.append(slot)
                     self._active.clear()
@@ -289,10 +318,17 @@ class Engine:
         self._update(lambda: None, weight_version)
 
     def _update(self, change: Callable[[], None], weight_version: str | None) -> None:
-        """A weight change between two engine steps; the version moves only once it succeeded."""
+        """A weight change between two engine steps; the version moves only once it succeeded. As SGLang's
+        ``record_weight_version_change`` (scheduler.py), every live request with output records the version
+        its tokens so far were sampled with (``Request.version_events``)."""
         with self.lock:
             change()
-            if weight_version is not None:
+            if weight_version is not None and weight_version != self.weight_version:
+                with self._cv:
+                    live = list(self._waiting) + list(self._active.values())
+                for req in live:
+                    if req.output_ids:
+                        req.version_events.append((self.weight_version, len(req.output_ids)))
                 self.weight_version = weight_version
 
     def finalize_weights(self) -> int:
@@ -392,7 +428,12 @@ class Engine:
         logits, routes_BTLK = self.model.forward_routed(tokens_BT, slots_B, pos_BT, all_logits)
         for r, routes_TLK in zip(reqs, routes_BTLK, strict=True):
             if r.return_routed_experts:
-                r.routes = [routes_TLK] if tokens_BT.shape[1] > 1 else [*r.routes, routes_TLK]
+                if tokens_BT.shape[1] == 1:
+                    r.routes = [*r.routes, routes_TLK]
+                else:  # a prefill; after a retract the positions already forwarded keep the routes of the
+                    # forward that sampled their next token (the version that sampled it, R3), the rest are new
+                    kept = torch.cat(r.routes)[: routes_TLK.shape[0]] if r.routes else routes_TLK[:0]
+                    r.routes = [kept, routes_TLK[kept.shape[0]:]]
         return logits, routes_BTLK
 
     def routed_experts(self, req: Request) -> torch.Tensor:

@@ -53,6 +53,14 @@ class Sample:
     weight_version: str | None
     server: str
     routes: torch.Tensor | None = None  # R3: int32 [prompt + response - 1, layers, top-k] (algo/routing.py)
+    # the weight version that sampled each response token (SGLang's meta_info weight_versions spans; a request
+    # that spans a weight update has several); None where the server gave no spans (``weight_version`` then)
+    token_versions: list[str] | None = None
+
+    def versions(self) -> list[str | None]:
+        """Each response token's weight version: the spans', else the answer's ``weight_version`` for all."""
+        return list(self.token_versions) if self.token_versions is not None else \
+            [self.weight_version] * len(self.response_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,10 @@ def parse_response(resp: dict, prompt_index: int, sample_index: int, prompt_ids:
         raise RolloutServerError(f"{server}: /generate answered without output_token_logprobs")
     sample = Sample(prompt_index, sample_index, list(prompt_ids), [int(t[1]) for t in triples],
                     [float(t[0]) for t in triples], meta["finish_reason"]["type"], meta.get("weight_version"), server)
+    spans = meta.get("weight_versions")
+    if spans:
+        sample.token_versions = token_versions(spans, len(sample.response_ids), f"{server}: prompt {prompt_index} "
+                                               f"sample {sample_index}")
     if routes is not None:
         where = f"{server}: prompt {prompt_index} sample {sample_index}"
         try:
@@ -88,6 +100,24 @@ def parse_response(resp: dict, prompt_index: int, sample_index: int, prompt_ids:
         except RoutesError as err:  # the server's setup or contract, not a transient failure: not re-sent
             raise RolloutServerError(str(err), status=400) from None
     return sample
+
+
+def token_versions(spans: list[dict], n: int, where: str) -> list[str]:
+    """Per-token weight versions from SGLang's ``meta_info["weight_versions"]``: half-open spans
+    ``{"version", "start", "end"}`` that must tile the ``n`` output tokens in order."""
+    out: list[str] = []
+    for span in spans:
+        try:
+            version, start, end = str(span["version"]), int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError):
+            raise RolloutServerError(f"{where}: malformed weight_versions span {span!r}", status=400) from None
+        if start != len(out) or end < start:
+            raise RolloutServerError(f"{where}: weight_versions spans {spans} do not tile the output in order",
+                                     status=400)
+        out += [version] * (end - start)
+    if len(out) != n:
+        raise RolloutServerError(f"{where}: weight_versions spans cover {len(out)} of {n} output tokens", status=400)
+    return out
 
 
 class EveryServerDown(RolloutServerError):

@@ -28,7 +28,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_qarl.errors import UserError
-from megatron_qarl.rollout.engine import Engine, SamplingParams
+from megatron_qarl.rollout.engine import Engine, SamplingParams, weight_version_spans
 from megatron_qarl.rollout.weight_receiver import WeightReceiver
 
 
@@ -126,7 +126,7 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
 
     @app.post("/flush_cache", dependencies=guarded)
     async def flush_cache() -> Response:
-        pending = engine.num_pending()
+        pending = engine.num_unflushable()  # SGLang: running ones, and waiting ones unless paused
         if pending:
             return Response(f"Cache not flushed: {pending} request(s) pending\n", status_code=400)
         return Response("Cache flushed.\n", status_code=200)
@@ -205,8 +205,12 @@ def _response(req, body: GenerateReq, tokenizer, engine: Engine) -> dict:
         if req.finish_reason.get("type") == "stop" and not req.params.no_stop_trim:
             ids = ids[:-1]
         text = tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+    # weight_versions: the output's token ranges per weight version (a request that spans a weight update has
+    # several) and weight_version the last one's, as SGLang's add_weight_versions_to_meta_info
+    spans = weight_version_spans(req.version_events, req.weight_version, len(req.output_ids))
     meta = {"id": req.rid, "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids), "cached_tokens": 0, "weight_version": req.weight_version,
+            "completion_tokens": len(req.output_ids), "cached_tokens": 0, "weight_version": spans[-1]["version"],
+            "weight_versions": spans, "num_retractions": req.num_retractions,
             "e2e_latency": time.monotonic() - req.created}
     if body.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids,

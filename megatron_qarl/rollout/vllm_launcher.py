@@ -154,6 +154,10 @@ def check_vllm_run(cfg: QarlConfig) -> None:
     if cfg.algo.wants_routes:
         raise ConfigError("algo.routing_replay: routing replay / agreement needs the servers' routed experts, "
                           "which this project reads from SGLang and the embedded server only")
+    if cfg.train.async_mode == "bounded":
+        raise ConfigError("train.async: bounded with rollout.backend=vllm: requests stay in flight across a sync and "
+                          "need SGLang's retract pause and per-token weight versions in meta_info, which vLLM 0.32's "
+                          "API does not return; use train.async: one_step (or off)")
     if r.dp_size != 1 or r.ep_size != 1:
         raise ConfigError("rollout.ep_size: vLLM servers here run one data-parallel replica each with "
                           "--tensor-parallel-size only (rollout.dp_size and ep_size stay 1)")

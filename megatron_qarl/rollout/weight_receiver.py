@@ -240,8 +240,8 @@ class WeightReceiver:
         except ValueError as err:
             return _answer(False, f"Failed to update parameter online: {err}. The full weights of the ModelRunner "
                                   "are partially updated. Please discard the whole weights.")
-        if body.flush_cache and engine.num_pending():
-            return _answer(False, NOT_FLUSHED)
+        if body.flush_cache and engine.num_unflushable():  # SGLang's flush: waiting requests of a paused engine
+            return _answer(False, NOT_FLUSHED)  # (retracted ones) do not count
         return _answer(True, "Succeeded to update parameter online.")
 
     def update_weight_version(self, body: UpdateWeightVersionReq) -> JSONResponse:

@@ -5,7 +5,8 @@ weight-update group and sends sessions of buckets over it, sync/verify.py compar
 what one sync sends (the delta policy below) and runs it.
 
 One sync, in SGLang 0.5.23's order (its updates are refused outside a weight-update session):
-    pause_generation -> flush_cache -> begin_weight_update -> per bucket: POST
+    pause_generation (mode abort, or retract while a bounded-staleness pipeline keeps requests in flight)
+    -> flush_cache -> begin_weight_update -> per bucket: POST
     /update_weights_from_distributed to every engine (names, dtypes, shapes, in order) while
     broadcasting each tensor from rank 0 in that same order -> end_weight_update (the server
     repacks its low-bit weights once) -> continue_generation; every sync carries a new weight_version (a delta
@@ -75,11 +76,12 @@ class DistributedBroadcaster:
                  backend: str | None = None, bucket_bytes: int = 512 << 20, group_name: str = "weight_update_group",
                  dtype: torch.dtype = torch.bfloat16, timeout_s: float = 300.0, verify: bool = False,
                  progress: Callable[[int, int], None] | None = None, delta: bool = False, delta_check: bool = True,
-                 api_cls: type[WeightUpdateAPI] = WeightUpdateAPI):
+                 api_cls: type[WeightUpdateAPI] = WeightUpdateAPI, pause_mode: str = "abort"):
         self.transport = BroadcastTransport(engines, master_addr=master_addr, master_port=master_port,
                                             backend=backend, bucket_bytes=bucket_bytes, group_name=group_name,
                                             timeout_s=timeout_s, progress=progress, api_cls=api_cls)
         self.dtype, self.verify = dtype, verify
+        self.pause_mode = pause_mode  # /pause_generation's mode: "retract" keeps requests alive across the sync
         self.version = 0
         self._is_sender = not dist.is_initialized() or dist.get_rank() == 0
         self.delta, self.delta_check = delta, delta_check
@@ -118,7 +120,7 @@ class DistributedBroadcaster:
             report.full_reason = self._full_sync_reason() if self.delta else ""
             self.connect()
             for api in self.apis:
-                api.pause_generation()
+                api.pause_generation(self.pause_mode)
                 api.flush_cache()
             if not self.delta or report.full_reason:
                 stream = self._record(tensors) if self.delta else tensors

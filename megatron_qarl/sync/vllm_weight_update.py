@@ -43,7 +43,13 @@ class VLLMWeightUpdateAPI(WeightUpdateAPI):
     def model_info(self) -> dict:
         return self.call("GET", "/weight_info")
 
-    def pause_generation(self) -> None:
+    def pause_generation(self, mode: str = "abort") -> None:
+        """vLLM's /pause in its ``wait`` mode (in-flight requests finish first). SGLang's ``abort`` needs nothing
+        more (no request is in flight at a sync of the sequential and one-step loops); ``retract`` / ``in_place``
+        keep requests alive across the sync, which this backend does not do (refused at config load)."""
+        if mode != "abort":
+            raise SyncError(f"pause mode {mode!r}: the vLLM backend pauses only between rollouts (train.async: "
+                            "off or one_step)")
         self.call("POST", "/pause?mode=wait", {})
 
     def flush_cache(self, tries: int = 50) -> None:

@@ -82,8 +82,12 @@ class WeightUpdateAPI:
         """GET /get_model_info: ``weight_version``, ``dtype``, ..."""
         return self.call("GET", "/get_model_info")
 
-    def pause_generation(self) -> None:
-        self.call("POST", "/pause_generation", {})
+    def pause_generation(self, mode: str = "abort") -> None:
+        """POST /pause_generation. ``abort`` (SGLang's default, an empty body): running requests end with
+        finish_reason abort; ``retract``: they go back to the queue without their KV cache and are re-prefilled
+        with the new weights on /continue_generation (the bounded-staleness pipeline's choice, trainer side:
+        megatron_qarl/rollout_pipeline.py)."""
+        self.call("POST", "/pause_generation", {} if mode == "abort" else {"mode": mode})
 
     def flush_cache(self, tries: int = 50) -> None:
         """POST /flush_cache, retried while the server answers 400 (requests still pending), as trainers do."""
