@@ -42,7 +42,8 @@ def test_the_tracker_counts_each_storage_once_while_a_tensor_of_it_lives():
 def test_shape_only_moe_bookkeeping_is_real_and_balanced():
     """The router's top-k of unknown scores is the balanced stand-in; counts derived from it are real values."""
     with simulated_cuda(shapes_only=True):
-        logits = torch.empty(2304, 128, device="cuda").expand(2304, 128) * 1.0  # meta: unknown scores
+        logits = torch.empty(16 * 2304, 128, device="cuda")[:2304]  # beyond SMALL_BYTES: meta, unknown scores
+        assert logits._data.is_meta
         _, idx = torch.topk(logits, k=8, dim=1)
         routing_map = torch.zeros_like(logits).int().scatter(1, idx, 1).bool()
         counts = routing_map.sum(dim=0).tolist()
