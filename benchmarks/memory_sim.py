@@ -35,8 +35,8 @@ def run_one(config: str, layers: list[int], overrides: list[str], name: str | No
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"{name}: done ({', '.join(str(s['seconds']) + ' s' for s in data['simulation']['simulation']['simulated'])})",
-          flush=True)
+    runs = data["simulation"]["simulation"]["simulated"]
+    print(f"{name}: done ({', '.join(str(s['seconds']) + ' s' for s in runs)})", flush=True)
     return path
 
 

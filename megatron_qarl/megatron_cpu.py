@@ -131,7 +131,7 @@ def fix_te_min_version() -> None:
     from megatron.core import optimizer
     from megatron.core.optimizer import optimizer_config
 
-    def is_te_min_version(version, check_equality=True):
+    def is_te_min_version(*args, **kwargs):  # (version, check_equality=True)
         return False
 
     _replace(optimizer_config, "is_te_min_version", is_te_min_version)
@@ -298,7 +298,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_te_min_version, fix_optimizer_device,
-         fix_clip_grads, fix_cuda_synchronize, fix_distributed_optimizer_types, fix_recompute_rng, fix_write_results_queue)
+         fix_clip_grads, fix_cuda_synchronize, fix_distributed_optimizer_types, fix_recompute_rng,
+         fix_write_results_queue)
 
 
 def needed_fixes() -> list[Callable[[], None]]:

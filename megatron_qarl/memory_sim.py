@@ -103,7 +103,9 @@ class AllocationTracker:
 
     @contextlib.contextmanager
     def labelled(self, label: str) -> Iterator[None]:
-        """Storages allocated inside the block get ``label``."""
+        """Storages allocated inside the block get ``label`` (one of LABELS)."""
+        if label not in LABELS:
+            raise ValueError(f"label {label!r} is not one of {', '.join(LABELS)}")
         saved, self.label = self.label, label
         try:
             yield
@@ -119,19 +121,16 @@ class AllocationTracker:
         self.peak = self.live
         self.at_peak = dict(self.by_label)
 
-    def snapshot(self) -> dict[str, int]:
-        return {k: self.by_label.get(k, 0) for k in LABELS}
 
 
 @dataclasses.dataclass
 class SimResult:
     """One simulated rank: bytes by label live at the peak of the measured step (``at_peak``, summing to ``peak``),
-    live before it (``before_step``), and the run's facts."""
+    and the run's facts."""
 
     layers: int
     peak: int
     at_peak: dict[str, int]
-    before_step: dict[str, int]
     seconds: float
     micro_batch_tokens: int
 
@@ -243,7 +242,7 @@ def _skip_host_adam(learner) -> None:
         if not isinstance(inner, HybridDeviceOptimizer):
             continue
         for cpu_opt in inner.cpu_optimizers:
-            def step(closure=None, _opt=cpu_opt):
+            def step(*args, _opt=cpu_opt):  # (closure=None)
                 for hook in list(_opt._optimizer_step_post_hooks.values()):
                     hook(_opt, (), {})
 
@@ -300,17 +299,15 @@ def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_
             _skip_host_adam(learner)
             batch = _batch(cfg, dp, micro, seq_len)
             loss_fn = policy_loss_fn(cfg.algo.loss, batch)
-            before = tracker.snapshot()
             for step in range(steps):
                 if step == steps - 1:
-                    before = tracker.snapshot()
                     if debug:
                         print("live before the measured step:", tracker.largest(12))
                     tracker.reset_peak()
                 with tracker.labelled("activations"):
                     learner.train_step(batch, loss_fn)
             result = SimResult(layers=arch.num_hidden_layers, peak=tracker.peak, at_peak=dict(tracker.at_peak),
-                               before_step=before, seconds=0.0, micro_batch_tokens=micro * seq_len)
+                               seconds=0.0, micro_batch_tokens=micro * seq_len)
             del learner, loss_fn
             from megatron.core import parallel_state as ps
 

@@ -31,3 +31,5 @@ wait_stream  # simulated_device.py _Stream: torch.cuda.Stream's API, called by M
 wait_event  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's token dispatchers
 record_event  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's dispatchers
 elapsed_time  # simulated_device.py _Event: torch.cuda.Event's API, called by Megatron's timers
+graphsafe_get_state  # simulated_device.py _Generator: torch.cuda's generator API (Megatron's RNG tracker)
+graphsafe_set_state  # simulated_device.py _Generator: torch.cuda's generator API (Megatron's RNG tracker, CUDA graphs)

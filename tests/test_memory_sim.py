@@ -80,9 +80,9 @@ def test_simulated_peak_is_its_phases_and_moves_as_the_planner_says():
 def test_extrapolation_is_the_line_through_two_layer_counts():
     from megatron_qarl.memory_sim import SimResult
 
-    a = SimResult(layers=2, peak=10, at_peak={"weights": 4, "activations": 6}, before_step={}, seconds=0,
+    a = SimResult(layers=2, peak=10, at_peak={"weights": 4, "activations": 6}, seconds=0,
                   micro_batch_tokens=1)
-    b = SimResult(layers=4, peak=16, at_peak={"weights": 6, "activations": 10}, before_step={}, seconds=0,
+    b = SimResult(layers=4, peak=16, at_peak={"weights": 6, "activations": 10}, seconds=0,
                   micro_batch_tokens=1)
     got = extrapolate(a, b, 48)
     assert got["weights"] == 4 + 2 * 46 / 2 and got["activations"] == 6 + 4 * 46 / 2 and got["total"] == 10 + 6 * 23
