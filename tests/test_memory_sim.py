@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.simulated_device,
               pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the simulated device needs none")]
 
 CONFIG = "configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml"  # tp4 (sequence parallel) / ep16 on 16 GPUs, recompute selective
-TOKENS = 2048  # one sequence per data-parallel rank
+# full-length sequences of 1024 + 1024 tokens, learner.micro_batch_size of them per data-parallel rank
+SHORT = {"data.max_prompt_tokens": 1024, "rollout.sampling.max_new_tokens": 1024}
 
 
 def test_the_tracker_counts_each_storage_once_while_a_tensor_of_it_lives():
@@ -50,13 +51,13 @@ def test_shape_only_moe_bookkeeping_is_real_and_balanced():
     assert counts == [2304 * 8 // 128] * 128
 
 
-def _sim(tokens: int = TOKENS, **overrides):
-    """(the simulation, the planner's figures) of CONFIG with 2 layers, one sequence of ``tokens`` per DP rank."""
-    cfg = load_config(CONFIG, [f"{k}={v}" for k, v in overrides.items()])
-    sim = simulate_learner(cfg, layers=2, micro_batch_tokens=tokens)
+def _sim(**overrides):
+    """(the simulation, the planner's figures) of CONFIG with 2 layers and SHORT sequences."""
+    cfg = load_config(CONFIG, [f"{k}={v}" for k, v in {**SHORT, **overrides}.items()])
+    sim = simulate_learner(cfg, layers=2)
     arch = dataclasses.replace(Qwen3MoeArch.from_model_dir(cfg.model.path), num_hidden_layers=2)
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
-    plan = _learner_memory(cfg, arch, lay, PlanOptions(attention="unfused", micro_batch_tokens=tokens))
+    plan = _learner_memory(cfg, arch, lay, PlanOptions(attention="unfused"))
     return sim, plan
 
 
@@ -67,7 +68,7 @@ def test_simulated_peak_is_its_phases_and_moves_as_the_planner_says():
         assert base.phases[part] == pytest.approx(plan[part], rel=0.01), part
     assert base.phases["total"] == pytest.approx(plan["total"], rel=0.10)
     variants = {
-        "micro-batch x2": _sim(2 * TOKENS),
+        "micro-batch x2": _sim(**{"learner.micro_batch_size": 2}),
         "recompute none": _sim(**{"learner.recompute": "none"}),
         "optimizer offload": _sim(**{"learner.optimizer_cpu_offload": "true"}),
     }
