@@ -121,6 +121,23 @@ def fix_te_general_gemm() -> None:
         _replace(moe_utils, "te_general_gemm", None)
 
 
+@when(te_absent)
+def fix_te_min_version() -> None:
+    """megatron-core 0.16 bug without Transformer Engine (on CPUs and GPUs alike): ``utils.is_te_min_version``
+    compares ``get_te_version()``, None without TE, with a version, so ``OptimizerConfig`` with
+    ``use_precision_aware_optimizer`` (our optimizer CPU offload, ``learner.offload_kwargs``) raises TypeError
+    "'>=' not supported between instances of 'NoneType' and 'Version'". Without TE no minimum TE version is
+    installed: answer False where the optimizer asks (optimizer_config and optimizer/__init__ import the name)."""
+    from megatron.core import optimizer
+    from megatron.core.optimizer import optimizer_config
+
+    def is_te_min_version(*args, **kwargs):  # (version, check_equality=True)
+        return False
+
+    _replace(optimizer_config, "is_te_min_version", is_te_min_version)
+    _replace(optimizer, "is_te_min_version", is_te_min_version)
+
+
 class _CudaAllocationsOnCpu(torch.overrides.TorchFunctionMode):
     """Inside this mode, factory calls with device="cuda" allocate on the CPU, .cuda() is a no-op."""
 
@@ -280,8 +297,9 @@ class RMSNorm(torch.nn.RMSNorm):
         return self.weight * xf.to(dtype)
 
 
-FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_optimizer_device, fix_clip_grads,
-         fix_cuda_synchronize, fix_distributed_optimizer_types, fix_recompute_rng, fix_write_results_queue)
+FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_te_min_version, fix_optimizer_device,
+         fix_clip_grads, fix_cuda_synchronize, fix_distributed_optimizer_types, fix_recompute_rng,
+         fix_write_results_queue)
 
 
 def needed_fixes() -> list[Callable[[], None]]:

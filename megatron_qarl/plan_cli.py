@@ -468,7 +468,10 @@ def _check_flags(args: argparse.Namespace) -> None:
                args.micro_batch_tokens is None or args.micro_batch_tokens >= 1, "must be >= 1"),
               ("--mem-fraction-static", args.mem_fraction_static, 0 < args.mem_fraction_static < 1,
                "must be between 0 and 1"),
-              ("--nodes", args.nodes, all(n >= 1 for n in args.nodes), "each entry must be >= 1")]
+              ("--nodes", args.nodes, all(n >= 1 for n in args.nodes), "each entry must be >= 1"),
+              ("--simulate-layers", args.simulate_layers,
+               len(set(args.simulate_layers)) >= 2 and all(n >= 1 for n in args.simulate_layers),
+               "needs two or more distinct layer counts >= 1")]
     for flag, value, ok, rule in checks:
         if not ok:
             raise UserError(f"{flag}: {rule}, got {value}")
@@ -481,13 +484,55 @@ def _options(args: argparse.Namespace, gpu_gib: float) -> PlanOptions:
                        attention=args.attention)
 
 
+SIM_PHASES = ("weights", "gradients", "optimizer", "activations", "qat_cache", "total")
+
+
+def simulation_check(cfg: QarlConfig, opts: PlanOptions, layers: Sequence[int] = (2, 4)) -> dict:
+    """``qarl plan --simulate``: the planner's learner figures beside ``memory_sim``'s simulation of one learner rank
+    (extrapolated to the model's layers from ``layers``), per phase, bytes, with the relative difference
+    (plan - simulated) / simulated. The simulation runs Megatron's local spec (Transformer Engine is not installed
+    where it runs), so the planner is asked for that attention (``unfused``)."""
+    from megatron_qarl.memory_sim import simulate_config
+
+    arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
+    lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
+    planned = _learner_memory(cfg, arch, lay, dataclasses.replace(opts, attention="unfused"))
+    sim = simulate_config(cfg, layers=tuple(layers))
+    got = sim["extrapolated"]
+    rows = [{"phase": k, "plan": planned[k], "simulated": got[k],
+             "diff": (planned[k] - got[k]) / got[k] if got[k] else (0.0 if not planned[k] else None)}
+            for k in SIM_PHASES]
+    return {"layout": {"gpus": lay.gpus, "tp": lay.tp, "ep": lay.ep}, "rows": rows, "simulation": sim}
+
+
+def render_simulation_text(check: dict) -> str:
+    sim = check["simulation"]
+    runs = ", ".join(f"{s['layers']} layers {s['seconds']} s" for s in sim["simulated"])
+    out = [f"\nsimulated learner rank (memory_sim: rank 0 of tp{check['layout']['tp']}/ep{check['layout']['ep']} on "
+           f"{check['layout']['gpus']} GPUs, local spec, shape-only device; {runs}; extrapolated to "
+           f"{sim['model_layers']} layers):",
+           f"  {'phase':<12} {'plan GiB':>9} {'sim GiB':>9} {'plan-sim':>9}"]
+    for r in check["rows"]:
+        diff = "n/a" if r["diff"] is None else f"{r['diff']:+.1%}"
+        out.append(f"  {r['phase']:<12} {r['plan'] / GIB:>9.2f} {r['simulated'] / GIB:>9.2f} {diff:>9}")
+    for c in sim["layer_check"]:
+        out.append(f"  layer check: {c['layers']} layers simulated {c['simulated_total'] / GIB:.3f} GiB, extrapolated "
+                   f"from {sim['layers'][0]} and {sim['layers'][1]}: {c['extrapolated_total'] / GIB:.3f} GiB "
+                   f"({(c['extrapolated_total'] - c['simulated_total']) / c['simulated_total']:+.2%})")
+    return "\n".join(out)
+
+
 def _run_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    plan = config_plan(cfg, _options(args, args.gpu_gib or cfg.launch.gpu_gib or H100_GIB))
+    opts = _options(args, args.gpu_gib or cfg.launch.gpu_gib or H100_GIB)
+    plan = config_plan(cfg, opts)
+    check = simulation_check(cfg, opts, args.simulate_layers) if args.simulate else None
     if args.json:
-        print(json.dumps({"config": str(args.config), **plan}, indent=2))
+        print(json.dumps({"config": str(args.config), **plan, **({"simulation": check} if check else {})}, indent=2))
     else:
         print(render_config_text(plan, str(args.config)))
+        if check:
+            print(render_simulation_text(check))
     return 0
 
 
@@ -518,6 +563,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--attention", choices=ATTENTIONS, default=None,
                         help=f"{what_if}: flash (TE spec) or unfused (local spec; default: from model.impl and "
                              "where the learner runs)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="--config: also simulate one learner rank at full width on a shape-only simulated CUDA "
+                             "device (megatron_qarl.memory_sim; minutes) and set its figures beside the plan's")
+    parser.add_argument("--simulate-layers", type=int, nargs="+", default=[2, 4], metavar="L",
+                        help="layer counts simulated (2 4): the first two are extrapolated to the model's layers; "
+                             "a third checks the extrapolation")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
     return parser
@@ -530,6 +581,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_config(args)
     if args.overrides:
         raise UserError(f"key=value overrides ({' '.join(args.overrides)}) need --config")
+    if args.simulate:
+        raise UserError("--simulate needs --config (it simulates that run's learner layout)")
     if args.scheme not in SCHEMES:
         raise UserError(f"--scheme: unknown scheme {args.scheme!r}; valid: {', '.join(SCHEMES)}")
     if not args.model.is_dir():

@@ -22,6 +22,13 @@ device arithmetic fails as it does on a GPU.
   ``torch.cuda.FloatTensor`` check, the alltoall dispatcher's device-to-host stream, the checkpoint writer's
   non-blocking copies and synchronize. Fixes keyed on other conditions (no Transformer Engine) stay.
 
+- **Shape-only backing** (``simulated_cuda(shapes_only=True)``, for ``memory_sim``): device tensors hold meta
+  tensors (shape, dtype, strides; no memory) instead of CPU ones, except small ones (up to ``SMALL_BYTES``) made
+  by factories or copied from the host, which keep real values; ``_run_shapes`` runs each op on meta when any
+  operand is meta, on the CPU otherwise, and stands in for the data-dependent steps (balanced top-k routing,
+  ``masked_select`` / boolean indexing by a real mask, ``.item()`` of an unknown value, collectives without
+  values). A ``tracker`` is told of every tensor the device holds.
+
 Why this way and not another (each was tried on torch 2.13 CPU): the meta device runs backward but holds no values,
 so every data-dependent step (``.item()``, ``nonzero``, Megatron's MoE dispatch: ``masked_select``,
 ``tokens_per_expert.tolist()``) needs a stand-in that changes what runs, and meta lets matmul and indexing with CPU
@@ -58,9 +65,8 @@ _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class SimTensor(torch.Tensor):
-    """A tensor on the simulated CUDA device: reports ``cuda:0`` to Python, is "meta" to C++, holds a CPU tensor."""
-
-    _data: torch.Tensor
+    """A tensor on the simulated CUDA device: reports ``cuda:0`` to Python, is "meta" to C++, holds a CPU tensor
+    (with ``simulated_cuda(shapes_only=True)``: a meta tensor where its values are not known, module docstring)."""
 
     @staticmethod
     def __new__(cls, data: torch.Tensor):
@@ -69,6 +75,16 @@ class SimTensor(torch.Tensor):
                                                   device=_BACKING, requires_grad=False)
         out._data = data
         return out
+
+    @property
+    def _data(self) -> torch.Tensor:
+        return self.__dict__["_sim_data"]
+
+    @_data.setter
+    def _data(self, data: torch.Tensor) -> None:
+        self.__dict__["_sim_data"] = data
+        if _STATE.tracker is not None:  # every tensor the device holds passes here: the allocation tracker's view
+            _STATE.tracker.add(data)
 
     def __repr__(self) -> str:
         return f"SimTensor({self._data!r}, device='{DEVICE}')"
@@ -87,6 +103,14 @@ class SimTensor(torch.Tensor):
         return _run(func, args, kwargs or {})
 
 
+class _State:
+    """What the active ``simulated_cuda`` block asked for: shape-only backing, and the tracker told of every tensor."""
+
+    shapes_only: bool = False
+    tracker = None  # an object with add(tensor): memory_sim.AllocationTracker
+
+
+_STATE = _State()
 _NOT_HANDLED = object()
 _GETTERS = {"device": lambda t: DEVICE, "is_cuda": lambda t: True, "is_cpu": lambda t: False,
             "is_meta": lambda t: False}
@@ -113,9 +137,11 @@ def _python_view(func, args, kwargs):
     if func is torch.Tensor.get_device:
         return DEVICE.index
     if func is torch.Tensor.data_ptr:
+        if self._data.is_meta:  # no memory behind it: a stable, distinct address per storage and offset
+            return self._data.untyped_storage()._cdata + self._data.storage_offset() * self._data.element_size()
         return self._data.data_ptr()
     if func in (torch.Tensor.tolist,):
-        return self._data.tolist()
+        return _host(self._data).tolist()
     if func in (torch.Tensor.numpy, torch.Tensor.__array__):
         raise TypeError(f"can't convert {DEVICE} device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
                         "to host memory first.")
@@ -148,6 +174,10 @@ class _CudaArguments(TorchFunctionMode):
         answer = _python_view(func, args, kwargs)
         if answer is not _NOT_HANDLED:
             return answer
+        if func is torch.Tensor.backward:
+            return _backward(*args, **kwargs)
+        if func is torch.autograd.backward:
+            return _backward(*args, **{"gradient" if k == "grad_tensors" else k: v for k, v in kwargs.items()})
         if func is torch.Tensor.pin_memory:
             return args[0]  # host memory is host memory: there is no page-locking to do without a driver
         if func is torch.Tensor.cuda:
@@ -165,7 +195,7 @@ class _CudaArguments(TorchFunctionMode):
             # torch.tensor(data) reads and places its data in C++ beneath the dispatcher (no mode sees it): hand it
             # the values of device tensors, build it on the host, then place it
             on_self = func is torch.Tensor.new_tensor and isinstance(args[0], SimTensor) and "device" not in kwargs
-            args = tuple(tree_map(lambda a: a._data if isinstance(a, SimTensor) else a, a) for a in args)
+            args = tuple(tree_map(lambda a: _host(a._data) if isinstance(a, SimTensor) else a, a) for a in args)
             to_device = on_self or _is_cuda(kwargs.get("device"))
             if to_device:
                 kwargs["device"] = "cpu"
@@ -173,7 +203,26 @@ class _CudaArguments(TorchFunctionMode):
             return SimTensor(out) if to_device else out
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = _BACKING
+        if kwargs.get("pin_memory"):  # page-locked host memory needs a driver: host memory is host memory here
+            kwargs["pin_memory"] = False
         return func(*args, **kwargs)
+
+
+def _backward(tensors, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
+    """``Tensor.backward`` / ``torch.autograd.backward`` with ``_CudaArguments`` in force during the backward: torch
+    takes a function mode off its stack while the mode handles a call, so a backward started from the handler would
+    run without it, and a backward's own ``torch.empty(..., device=torch.cuda.current_device())`` (Megatron's
+    sequence-parallel linear) would reach the real CUDA. The engine is called as torch.autograd.backward calls it."""
+    from torch.autograd.graph import _engine_run_backward
+
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    grads = ((gradient,) if isinstance(gradient, torch.Tensor) else
+             tuple(gradient) if gradient is not None else (None,) * len(tensors))
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    with _CudaArguments():
+        grads = torch.autograd._make_grads(tensors, grads, is_grads_batched=False)
+        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                             inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 def _run(func, args, kwargs):
@@ -192,6 +241,8 @@ def _run(func, args, kwargs):
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                f"{DEVICE} and cpu! ({func}: a CPU tensor of shape {list(host[0].shape)} among "
                                "simulated-CUDA operands)")
+    if _STATE.shapes_only:
+        return _run_shapes(func, args, kwargs)
     wrappers: dict[int, SimTensor] = {}
 
     collective = func.namespace == "c10d"
@@ -209,6 +260,175 @@ def _run(func, args, kwargs):
     out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
     if func is _aten._to_copy.default and kwargs.get("device") is not None and not _is_sim(kwargs["device"]):
         return out  # a copy to the host
+
+    def wrap(o):
+        if isinstance(o, torch.Tensor) and not isinstance(o, SimTensor):
+            own = wrappers.get(id(o))
+            return own if own is not None else SimTensor(o)
+        return o
+
+    return tree_map(wrap, out)
+
+
+# ------------------------------------------------------------------------------- the shape-only backing
+SMALL_BYTES = 1 << 24  # device tensors up to 16 MiB made by factories hold real values in shape-only mode
+_FACTORIES = {"empty", "empty_strided", "zeros", "ones", "full", "arange", "scalar_tensor", "eye", "linspace", "rand",
+              "randn", "randint", "randperm", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+              "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like"}
+_MASKED = {_aten.masked_select.default}
+
+
+def _host(data: torch.Tensor) -> torch.Tensor:
+    """A device tensor's values on the host: its CPU tensor, or for a shape-only (meta) one a stand-in of zeros
+    (``torch.empty`` beyond SMALL_BYTES: the pages are never touched unless written)."""
+    if not data.is_meta:
+        return data
+    make = torch.zeros if data.numel() * data.element_size() <= SMALL_BYTES else torch.empty
+    return make(data.shape, dtype=data.dtype)
+
+
+def _to_meta(a):
+    return a.to("meta") if isinstance(a, torch.Tensor) and not a.is_meta and a.dim() > 0 else a
+
+
+def _meta_stand_in(a):
+    """A meta tensor's CPU stand-in where an op needs values only for their shape (the *_like factories)."""
+    return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype) if isinstance(a, torch.Tensor) and a.is_meta else a
+
+
+def _scalar_stand_in(data: torch.Tensor):
+    """``.item()`` of a tensor whose value is unknown: 0 of its type (False: no inf/nan found; 0.0 for a loss or a
+    norm, which is finite). Only the learner's metrics and finiteness checks read such values."""
+    return False if data.dtype == torch.bool else (0 if not data.dtype.is_floating_point else 0.0)
+
+
+def _balanced_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The balanced MoE routing stand-in: row t picks experts (t*k + j) mod E, j < k, so every expert gets the mean
+    number of tokens (exactly, when E divides rows * k): [rows, k] int64 with real values."""
+    rows, experts = scores.shape
+    return (torch.arange(rows * k, dtype=torch.int64) % experts).view(rows, k)
+
+
+def _long_indices(indices):
+    """Advanced indices with real boolean masks as the integer indices of their True positions (what indexing does
+    with them), so that indexing a meta tensor knows its result's length."""
+    out = []
+    for ix in indices:
+        data = ix._data if isinstance(ix, SimTensor) else ix
+        if isinstance(data, torch.Tensor) and data.dtype == torch.bool and not data.is_meta:
+            out += [SimTensor(i) if isinstance(ix, SimTensor) else i for i in data.nonzero().unbind(1)]
+        else:
+            out.append(ix)
+    return out
+
+
+def _collective_stand_in(func, args):
+    """What a c10d op returns when it runs on tensors without values: its output arguments, unchanged (they keep
+    their shapes), and a completed Work (torch's FakeWork)."""
+    from torch._C._distributed_c10d import FakeWork
+
+    out = []
+    for r in func._schema.returns:
+        out.append(FakeWork().boxed() if "Work" in str(r.type) else args[0])
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _written(func) -> set[int]:
+    """Positions of the arguments ``func`` writes into (in-place ops, out= variants)."""
+    return {i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+
+
+def _run_shapes(func, args, kwargs):
+    """One aten op on the shape-only backing. Device tensors are meta tensors (shape, dtype, strides: what memory
+    needs) except small ones made by factories or copied from the host, which keep real values so that the
+    integer bookkeeping of MoE dispatch (routing maps, token counts, split sizes) is exact. An op with a meta
+    operand runs on meta (real operands it only reads are moved to meta for it; real ones it writes become meta);
+    an op on real operands only runs on the CPU. Data-dependent results: ``masked_select`` takes its length from
+    a real mask; ``topk`` of unknown scores returns real, balanced indices (``_balanced_topk``: the router's
+    choice); ``.item()`` returns ``_scalar_stand_in``; a copy to the host, zeros. c10d collectives run on the
+    stand-in process group of the other ranks (memory_sim): a collective with real inputs gets real outputs."""
+    name = func.overloadpacket.__name__
+    wrappers: dict[int, SimTensor] = {}
+    leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, SimTensor)]
+    meta = any(a._data.is_meta for a in leaves)
+
+    if func is _aten._local_scalar_dense.default and meta:
+        return _scalar_stand_in(args[0]._data)
+    if func is _aten._to_copy.default and kwargs.get("device") is not None and not _is_sim(kwargs["device"]):
+        src = args[0]._data
+        host = _host(src) if src.is_meta else src
+        return func(host, **{k: v for k, v in kwargs.items()})
+    if func is _aten.topk.default and meta:
+        values, _ = func(*tree_map(lambda a: a._data if isinstance(a, SimTensor) else a, args), **kwargs)
+        k = args[1]
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        if args[0].dim() != 2 or dim not in (1, -1):
+            raise RuntimeError(f"simulated_cuda(shapes_only): topk of unknown values over dim {dim} of a "
+                               f"{args[0].dim()}-d tensor: only the router's [tokens, experts] has a stand-in")
+        return SimTensor(values), SimTensor(_balanced_topk(args[0]._data, k))
+
+    collective = func.namespace == "c10d"
+    if name in _FACTORIES:
+        def unwrap_factory(a):
+            if isinstance(a, SimTensor):
+                return a._data
+            if isinstance(a, torch.device) and a == _BACKING:
+                return torch.device("meta")
+            return a
+
+        out = func(*tree_map(unwrap_factory, args), **tree_map(unwrap_factory, kwargs))
+        if out.numel() * out.element_size() <= SMALL_BYTES:  # small: real values (zeros, arange, full, ...)
+            real = dict(kwargs, device=torch.device("cpu")) if "device" in kwargs else kwargs
+            out = func(*tree_map(lambda a: _meta_stand_in(unwrap_factory(a)), args),
+                       **tree_map(lambda a: _meta_stand_in(unwrap_factory(a)), real))
+            if out.device.type != "cpu":
+                out = out.to("cpu")
+        return SimTensor(out)
+
+    written = _written(func)
+    if collective:
+        real_inputs = any(not a._data.is_meta for a in leaves)
+        if real_inputs:  # the other ranks' answer to a collective of values: values (small buffers get real ones)
+            for a in leaves:
+                if a._data.is_meta and a._data.numel() * a._data.element_size() <= SMALL_BYTES:
+                    a._data = torch.zeros(a.shape, dtype=a.dtype)
+            meta = any(a._data.is_meta for a in leaves)
+        if meta:  # a large buffer among them: values unknown, outputs keep their shapes (no meta kernels for c10d)
+            for a in leaves:
+                if not a._data.is_meta:
+                    a._data = a._data.to("meta")
+            return _collective_stand_in(func, args)
+    elif meta:  # real operands this op writes turn meta (their values are now unknown)
+        flat = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        for i in written:
+            targets = flat[i] if i < len(flat) else None
+            for t in (targets if isinstance(targets, (list, tuple)) else [targets]):
+                if isinstance(t, SimTensor) and not t._data.is_meta:
+                    t._data = t._data.to("meta")
+
+    def unwrap(a):
+        if isinstance(a, SimTensor):
+            wrappers[id(a._data)] = a
+            if collective and a.dtype in _FLOAT8:
+                return a._data.view(torch.uint8)
+            return a._data if not meta or collective else _to_meta(a._data)
+        if isinstance(a, torch.device) and a == _BACKING:
+            return torch.device("meta") if meta else torch.device("cpu")
+        if meta and not collective:
+            return _to_meta(a)
+        return a
+
+    if func in _INDEX_OPS and meta and len(args) > 1:  # boolean indices with real values: their positions
+        args = (args[0], _long_indices(args[1]), *args[2:])
+    u_args, u_kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
+    if func in _MASKED and meta:
+        mask = args[1]._data if isinstance(args[1], SimTensor) else args[1]
+        if mask.is_meta:
+            raise RuntimeError(f"simulated_cuda(shapes_only): {func} with a mask of unknown values")
+        n = int(torch.broadcast_to(mask, torch.broadcast_shapes(mask.shape, args[0].shape)).sum())
+        out = torch.empty(n, dtype=args[0].dtype, device="meta")
+    else:
+        out = func(*u_args, **u_kwargs)
 
     def wrap(o):
         if isinstance(o, torch.Tensor) and not isinstance(o, SimTensor):
@@ -264,6 +484,28 @@ class _Event:
 _STREAM = _Stream()
 
 
+class _Generator:
+    """``torch.cuda.default_generators[i]`` stand-in: keeps the state it is given (Megatron's RNG tracker forks and
+    restores it around recomputed regions); the simulated device's random ops draw from the CPU generator."""
+
+    def __init__(self) -> None:
+        self._state = torch.get_rng_state()
+
+    def get_state(self) -> torch.Tensor:
+        return self._state
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self._state = state
+
+    graphsafe_get_state, graphsafe_set_state = get_state, set_state
+
+    def manual_seed(self, seed: int) -> _Generator:
+        return self
+
+
+_GENERATORS = (_Generator(),)
+
+
 def _record_stream(self, stream) -> None:
     """Tensor.record_stream: streams run in order here, so no tensor must be kept alive for one."""
 
@@ -287,6 +529,7 @@ CUDA_STANDINS = {
     "get_device_capability": lambda device=None: (9, 0),
     "get_device_name": lambda device=None: _properties().name,
     "get_device_properties": _properties,
+    "default_generators": _GENERATORS,
     "get_rng_state": lambda device="cuda": torch.get_rng_state(),
     "set_rng_state": lambda state, device="cuda": None,
     "manual_seed": lambda seed: None,
@@ -331,14 +574,19 @@ def _nccl_backend(group=None) -> str:
 
 
 @contextlib.contextmanager
-def simulated_cuda() -> Iterator[None]:
+def simulated_cuda(*, shapes_only: bool = False, tracker=None) -> Iterator[None]:
     """Run the block on one simulated CUDA device (module docstring). Megatron's CPU fixes keyed on CUDA's absence
-    are out of force inside and back on exit; so are the environment variables the block sets."""
+    are out of force inside and back on exit; so are the environment variables the block sets.
+
+    ``shapes_only``: device tensors hold no values beyond small bookkeeping ones (``_run_shapes``): a model of any
+    size builds and steps in no memory. ``tracker``: told of every tensor the device holds (``tracker.add``)."""
     from megatron_qarl import megatron_cpu
 
     env = dict(os.environ)
     get_backend = dist.get_backend
     megatron_cpu.remove()
+    saved_state = (_STATE.shapes_only, _STATE.tracker)
+    _STATE.shapes_only, _STATE.tracker = shapes_only, tracker
     try:
         dist.get_backend = _nccl_backend
         with cuda_runtime_standins():
@@ -349,6 +597,7 @@ def simulated_cuda() -> Iterator[None]:
             finally:
                 megatron_cpu.remove()
     finally:
+        _STATE.shapes_only, _STATE.tracker = saved_state
         dist.get_backend = get_backend
         os.environ.clear()
         os.environ.update(env)

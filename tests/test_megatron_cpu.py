@@ -124,6 +124,26 @@ def test_fix_is_still_needed(fix, scenario, upstream_error, random_model_dir, pr
     assert upstream_error in res.stderr, res.stderr[-3000:]
 
 
+def test_fix_te_min_version_lets_the_offload_optimizer_config_build():
+    """Without TE, Megatron's OptimizerConfig for optimizer CPU offload (precision-aware) raises TypeError unless
+    fix_te_min_version is in force."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_qarl.learner import offload_kwargs
+
+    def build():
+        return OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, bf16=True,
+                               params_dtype=torch.bfloat16, **offload_kwargs(True))
+
+    megatron_cpu.remove()
+    try:
+        with pytest.raises(TypeError, match="'>=' not supported between instances of 'NoneType'"):
+            build()
+    finally:
+        megatron_cpu.apply()
+    assert build().optimizer_cpu_offload is True
+
+
 def test_upstream_torch_norm_still_refuses_sequence_parallel():
     """megatron_cpu.RMSNorm exists because WrappedTorchNorm asserts not sequence_parallel."""
     from megatron.core.transformer import TransformerConfig
@@ -166,13 +186,15 @@ def test_each_fix_is_keyed_on_the_condition_of_its_failure(monkeypatch):
     every = _names(megatron_cpu.FIXES)
     assert _names(megatron_cpu.needed_fixes()) == every
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert _names(megatron_cpu.needed_fixes()) == ["fix_te_general_gemm", "fix_write_results_queue"]
+    assert _names(megatron_cpu.needed_fixes()) == ["fix_te_general_gemm", "fix_te_min_version",
+                                                   "fix_write_results_queue"]
     monkeypatch.setattr(moe_utils, "HAVE_TE", True)
     assert _names(megatron_cpu.needed_fixes()) == ["fix_write_results_queue"]
     monkeypatch.setattr(megatron_cpu.sys, "platform", "darwin")
     assert _names(megatron_cpu.needed_fixes()) == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _names(megatron_cpu.needed_fixes()) == [n for n in every if n not in ("fix_te_general_gemm",
+                                                                                 "fix_te_min_version",
                                                                                  "fix_write_results_queue")]
 
 

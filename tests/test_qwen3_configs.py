@@ -235,3 +235,29 @@ def test_train_memory_check_passes_configs_that_fit_and_skips_cpu_runs(tmp_path)
         check_memory(load_config(CONFIGS[0], [*big, "launch.gpu_gib=140.4"]))
     check_memory(load_config(CONFIGS[0], [*big, "launch.memory_check=false"]))  # told to start anyway
     check_memory(load_config(REPO / "configs/cpu_default.yaml", ["learner.micro_batch_size=1000"]))  # CPU learner
+
+
+QWEN3_235B_8X8 = ["model.path=configs/models/qwen3-235b-a22b", "launch.nodes=8", "parallel.world_size=32",
+                  "parallel.ep=32", "rollout.servers=8", "rollout.gpus_per_server=4",
+                  "learner.optimizer_cpu_offload=true"]  # W4A16 TBPO on 8 x 8 H100: learner 4 nodes, rollout 4
+
+
+def test_qwen3_235b_w4a16_layout_on_8x8_h100_fits_with_full_recompute_and_train_refuses_selective(tmp_path, capsys):
+    """Qwen3-235B-A22B (configs/models/qwen3-235b-a22b, the public model card's numbers): learner tp4/ep32 on 32
+    H100s with optimizer CPU offload and full recompute fits (TE spec); with selective recompute qarl train
+    refuses it with the plan's figures, before anything starts."""
+    from megatron_qarl.plan_cli import PlanOptions, config_plan
+
+    path = REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_4x8.yaml"
+    fits = config_plan(load_config(path, [*QWEN3_235B_8X8, "learner.recompute=full"]), PlanOptions(te_available=True),
+                       alternatives=False)
+    assert fits["fits"] and fits["learner"]["total_gib"] < 77.65 and fits["rollout"]["tp"] == 4
+    out = tmp_path / "run"
+    overrides = [*QWEN3_235B_8X8, "learner.recompute=selective", f"train.output_dir={out}"]
+    assert cli.main(["train", "--config", str(path), *overrides]) == 2
+    err = capsys.readouterr().err
+    le = config_plan(load_config(path, overrides), PlanOptions(te_available=False), alternatives=False)["learner"]
+    assert (f"the learner (tp4/ep32 on 32 GPUs) needs weights {le['weights_gib']} + gradients {le['gradients_gib']} + "
+            f"optimizer 0.0 + activations {le['activations_gib']} + qat cache {le['qat_cache_gib']} = "
+            f"{le['total_gib']} GiB per GPU (usable 77.65)") in err
+    assert not out.exists()
