@@ -49,6 +49,7 @@ import torch
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.plan import micro_batch_sequences, step_shape
 
 LABELS = ("weights", "gradients", "optimizer", "qat_cache", "activations", "other")
 
@@ -266,7 +267,6 @@ def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_
     docstring); ``micro_batch_tokens`` overrides the sequence length of the one-sequence-per-rank micro-batch."""
     from megatron_qarl.learner import Learner, policy_loss_fn
     from megatron_qarl.moe.parallelize import destroy_parallel, init_parallel
-    from megatron_qarl.plan_cli import micro_batch_sequences, step_shape
     from megatron_qarl.simulated_device import simulated_cuda
     from megatron_qarl.wire import parse_dtype
 

@@ -26,10 +26,14 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from megatron_qarl.errors import UserError
 from megatron_qarl.moe.model import Qwen3MoeArch, expert_tp
 from megatron_qarl.qat.config import QuantConfig, is_quantized
+
+if TYPE_CHECKING:
+    from megatron_qarl.config import QarlConfig
 
 GIB = 2**30
 KINDS = ("embedding", "lm_head", "attn_q", "attn_kv", "attn_o", "attn_bias", "qk_norm", "norm", "router", "expert")
@@ -458,3 +462,16 @@ def rollout_memory(arch: Qwen3MoeArch, quant: QuantConfig, srv: ServerLayout, *,
     return RolloutMemory(weights=weights, overhead=int((1 - mem_fraction_static) * gpu_bytes), kv_pool=pool,
                          kv_tokens=tokens, kv_needed=concurrent_seqs * seq_len * per_token,
                          seqs_at_full_length=tokens // seq_len)
+
+
+def step_shape(cfg: QarlConfig) -> tuple[int, int]:
+    """(responses per step, tokens of a full-length sequence: longest prompt + max new tokens)."""
+    s = cfg.rollout.sampling
+    return cfg.train.prompts_per_step * s.n_samples, cfg.data.max_prompt_tokens + s.max_new_tokens
+
+
+def micro_batch_sequences(cfg: QarlConfig, dp: int) -> int:
+    """Sequences of one learner forward/backward on a data-parallel rank of ``dp``: learner.micro_batch_size, at
+    most the rank's share of the step (None: the whole share at once)."""
+    share = math.ceil(step_shape(cfg)[0] / dp)
+    return min(cfg.learner.micro_batch_size or share, share)

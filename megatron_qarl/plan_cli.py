@@ -41,10 +41,12 @@ from megatron_qarl.plan import (
     ServerLayout,
     check_learner_layout,
     learner_memory,
+    micro_batch_sequences,
     optimizer_host_bytes,
     param_counts,
     rollout_memory,
     rollout_weight_bytes,
+    step_shape,
 )
 from megatron_qarl.qat.config import SCHEMES, QuantConfig
 
@@ -143,19 +145,6 @@ def recipe_config(model: str | Path, scheme: str, mem_fraction_static: float = 0
     data = json.loads(json.dumps(RECIPE))
     data["rollout"]["mem_fraction_static"] = mem_fraction_static
     return validate_config({**data, "model": {"path": str(model)}, "quant": {"scheme": scheme}})
-
-
-def step_shape(cfg: QarlConfig) -> tuple[int, int]:
-    """(responses per step, tokens of a full-length sequence: longest prompt + max new tokens)."""
-    s = cfg.rollout.sampling
-    return cfg.train.prompts_per_step * s.n_samples, cfg.data.max_prompt_tokens + s.max_new_tokens
-
-
-def micro_batch_sequences(cfg: QarlConfig, dp: int) -> int:
-    """Sequences of one learner forward/backward on a data-parallel rank of ``dp``: learner.micro_batch_size, at
-    most the rank's share of the step (None: the whole share at once)."""
-    share = math.ceil(step_shape(cfg)[0] / dp)
-    return min(cfg.learner.micro_batch_size or share, share)
 
 
 def micro_batch_tokens(cfg: QarlConfig, dp: int, opts: PlanOptions) -> int:

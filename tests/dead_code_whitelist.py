@@ -7,7 +7,6 @@ validators (``@field_validator``, ``@model_validator``) are exempt in the test i
 exc  # __exit__/__aexit__(self, *exc) of LocalSlurm, RewardScorer, SGLangClient: the context-manager protocol
 frame  # data/reward.py on_alarm(signum, frame): the signal-handler signature
 types  # megatron_cpu.py __torch_function__(self, func, types, ...): torch's TorchFunctionMode protocol
-model_config  # pydantic's class-level settings (ConfigDict) of every config and request body
 worker_main  # data/reward.py: a verification worker's entry point, started as `python -c "...worker_main(...)"`
 worker_pids  # data/reward.py RewardScorer: the workers' pids, which the fault tests kill (tests/test_data_reward.py)
 pids  # launch/ ServerFleet.pids (Protocol, local, Ray actor): the servers' pids, which the fault drills kill
