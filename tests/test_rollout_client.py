@@ -134,3 +134,25 @@ def test_launch_command_errors(tmp_path):
         launch_command(SGLangServerSpec(model_path=_ckpt(tmp_path, {"quant_method": "awq"})))
     with pytest.raises(FileNotFoundError, match="config.json: not found"):
         checkpoint_scheme(tmp_path / "nothing")
+
+
+def test_the_trainer_sides_http_calls_build_one_tls_context_per_process(monkeypatch):
+    """httpx builds a TLS context (certifi's CA bundle, ~50 ms of CPU here) for every Client, so for every
+    module-level httpx.post: the weight-update API and the client pass the one cached context instead."""
+    import ssl
+
+    from megatron_qarl.sync.weight_update import Engine, SyncError, WeightUpdateAPI
+    from megatron_qarl.utils.http import tls_context
+
+    built = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    tls_context.cache_clear()
+    api = WeightUpdateAPI(Engine("http://127.0.0.1:9"), timeout_s=2)  # port 9 (discard): nothing listens
+    for _ in range(3):
+        with pytest.raises(SyncError, match="127.0.0.1:9/get_model_info"):
+            api.model_info()
+    with pytest.raises(SyncError, match="/health"):
+        api.health()
+    SGLangClient("http://127.0.0.1:9")
+    assert len(built) == 1

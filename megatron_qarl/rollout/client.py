@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from megatron_qarl.utils.http import tls_context
 from megatron_qarl.wire import response_body
 
 
@@ -43,7 +44,7 @@ class SGLangClient:
         self.config = config or ClientConfig()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=self.config.timeout_s,
-                                       transport=transport)
+                                       transport=transport, verify=tls_context())
         self._slots = asyncio.Semaphore(self.config.max_concurrency)
 
     async def __aenter__(self) -> SGLangClient:

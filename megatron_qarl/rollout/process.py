@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from megatron_qarl.errors import UserError
+from megatron_qarl.utils.http import tls_context
 from megatron_qarl.utils.parent_death import die_with_parent
 
 
@@ -56,7 +57,7 @@ class ServerProcess:
                 raise UserError(f"rollout server {self.url} exited with code {self.proc.returncode} while starting; "
                                 f"last lines of {self.log_path}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2.0, verify=tls_context()).status_code == 200:
                     return self.url
             except httpx.HTTPError:
                 pass

@@ -23,6 +23,7 @@ import time
 
 import httpx
 
+from megatron_qarl.utils.http import tls_context
 from megatron_qarl.wire import response_body
 
 
@@ -53,9 +54,10 @@ class WeightUpdateAPI:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             if method == "POST":
-                r = httpx.post(self.url + path, json=payload or {}, headers=headers, timeout=self.timeout_s)
+                r = httpx.post(self.url + path, json=payload or {}, headers=headers, timeout=self.timeout_s,
+                               verify=tls_context())
             else:
-                r = httpx.get(self.url + path, headers=headers, timeout=self.timeout_s)
+                r = httpx.get(self.url + path, headers=headers, timeout=self.timeout_s, verify=tls_context())
         except httpx.HTTPError as err:
             raise SyncError(f"{self.url}{path}: {type(err).__name__}: {err}") from None
         if r.status_code >= 400:
@@ -74,7 +76,7 @@ class WeightUpdateAPI:
     def health(self) -> None:
         """GET /health (no key needed, short timeout): fail fast, naming the server, before a group is formed."""
         try:
-            httpx.get(self.url + "/health", timeout=10.0).raise_for_status()
+            httpx.get(self.url + "/health", timeout=10.0, verify=tls_context()).raise_for_status()
         except httpx.HTTPError as err:
             raise SyncError(f"{self.url}/health: {type(err).__name__}: {err}") from None
 
