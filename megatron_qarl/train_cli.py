@@ -106,11 +106,16 @@ def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
     else:
         from megatron_qarl.launch.local import LocalLearnerRanks, LocalServers
 
-        servers = LocalServers(cfg, model_dir)
+        servers = LocalServers(cfg, model_dir, wait=False)  # they load while the learner is built
         try:
             learners = LocalLearnerRanks(cfg)
         except BaseException:
             servers.close()
+            raise
+        try:
+            servers.wait_ready()
+        except BaseException:
+            learners.close()
             raise
         closers = [learners.close, servers.close]
     trainer = None

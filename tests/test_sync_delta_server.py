@@ -31,24 +31,25 @@ def start_server(model_dir: str, log_path) -> ServerProcess:
     return server
 
 
-@pytest.fixture
-def w4a16_dir(tiny_model_dir, tmp_path) -> str:
-    return str(quantize_checkpoint(tiny_model_dir, "w4a16", tmp_path / "w4a16"))
+@pytest.fixture(scope="module")
+def w4a16_dir(tiny_model_dir, tmp_path_factory) -> str:
+    return str(quantize_checkpoint(tiny_model_dir, "w4a16", tmp_path_factory.mktemp("w4a16") / "w4a16"))
 
 
-@pytest.fixture
-def two_servers(w4a16_dir, tmp_path):
-    servers = [start_server(w4a16_dir, tmp_path / f"server{i}.log") for i in range(2)]
+@pytest.fixture(scope="module")
+def two_servers(w4a16_dir, tmp_path_factory):
+    """Two servers for the module (their start-up is most of a test): every test begins with a full sync or
+    compares against what the server holds at its own start, so none depends on what an earlier one left."""
+    logs = tmp_path_factory.mktemp("servers")
+    servers = [start_server(w4a16_dir, logs / f"server{i}.log") for i in range(2)]
     yield servers
     for s in servers:
         s.stop()
 
 
 @pytest.fixture
-def w4a16_server(w4a16_dir, tmp_path):
-    server = start_server(w4a16_dir, tmp_path / "server.log")
-    yield server
-    server.stop()
+def w4a16_server(two_servers):
+    return two_servers[0]
 
 
 def held_checksums(url: str) -> tuple[str, dict[str, str]]:

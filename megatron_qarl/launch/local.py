@@ -28,7 +28,10 @@ class LocalLearnerRanks(LearnerRanks):
 
 
 class LocalServers:
-    def __init__(self, cfg: QarlConfig, model_dir: str):
+    """``rollout.servers`` server processes on this machine. ``wait=False``: return once they are spawned (the
+    caller builds its learner while they load, then calls ``wait_ready``)."""
+
+    def __init__(self, cfg: QarlConfig, model_dir: str, *, wait: bool = True):
         host = cfg.launch.server_host
         check_server_interpreter(cfg)  # rollout.server_python / launch_prefix exist here and have the engine
         self.procs = []
@@ -38,11 +41,25 @@ class LocalServers:
             self.procs.append(ServerProcess(server_command(cfg, model_dir, host, port), f"http://{url_host}:{port}",
                                             log_dir(cfg) / f"server{i}.log", env=server_env(cfg),
                                             startup_timeout_s=cfg.rollout.startup_timeout_s))
+        self.urls = [p.url for p in self.procs]
         try:
-            self.urls = [p.start() for p in self.procs]
+            for p in self.procs:
+                p.spawn()
         except BaseException:
             self.close()
             raise
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> list[str]:
+        """Wait until every server answers /health (each within rollout.startup_timeout_s of its spawn); on a
+        failure every server is stopped and the error names the one that failed."""
+        try:
+            self.urls = [p.wait_ready() for p in self.procs]
+        except BaseException:
+            self.close()
+            raise
+        return self.urls
 
     def alive(self) -> list[bool]:
         return [p.alive() for p in self.procs]

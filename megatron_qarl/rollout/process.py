@@ -42,16 +42,30 @@ class ServerProcess:
         self.env = dict(os.environ, **(env or {}))
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
+        self.spawned_at = 0.0
 
     def start(self) -> str:
         """Start (or restart) the server and wait until /health answers 200; return its URL."""
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the server process and return at once (``wait_ready`` waits for it): a launcher starts every
+        server, and builds its learner, while they load."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             # its own process group: a server's helper processes (vLLM's engine core and workers) are stopped with
             # it, also when the server itself died by SIGKILL (they would outlive it, holding memory and cores)
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          preexec_fn=die_with_parent, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
+        self.spawned_at = time.monotonic()
+
+    def wait_ready(self) -> str:
+        """Wait until the spawned server's /health answers 200 (rollout.startup_timeout_s from its spawn); return
+        its URL. A server that exits or stays unhealthy is a UserError with the last lines of its log."""
+        if self.proc is None:
+            raise RuntimeError(f"rollout server {self.url}: wait_ready() before spawn()")
+        deadline = self.spawned_at + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise UserError(f"rollout server {self.url} exited with code {self.proc.returncode} while starting; "
