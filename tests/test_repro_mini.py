@@ -190,8 +190,9 @@ def test_config_options_default_off_and_are_validated():
 
 @pytest.mark.e2e
 def test_repro_runs_cells_end_to_end_and_resumes(repro, tmp_path):
-    """Three small real runs (fp, QaRL+TBPO at 2 bits, fp with shuffled rewards), then a rerun skips them."""
-    argv = ["--arms", "fp,qarl_tbpo", "--bits", "2", "--controls", "fp", "--steps", "2", "--seeds", "1",
+    """Two small real runs (QaRL+TBPO at 2 bits, fp with shuffled rewards: an arm and a control), then a rerun
+    skips them."""
+    argv = ["--arms", "qarl_tbpo", "--bits", "2", "--controls", "fp", "--steps", "1", "--seeds", "1",
             "--eval-every", "0", "--eval-n", "8", "--set", "train.prompts_per_step=4",
             "--set", "rollout.sampling.n_samples=4", "--out", str(tmp_path / "runs"),
             "--doc", str(tmp_path / "REPRODUCTION.md")]  # fmt: skip
