@@ -49,8 +49,7 @@ def _stable(row: dict) -> dict:
 def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     steps = ["train.steps=3"]
-    ref = _qarl_train(full, steps)
-    _finish(ref, full)
+    ref = _qarl_train(full, steps)  # the uninterrupted run, beside the killed one (separate processes and ports)
     proc = _qarl_train(killed, steps)
     latest = killed / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
@@ -61,6 +60,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path):
     proc.send_signal(signal.SIGKILL)  # after step 2's checkpoint: step 3 is lost or half done
     proc.wait()
     _finish(_qarl_train(killed, steps, resume=True), killed)
+    _finish(ref, full)
 
     want = {r["step"]: r for r in read_metrics(full / "metrics.jsonl") if "loss/loss" in r}
     got = {r["step"]: r for r in read_metrics(killed / "metrics.jsonl") if "loss/loss" in r}
