@@ -4,6 +4,7 @@ the Ray start command of each node, the interface variables, the job's environme
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +164,18 @@ def test_sbatch_script_header_and_syntax():
         assert line in script
     assert "ray stop" not in script.replace("(no `ray stop`", "")  # it would stop every Ray on the host
     subprocess.run(["bash", "-n", str(REPO / "slurm" / "qarl.sbatch")], check=True)
+
+
+def test_a_worker_nodes_failed_ray_join_is_started_again_while_the_head_is_up(tmp_path):
+    """Ray 2.x's `ray start` gives up after 30 s when the loaded head's GCS does not register the node (seen in
+    tests/test_slurm.py at load ~15: the job then waited for that node until wait-ray's timeout)."""
+    from megatron_qarl.launch.slurm import join_ray
+
+    marker = tmp_path / "tried"
+    flaky = ["sh", "-c", f'if [ -f {marker} ]; then echo joined; exit 0; else touch {marker}; exit 1; fi']
+    assert join_ray(flaky, os.environ, head_up=lambda: True) == 0
+    marker.unlink()
+    assert join_ray(flaky, os.environ, head_up=lambda: False) == 1  # the head is gone: the job is ending
+    marker.unlink()
+    assert join_ray(flaky, os.environ, head_up=lambda: True, window_s=0) == 1  # ran a while: not a failed start
+    assert join_ray(["sh", "-c", "exit 3"], os.environ, head_up=lambda: True, tries=2) == 3

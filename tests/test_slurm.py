@@ -1,7 +1,7 @@
 """slurm/qarl.sbatch on a REAL Slurm (slurmctld + two slurmd on this host, auth/none; Debian's packages, which
 .ci/run installs): a two-node job starts Ray across both nodes, places the learner and the rollout server on
-different nodes, trains and COMPLETES; a job told USR1 (what --signal sends before the time limit) checkpoints,
-requeues itself and resumes to the end."""
+different nodes and trains; told USR1 (what --signal sends before the time limit) it checkpoints, requeues itself,
+resumes on both nodes and COMPLETES."""
 
 from __future__ import annotations
 
@@ -70,7 +70,11 @@ def _steps(out: Path) -> list[int]:
     return [r["step"] for r in rows if "loss/loss" in r]
 
 
-def test_two_node_job_runs_ray_across_nodes_and_completes(slurm, tmp_path, ray_tmp):
+def test_two_node_job_runs_ray_across_nodes_checkpoints_on_usr1_requeues_and_resumes(slurm, tmp_path, ray_tmp):
+    """One job (two jobs' worth of Slurm and Ray start-up saved): two nodes, Ray across both, the learner and the
+    rollout server on different nodes; then USR1 (what `#SBATCH --signal=B:USR1@300` sends before the time limit)
+    after step 1's checkpoint: the run stops with a checkpoint, the job requeues itself, restarts on both nodes and
+    resumes to the end, each step once."""
     out = tmp_path / "run"
     # the servers' own environment, passed as the job's QARL_SERVER_PYTHON: an interpreter that records its argv
     server_env = tmp_path / "server-env"
@@ -80,37 +84,14 @@ def test_two_node_job_runs_ray_across_nodes_and_completes(slurm, tmp_path, ray_t
     python.chmod(0o755)
     # one Ray CPU per node: the learner rank and the rollout server cannot share a node
     job = _submit(slurm, "configs/cpu_default.yaml",
-                  [f"train.output_dir={out}", "launch.nodes=2", "train.steps=2", *SMALL], ray_tmp,
+                  [f"train.output_dir={out}", "launch.nodes=2", "train.steps=3", *SMALL], ray_tmp,
                   env={"QARL_RAY_NUM_CPUS": "1", "QARL_SERVER_PYTHON": str(python)})
-    info = slurm.wait(job, timeout_s=900)
-    log = _log(out, job)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-6000:]}"
-    assert f"job {job} restart 0 on q[1-2] (2 nodes)" in log
-    assert "ray: 2 nodes up: " in log and "127.0.0.2" in log and "127.0.0.3" in log
-    placed = next(line for line in log.splitlines() if line.startswith("ray: learner ranks on "))
-    learner, servers = placed.removeprefix("ray: learner ranks on ").split("; rollout servers on ")
-    assert {learner, servers} == {"127.0.0.2", "127.0.0.3"}, placed
-    assert "step 1/2 reward=" in log and "step 2/2 reward=" in log, log[-4000:]
-    assert "qarl train exited with 0" in log
-    assert f"rollout servers run on: {python}" in log
-    runs = [p.read_text().splitlines() for p in server_env.glob("argv.*")]
-    assert [str(python), "-m", "megatron_qarl.cli", "serve"] in [a[:4] for a in runs], runs
-    assert _steps(out) == [1, 2]
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    assert sorted(p.name for p in (out / "slurm" / f"job-{job}").glob("ray-node*.log")) == \
-        ["ray-node0.log", "ray-node1.log"]
-
-
-def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path, ray_tmp):
-    out = tmp_path / "run"
-    job = _submit(slurm, "configs/cpu_default.yaml", [f"train.output_dir={out}", "train.steps=3", *SMALL], ray_tmp)
     latest = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 900
     while not (latest.is_file() and latest.read_text().strip() == "step_000001"):
         assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING"), _log(out, job)[-6000:]
         assert time.monotonic() < deadline, "no checkpoint after 900 s"
         time.sleep(0.2)
-    # what `#SBATCH --signal=B:USR1@300` sends to the batch shell before the time limit
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
     while (info := slurm.job(job)).get("Restarts", "0") == "0" or info.get("JobState") == "COMPLETING":
         assert info.get("JobState") not in FINAL_STATES, f"{info}\n{_log(out, job)[-6000:]}"  # it requeues itself
@@ -122,10 +103,24 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path, ray_tmp):
     info = slurm.wait(job, timeout_s=900)
     log = _log(out, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-6000:]}"
+    first, resumed = log.split(f"job {job} restart 1 on q[1-2] (2 nodes)")
+    # the first run: Ray on both nodes, learner and server apart, the servers' own python
+    assert f"job {job} restart 0 on q[1-2] (2 nodes)" in first
+    assert "ray: 2 nodes up: " in first and "127.0.0.2" in first and "127.0.0.3" in first
+    placed = next(line for line in first.splitlines() if line.startswith("ray: learner ranks on "))
+    learner, servers = placed.removeprefix("ray: learner ranks on ").split("; rollout servers on ")
+    assert {learner, servers} == {"127.0.0.2", "127.0.0.3"}, placed
+    assert "step 1/3 reward=" in first, first[-4000:]
+    assert f"rollout servers run on: {python}" in first
+    runs = [p.read_text().splitlines() for p in server_env.glob("argv.*")]
+    assert [str(python), "-m", "megatron_qarl.cli", "serve"] in [a[:4] for a in runs], runs
+    # USR1: a checkpoint, exit 75, the job requeues itself; the restart resumes and completes
     assert info["Restarts"] == "1", info
-    assert "got SIGUSR1" in log and "qarl train: stopped on a signal after step" in log
-    assert "qarl train exited with 75" in log and f"requeueing job {job}" in log
-    assert f"job {job} restart 1 on q1" in log and "resume: 1" in log
-    assert "--resume" in log.split(f"job {job} restart 1")[1]
-    assert "step 3/3 reward=" in log
+    assert "got SIGUSR1" in first and "qarl train: stopped on a signal after step" in first
+    assert "qarl train exited with 75" in first and f"requeueing job {job}" in first
+    assert "resume: 1" in resumed and "--resume" in resumed and "ray: 2 nodes up: " in resumed
+    assert "step 3/3 reward=" in resumed and "qarl train exited with 0" in resumed
     assert _steps(out) == [1, 2, 3]  # each step once: the resumed run continued after the checkpoint
+    assert latest.read_text().strip() == "step_000003"
+    assert sorted(p.name for p in (out / "slurm" / f"job-{job}").glob("ray-node*.log")) == \
+        ["ray-node0.log", "ray-node1.log"]

@@ -8,7 +8,8 @@ each node, network interface variables, per-job log folders, and the ``qarl trai
         folder is made first: sbatch does not make it)
 and, inside the job, as slurm/qarl.sbatch runs them:
     python -m megatron_qarl.launch.slurm env CONFIG [key.sub=value ...]   shell assignments to eval
-    python -m megatron_qarl.launch.slurm ray-node                          (one task per node, srun) exec ray start
+    python -m megatron_qarl.launch.slurm ray-node                          (one task per node, srun) ray start;
+        a worker node whose start times out joining the head is started again (join_ray)
     python -m megatron_qarl.launch.slurm wait-ray --nodes N                until N Ray nodes are up
 
 Everything here is plain functions of the Slurm environment variables (``SLURM_JOB_NODELIST``,
@@ -322,7 +323,50 @@ def _ray_node(args: argparse.Namespace) -> int:
                             num_cpus=node_cpus(env), num_gpus=node_gpus(env), temp_dir=env["QARL_RAY_TMPDIR"],
                             ray=ray if Path(ray).exists() else "ray")
     print(f"[{me}] {shlex.join(cmd)}", flush=True)
-    os.execvpe(cmd[0], cmd, child_env)
+    if head:
+        os.execvpe(cmd[0], cmd, child_env)
+    return join_ray(cmd, child_env, head_up=lambda: port_open(head_addr, port), label=f"[{me}]")
+
+
+# A worker's `ray start` gives up when its raylet has not registered with the head's GCS within 30 s (hard-coded in
+# Ray 2.x, ray/_private/node.py: "The current node timed out during startup ... the GCS has become overloaded"),
+# which happens on a loaded node; the job then waits for that node until wait-ray's timeout. So it is started again.
+RAY_JOIN_TRIES = 3
+RAY_JOIN_WINDOW_S = 180.0  # an exit later than this is not a failed start (the head went away): never retried
+
+
+def port_open(addr: str, port: int) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def join_ray(cmd: Sequence[str], env: Mapping[str, str], *, head_up, label: str = "",
+             tries: int = RAY_JOIN_TRIES, window_s: float = RAY_JOIN_WINDOW_S) -> int:
+    """Run a worker node's ``ray start --block`` and return its exit code; a non-zero exit within ``window_s``
+    of its start while ``head_up()`` still holds is a failed join, started again (``tries`` in all). SIGTERM and
+    SIGINT (srun ending the task) are passed on, so ending the task still ends the node's Ray."""
+    import signal
+
+    for attempt in range(1, tries + 1):
+        started = time.monotonic()
+        proc = subprocess.Popen(list(cmd), env=dict(env))
+        previous = {sig: signal.signal(sig, lambda signum, frame, p=proc: p.send_signal(signum))
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            rc = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        took = time.monotonic() - started
+        if rc == 0 or attempt == tries or took > window_s or not head_up():
+            return rc
+        print(f"{label} ray start exited with {rc} after {took:.0f} s while joining the head: starting it again "
+              f"(try {attempt + 1} of {tries})", flush=True)
+        time.sleep(2)
+    return rc
 
 
 def _wait_ray(args: argparse.Namespace) -> int:
