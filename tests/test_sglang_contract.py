@@ -369,6 +369,7 @@ WEIGHT_UPDATE_CALLS = {
 def weight_update_requests() -> list[Sent]:
     """Every request of sync/weight_update.py, the one owner of the weight-update protocol, as httpx sends it."""
     from megatron_qarl.sync.weight_update import Engine, WeightUpdateAPI
+    from megatron_qarl.utils.http import tls_context
 
     methods = {n for n, f in inspect.getmembers(WeightUpdateAPI, inspect.isfunction)
                if not n.startswith("_") and n not in ("call", "quietly")}
@@ -377,8 +378,10 @@ def weight_update_requests() -> list[Sent]:
     rec = Recorder("WeightUpdateAPI", _model_json(str(TINY))["vocab_size"])
     http = httpx.Client(transport=httpx.MockTransport(rec))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(httpx, "get", http.get)
-        mp.setattr(httpx, "post", http.post)
+        # httpx's module functions take the TLS context as ``verify`` (a Client is built with it): the shared one
+        shared = tls_context()
+        mp.setattr(httpx, "get", lambda url, *, verify, **kw: http.get(url, **kw) if verify is shared else None)
+        mp.setattr(httpx, "post", lambda url, *, verify, **kw: http.post(url, **kw) if verify is shared else None)
         api = WeightUpdateAPI(Engine("http://sglang.test", api_key="k"))
         for call in WEIGHT_UPDATE_CALLS.values():
             call(api)
