@@ -179,3 +179,18 @@ def test_a_worker_nodes_failed_ray_join_is_started_again_while_the_head_is_up(tm
     marker.unlink()
     assert join_ray(flaky, os.environ, head_up=lambda: True, window_s=0) == 1  # ran a while: not a failed start
     assert join_ray(["sh", "-c", "exit 3"], os.environ, head_up=lambda: True, tries=2) == 3
+
+
+def test_ending_the_ray_node_task_ends_its_ray_and_starts_nothing_again(tmp_path):
+    import signal
+    import threading
+
+    from megatron_qarl.launch.slurm import join_ray
+
+    starts = tmp_path / "starts"
+    node = ["sh", "-c", f"echo start >> {starts}; sleep 30"]  # a `ray start --block` that would run on
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # srun ending the task
+    rc = join_ray(node, os.environ, head_up=lambda: True)
+    assert rc == -signal.SIGTERM and starts.read_text().splitlines() == ["start"]
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back

@@ -347,26 +347,34 @@ def join_ray(cmd: Sequence[str], env: Mapping[str, str], *, head_up, label: str 
              tries: int = RAY_JOIN_TRIES, window_s: float = RAY_JOIN_WINDOW_S) -> int:
     """Run a worker node's ``ray start --block`` and return its exit code; a non-zero exit within ``window_s``
     of its start while ``head_up()`` still holds is a failed join, started again (``tries`` in all). SIGTERM and
-    SIGINT (srun ending the task) are passed on, so ending the task still ends the node's Ray."""
+    SIGINT (srun ending the task) are passed on, so ending the task still ends the node's Ray, and after one no
+    start is retried."""
     import signal
 
-    for attempt in range(1, tries + 1):
-        started = time.monotonic()
-        proc = subprocess.Popen(list(cmd), env=dict(env))
-        previous = {sig: signal.signal(sig, lambda signum, frame, p=proc: p.send_signal(signum))
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            rc = proc.wait()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        took = time.monotonic() - started
-        if rc == 0 or attempt == tries or took > window_s or not head_up():
-            return rc
-        print(f"{label} ray start exited with {rc} after {took:.0f} s while joining the head: starting it again "
-              f"(try {attempt + 1} of {tries})", flush=True)
-        time.sleep(2)
-    return rc
+    running: list[subprocess.Popen] = []
+    told: list[int] = []
+
+    def pass_on(signum, frame):
+        told.append(signum)
+        for proc in running:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for attempt in range(1, tries + 1):
+            started = time.monotonic()
+            running[:] = [subprocess.Popen(list(cmd), env=dict(env))]
+            rc = running[0].wait()
+            took = time.monotonic() - started
+            if rc == 0 or told or attempt == tries or took > window_s or not head_up():
+                return rc
+            print(f"{label} ray start exited with {rc} after {took:.0f} s while joining the head: starting it "
+                  f"again (try {attempt + 1} of {tries})", flush=True)
+            time.sleep(2)
+        return rc
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _wait_ray(args: argparse.Namespace) -> int:
