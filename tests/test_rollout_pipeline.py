@@ -5,7 +5,6 @@ the staleness bound is regenerated, never handed to the step."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import types
@@ -14,13 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from embedded_server import serve_in_thread
 from safetensors.torch import load_file, save_file
 
 from megatron_qarl.config import load_config
 from megatron_qarl.data.prompts import PromptStream
 from megatron_qarl.rollout.engine import Engine, EngineConfig
 from megatron_qarl.rollout.manager import RolloutServerError, parse_response, token_versions
-from megatron_qarl.rollout.server import ServerConfig, build_app
 from megatron_qarl.rollout_pipeline import RolloutPipeline, sample_staleness, staleness_metrics
 from megatron_qarl.sync.weight_update import Engine as Endpoint
 from megatron_qarl.sync.weight_update import WeightUpdateAPI
@@ -44,24 +43,9 @@ def model_dirs(tmp_path_factory, private_tiny_copy) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    import uvicorn
-
     engine = Engine(EngineConfig(model_path=model_dirs[0], dtype="float32", max_batch_size=8, num_threads=1))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, ServerConfig(port=port)), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    with serve_in_thread(engine) as url:
+        yield url, engine
 
 
 def _load(http: httpx.Client, model_dir: str, version: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from embedded_server import serve_in_thread
 
 from megatron_qarl.errors import UserError
 from megatron_qarl.rollout.engine import Engine, EngineConfig
@@ -30,24 +31,9 @@ def model_dir(tmp_path_factory, private_tiny_copy) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir):
     """(base URL, engine) of a real uvicorn server on a free loopback port."""
-    import uvicorn
-
     engine = Engine(EngineConfig(model_path=model_dir, dtype="float32", max_batch_size=4))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, ServerConfig(port=port)), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    with serve_in_thread(engine) as url:
+        yield url, engine
 
 
 @pytest.fixture

@@ -22,7 +22,9 @@ CPU_DEFAULT = "configs/cpu_default.yaml"
 SMALL = ["launch.backend=local", "train.prompts_per_step=4", "rollout.sampling.n_samples=4", "train.eval.n=8",
          "train.eval.sampled_n=1", "train.eval.every=0", "rollout.max_batch_size=32", "train.checkpoint.every=1",
          "train.checkpoint.keep=2", "rollout.sampling.max_new_tokens=40",
-         "rollout.dtype=float32"]  # fp32 servers: reruns agree to ~1e-7 (bf16 rounding varies with the batch's make-up)
+         "rollout.dtype=float32",  # fp32 servers: reruns agree to ~1e-7 (bf16 rounding varies with the batch's make-up)
+         "rollout.threads=1"]  # one torch thread per server: with the learner (and xdist's other worker) on 2 cores,
+# more thrash in OpenMP's waits (a two-server test's rollouts took 50-104 s a step under the suite's load)
 # what changes between two runs of the same config: wall-clock figures
 VOLATILE = ("time/", "throughput/", "sync/seconds")
 
@@ -39,6 +41,18 @@ def _finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> None:
     assert rc == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
 
 
+def _kill_9_after_checkpoint(proc: subprocess.Popen, out: Path, step: str, timeout: float = 600) -> None:
+    """SIGKILL the run as soon as its checkpoints/latest names ``step``."""
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + timeout
+    while not (latest.is_file() and latest.read_text().strip() == step):
+        assert proc.poll() is None, (out.parent / f"{out.name}.log").read_text()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
 def _stable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
@@ -48,14 +62,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_metrics(tmp_path):
     steps = ["train.steps=3"]
     ref = _qarl_train(full, steps)  # the uninterrupted run, beside the killed one (separate processes and ports)
     proc = _qarl_train(killed, steps)
-    latest = killed / "checkpoints" / "latest"
-    deadline = time.monotonic() + 600
-    while not (latest.is_file() and latest.read_text().strip() == "step_000002"):
-        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)  # after step 2's checkpoint: step 3 is lost or half done
-    proc.wait()
+    _kill_9_after_checkpoint(proc, killed, "step_000002")  # step 3 is lost or half done
     _finish(_qarl_train(killed, steps, resume=True), killed)
     _finish(ref, full)
 
@@ -83,14 +90,7 @@ def test_one_step_kill_9_mid_overlap_then_resume_loses_no_prompt(tmp_path):
     out = tmp_path / "async"
     steps = ["train.steps=3", "train.async=one_step", "train.eval.n=4", "train.learner_threads=1", "rollout.threads=1"]
     proc = _qarl_train(out, steps)
-    latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 600
-    while not (latest.is_file() and latest.read_text().strip() == "step_000002"):
-        assert proc.poll() is None, (tmp_path / "async.log").read_text()[-4000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    _kill_9_after_checkpoint(proc, out, "step_000002")
     at_kill = ckpt.read_state(out / "checkpoints" / "step_000002")["trainer"]["data"]
     _finish(_qarl_train(out, steps, resume=True), out)
 
