@@ -194,7 +194,7 @@ def test_repro_runs_cells_end_to_end_and_resumes(repro, tmp_path):
     skips them."""
     argv = ["--arms", "qarl_tbpo", "--bits", "2", "--controls", "fp", "--steps", "1", "--seeds", "1",
             "--eval-every", "0", "--eval-n", "8", "--set", "train.prompts_per_step=4",
-            "--set", "rollout.sampling.n_samples=4", "--out", str(tmp_path / "runs"),
+            "--set", "rollout.sampling.n_samples=4", "--set", "rollout.threads=1", "--out", str(tmp_path / "runs"),
             "--doc", str(tmp_path / "REPRODUCTION.md")]  # fmt: skip
     assert repro.main(argv) == 0
     text = (tmp_path / "REPRODUCTION.md").read_text()

@@ -30,7 +30,8 @@ if MISSING:
 # the CPU config, small: 4 prompts x 4 samples, a short held-out set, a checkpoint every step
 SMALL = ["train.prompts_per_step=4", "rollout.sampling.n_samples=4", "train.eval.n=8", "train.eval.sampled_n=1",
          "train.eval.every=0", "rollout.max_batch_size=32", "train.checkpoint.every=1",
-         "rollout.sampling.max_new_tokens=40", "rollout.startup_timeout_s=180"]
+         "rollout.sampling.max_new_tokens=40", "rollout.startup_timeout_s=180",
+         "rollout.threads=1"]  # one torch thread per server: less OpenMP thrash beside the learner on 2 cores
 
 
 @pytest.fixture(scope="module")
