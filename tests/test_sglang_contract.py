@@ -379,9 +379,14 @@ def weight_update_requests() -> list[Sent]:
     http = httpx.Client(transport=httpx.MockTransport(rec))
     with pytest.MonkeyPatch.context() as mp:
         # httpx's module functions take the TLS context as ``verify`` (a Client is built with it): the shared one
-        shared = tls_context()
-        mp.setattr(httpx, "get", lambda url, *, verify, **kw: http.get(url, **kw) if verify is shared else None)
-        mp.setattr(httpx, "post", lambda url, *, verify, **kw: http.post(url, **kw) if verify is shared else None)
+        def sending(send):
+            def call(url, *, verify, **kw):
+                assert verify is tls_context(), f"{url}: not the shared TLS context (megatron_qarl/utils/http.py)"
+                return send(url, **kw)
+            return call
+
+        mp.setattr(httpx, "get", sending(http.get))
+        mp.setattr(httpx, "post", sending(http.post))
         api = WeightUpdateAPI(Engine("http://sglang.test", api_key="k"))
         for call in WEIGHT_UPDATE_CALLS.values():
             call(api)

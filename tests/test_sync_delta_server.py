@@ -23,12 +23,10 @@ from megatron_qarl.sync.checksum import weight_checksums
 pytestmark = pytest.mark.multiproc
 
 
-def start_server(model_dir: str, log_path) -> ServerProcess:
+def server_process(model_dir: str, log_path) -> ServerProcess:
     port = free_port()
-    server = ServerProcess(embedded_command(model_dir, port, dtype="float32"), f"http://127.0.0.1:{port}", log_path,
-                           env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=120)
-    server.start()
-    return server
+    return ServerProcess(embedded_command(model_dir, port, dtype="float32"), f"http://127.0.0.1:{port}", log_path,
+                         env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=120)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +39,11 @@ def two_servers(w4a16_dir, tmp_path_factory):
     """Two servers for the module (their start-up is most of a test): every test begins with a full sync or
     compares against what the server holds at its own start, so none depends on what an earlier one left."""
     logs = tmp_path_factory.mktemp("servers")
-    servers = [start_server(w4a16_dir, logs / f"server{i}.log") for i in range(2)]
+    servers = [server_process(w4a16_dir, logs / f"server{i}.log") for i in range(2)]
+    for s in servers:  # both load at once
+        s.spawn()
+    for s in servers:
+        s.wait_ready()
     yield servers
     for s in servers:
         s.stop()

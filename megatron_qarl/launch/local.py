@@ -55,7 +55,8 @@ class LocalServers:
         """Wait until every server answers /health (each within rollout.startup_timeout_s of its spawn); on a
         failure every server is stopped and the error names the one that failed."""
         try:
-            self.urls = [p.wait_ready() for p in self.procs]
+            for p in self.procs:
+                p.wait_ready()
         except BaseException:
             self.close()
             raise
