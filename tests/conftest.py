@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_qarl.moe import parallelize
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "checkpoints" / "tiny-qwen3-moe"
 
@@ -18,6 +20,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # strict device mode (megatron_qarl/moe/parallelize.py): every tensor handed to a collective must have been placed
 # on its group's device by to_group_device; spawned ranks and server processes inherit it
 os.environ.setdefault("QARL_STRICT_DEVICES", "1")
+
+# most multi-rank tests quantize: each xdist worker's rank forkserver (parallelize.rank_context) imports ModelOpt
+# once, instead of every quantized rank importing it again (about 12 s of CPU per process on these machines)
+parallelize.RANK_PRELOAD.append("modelopt.torch.quantization")
 
 
 # The files that take longest (the suite's --durations under README's command on a 2-core machine), longest first:

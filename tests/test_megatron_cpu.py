@@ -14,95 +14,38 @@ import sys
 import textwrap
 from pathlib import Path
 
+import megatron_cpu_probe
 import pytest
 import torch
 
 from megatron_qarl import megatron_cpu
 from megatron_qarl.errors import UserError
+from megatron_qarl.moe import parallelize
 
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the fixes apply only without CUDA")
 
-PROBE = textwrap.dedent('''
-    import sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch
-
-
-    def install(skip):
-        from megatron_qarl import megatron_cpu as mc
-        fixes = [fix for fix in mc.FIXES if fix.__name__ != skip.split(":")[0]]
-        if skip == "fix_alltoall_streams:splits_only":  # keep the stream part, drop the split sizes
-            from megatron.core.transformer.moe import token_dispatcher as td
-
-            @mc.when(mc.cuda_absent)
-            def fix_stream_only():
-                mc._replace(td.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", "cpu")
-                mc._replace(td.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", lambda self, point, t=None: t)
-
-            fixes.append(fix_stream_only)
-        mc.FIXES = tuple(fixes)
-        mc.apply()  # init_parallel's apply() then finds the fixes installed: the skipped one stays out
-
-
-    def body(skip, scenario, model_dir):
-        warnings.filterwarnings("ignore")
-        install(skip)
-        from megatron_qarl.config import OptimConfig, ParallelConfig
-        from megatron_qarl.learner import Batch, Learner, token_mean_nll
-        from megatron_qarl.moe.model import Qwen3MoeArch, build_model, forward_logits
-        from megatron_qarl.moe.parallelize import init_parallel
-
-        arch = Qwen3MoeArch.from_model_dir(model_dir)
-        ep = 2 if scenario == "forward_ep2" else 1
-        init_parallel(ep=ep)
-        if scenario.startswith("forward"):
-            forward_logits(build_model(arch, ep=ep), torch.randint(0, 8, (1, 8)))
-            return
-        from megatron_qarl.qat.config import QuantConfig
-        quant = QuantConfig(scheme="w4a16") if scenario == "checkpoint_quant" else None
-        learner = Learner(arch, ParallelConfig(), OptimConfig(clip_grad=1.0 if scenario == "clip" else 0.0),
-                          quant=quant, distributed_optimizer=scenario == "distopt",
-                          recompute="full" if scenario == "recompute" else "none")
-        batch = Batch(torch.randint(0, arch.vocab_size, (2, 8)), torch.ones(2, 7))
-        learner.train_step(batch, lambda logp, b: token_mean_nll(logp, b, 14))
-        if scenario.startswith("checkpoint"):
-            import tempfile
-            from megatron.core import dist_checkpointing
-            msd = learner.module.sharded_state_dict(prefix="model.")
-            with tempfile.TemporaryDirectory() as d:
-                dist_checkpointing.save({"model": msd, "optimizer": learner.optimizer.sharded_state_dict(msd)}, d)
-
-
-    if __name__ == "__main__":
-        from megatron_qarl.moe.parallelize import run_ranks
-        from probe_mod import body as picklable_body
-
-        skip, scenario, model_dir = sys.argv[1:4]
-        run_ranks(2 if scenario == "forward_ep2" else 1, picklable_body, skip, scenario, model_dir)
-        print("PROBE-OK")
-''')
-
-
-@pytest.fixture(scope="module")
-def probe_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("probe") / "probe_mod.py"
-    path.write_text(PROBE)
-    return path
-
-
-def _probe(probe_file, skip: str, scenario: str, model_dir: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(probe_file.parent), *sys.path]))
-    return subprocess.run([sys.executable, str(probe_file), skip, scenario, model_dir],
-                          capture_output=True, text=True, timeout=300, env=env)
+def _probe(tmp_path, skip: str, scenario: str, model_dir: str) -> str:
+    """Run tests/megatron_cpu_probe.py's probe in a process of its own; its output (PROBE-OK or a traceback).
+    The process is forked from the rank forkserver, which has imported Megatron-Core, ModelOpt and the learner
+    once and applied no fix (a fresh interpreter per probe spent about 15 s of CPU importing them)."""
+    log = tmp_path / f"probe-{skip.replace(':', '-')}-{scenario}.log"
+    proc = parallelize.rank_context().Process(
+        target=megatron_cpu_probe.main, args=(skip, scenario, model_dir, str(log), dict(os.environ), os.getcwd()))
+    proc.start()
+    proc.join(timeout=300)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail(f"probe {skip} {scenario} still running after 300 s:\n{log.read_text()[-3000:]}")
+    return log.read_text()
 
 
 @pytest.mark.parametrize("scenario", ["clip", "forward_ep2", "checkpoint", "checkpoint_quant", "distopt",
                                       "recompute"])
-def test_all_fixes_together_run(scenario, random_model_dir, probe_file):
-    res = _probe(probe_file, "none", scenario, random_model_dir)
-    assert "PROBE-OK" in res.stdout, res.stderr[-3000:]
+def test_all_fixes_together_run(scenario, random_model_dir, tmp_path):
+    out = _probe(tmp_path, "none", scenario, random_model_dir)
+    assert "PROBE-OK" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("fix, scenario, upstream_error", [
@@ -117,11 +60,11 @@ def test_all_fixes_together_run(scenario, random_model_dir, probe_file):
     ("fix_distributed_optimizer_types", "distopt", "Wrapped parameters must be one of torch.cuda.FloatTensor"),
     ("fix_recompute_rng", "recompute", "torch.cuda.random.get_rng_state"),
 ])
-def test_fix_is_still_needed(fix, scenario, upstream_error, random_model_dir, probe_file):
+def test_fix_is_still_needed(fix, scenario, upstream_error, random_model_dir, tmp_path):
     assert fix.split(":")[0] in [f.__name__ for f in megatron_cpu.FIXES]
-    res = _probe(probe_file, fix, scenario, random_model_dir)
-    assert "PROBE-OK" not in res.stdout, f"upstream no longer needs {fix}: remove it"
-    assert upstream_error in res.stderr, res.stderr[-3000:]
+    out = _probe(tmp_path, fix, scenario, random_model_dir)
+    assert "PROBE-OK" not in out, f"upstream no longer needs {fix}: remove it"
+    assert upstream_error in out, out[-3000:]
 
 
 def test_fix_te_min_version_lets_the_offload_optimizer_config_build():
@@ -315,8 +258,12 @@ def _alive_after_trainer_killed(tmp_path, mode: str) -> bool:
 def test_the_checkpoint_writer_manager_dies_with_a_killed_trainer_and_the_fix_is_still_needed(tmp_path):
     """fix_write_results_queue: with it, the Manager dies with a trainer killed by -9; without it (upstream's
     ``ctx.Manager()``), it outlives the trainer."""
-    assert not _alive_after_trainer_killed(tmp_path, "fixed"), "the Manager outlived the killed trainer"
-    assert _alive_after_trainer_killed(tmp_path, "upstream"), \
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # the two trainers at once: each waits 10 s for its Manager
+        fixed, upstream = pool.map(lambda mode: _alive_after_trainer_killed(tmp_path, mode), ["fixed", "upstream"])
+    assert not fixed, "the Manager outlived the killed trainer"
+    assert upstream, \
         "upstream's Manager no longer outlives a killed trainer: remove fix_write_results_queue"
 
 
