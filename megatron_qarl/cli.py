@@ -2,7 +2,8 @@
 
 Each subcommand lives in the module that owns the concept and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` (called with the parsed
-namespace, returning an exit code). Only subcommands that work are listed here.
+namespace, returning an exit code). Only subcommands that work are listed here; each is registered under
+the name its module gives it, which must be its key in ``SUBCOMMANDS``.
 """
 
 from __future__ import annotations
@@ -13,27 +14,31 @@ import sys
 
 from megatron_qarl.errors import UserError
 
-# module path of each subcommand provider, in the order `qarl --help` shows them
-SUBCOMMANDS: list[str] = [
-    "megatron_qarl.train_cli",  # qarl train
-    "megatron_qarl.moe.verify",  # qarl convert verify
-    "megatron_qarl.data.evaluate",  # qarl eval
-    "megatron_qarl.qat.cli",  # qarl quantize
-    "megatron_qarl.plan_cli",  # qarl plan
-    "megatron_qarl.rollout.serve_cli",  # qarl serve
-]
+# the module of each subcommand, in the order `qarl --help` shows them
+SUBCOMMANDS: dict[str, str] = {
+    "train": "megatron_qarl.train_cli",
+    "convert": "megatron_qarl.moe.verify",
+    "eval": "megatron_qarl.data.evaluate",
+    "quantize": "megatron_qarl.qat.cli",
+    "plan": "megatron_qarl.plan_cli",
+    "serve": "megatron_qarl.rollout.serve_cli",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``command`` alone when it names a subcommand (only its module is imported: `qarl serve`, which
+    every rollout server runs, skips the trainer's imports), else of them all (``--help``, a typo)."""
     parser = argparse.ArgumentParser(prog="qarl", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in SUBCOMMANDS:
-        importlib.import_module(module).register(subparsers)
+    for name, module in SUBCOMMANDS.items():
+        if command in (None, name) or command not in SUBCOMMANDS:
+            importlib.import_module(module).register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except UserError as err:

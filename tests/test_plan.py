@@ -298,9 +298,7 @@ def test_cli_text_and_json(big, capsys):
         "attention": "unfused", "attention_why": "", "expert_imbalance": 1.0}
 
 
-def test_cli_errors(monkeypatch, tmp_path, capsys):
-    if "megatron_qarl.plan_cli" not in cli.SUBCOMMANDS:  # registered in cli.py since qarl train landed
-        monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, "megatron_qarl.plan_cli"])
+def test_cli_errors(tmp_path, capsys):
     assert cli.main(["plan", "--model", str(QWEN3_30B), "--scheme", "w3"]) == 2
     assert "--scheme: unknown scheme 'w3'" in capsys.readouterr().err
     assert cli.main(["plan", "--model", str(tmp_path / "nope")]) == 2
