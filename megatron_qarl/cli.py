@@ -31,7 +31,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qarl", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in SUBCOMMANDS.items():
-        if command in (None, name) or command not in SUBCOMMANDS:
+        if command not in SUBCOMMANDS or command == name:  # None (no command) is not a key
             importlib.import_module(module).register(subparsers)
     return parser
 

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the fixes apply only without CUDA")
 
+
 def _probe(tmp_path, skip: str, scenario: str, model_dir: str) -> str:
     """Run tests/megatron_cpu_probe.py's probe in a process of its own; its output (PROBE-OK or a traceback).
     The process is forked from the rank forkserver, which has imported Megatron-Core, ModelOpt and the learner
