@@ -78,7 +78,7 @@ def measure(model_dir: str, lr: float, full_url: str, delta_url: str, steps: int
             threads: int) -> dict:
     """One learner rank, ``steps`` Adam steps, a full and a delta sync after each (see the module docstring)."""
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.moe.parallelize import init_parallel
     from megatron_qarl.qat.config import QuantConfig

@@ -5,7 +5,7 @@ in parallel subprocesses, saved under benchmarks/results/memory_sim/, then one m
     python benchmarks/memory_sim.py --table                      # the table of what is saved
 
 Each simulation: one learner rank of the config's layout at full width on a shape-only simulated CUDA device
-(megatron_qarl.memory_sim), at each of ``--layers``, extrapolated to the model's layers; minutes per config.
+(megatron_qarl.plan.simulate), at each of ``--layers``, extrapolated to the model's layers; minutes per config.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def run_one(config: str, layers: list[int], overrides: list[str], name: str | No
 
 def _replan(d: dict) -> dict[str, int]:
     """The planner's figures for a saved result, recomputed with the planner of this checkout."""
-    from megatron_qarl.config import load_config
     from megatron_qarl.moe.model import Qwen3MoeArch
-    from megatron_qarl.plan import LearnerLayout
-    from megatron_qarl.plan_cli import PlanOptions, _learner_memory
+    from megatron_qarl.plan.cli import PlanOptions, _learner_memory
+    from megatron_qarl.plan.memory import LearnerLayout
+    from megatron_qarl.preflight.rules import load_config
 
     cfg = load_config(d["config"], d.get("overrides", []))
     arch = Qwen3MoeArch.from_model_dir(cfg.model.path)

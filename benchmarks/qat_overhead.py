@@ -39,7 +39,7 @@ def wide_arch():
 
 def time_steps(arch, scheme: str, batch: int, seq: int, steps: int, compiled: bool = False) -> list[float]:
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
     from megatron_qarl.qat.config import QuantConfig
 
     learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-5), quant=QuantConfig(scheme=scheme),

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def measure(arch, repeats: int, rows: int, seq: int) -> dict:
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
     from megatron_qarl.qat.config import QuantConfig
 
     learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-6), quant=QuantConfig(scheme="w4a16"),

@@ -98,7 +98,7 @@ def start_server(model_dir: Path, threads: int, log: Path) -> ServerProcess:
 
 def measure(model_dir: str, scheme: str, url: str, syncs: int, threads: int) -> dict:
     """One gloo rank: learner + broadcaster; returns the per-sync figures."""
-    from megatron_qarl.learner import Learner
+    from megatron_qarl.learner.rank import Learner
 
     torch.set_num_threads(threads)
     arch = Qwen3MoeArch.from_model_dir(model_dir)

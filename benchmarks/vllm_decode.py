@@ -23,13 +23,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_qarl.config import load_config  # noqa: E402
 from megatron_qarl.launch.fleet import server_command, server_env  # noqa: E402
 from megatron_qarl.moe.parallelize import free_port  # noqa: E402
+from megatron_qarl.preflight.rules import load_config  # noqa: E402
 from megatron_qarl.rollout.client import ClientConfig, SGLangClient  # noqa: E402
 from megatron_qarl.rollout.process import ServerProcess  # noqa: E402
 from megatron_qarl.rollout.vllm_client import VLLMClient  # noqa: E402
-from megatron_qarl.train_cli import rollout_model_dir  # noqa: E402
+from megatron_qarl.train.cli import rollout_model_dir  # noqa: E402
 
 CONFIG = {"bf16": "configs/cpu_bf16_rollout.yaml", "w4a16": "configs/cpu_default.yaml"}
 

@@ -1,3 +1,18 @@
-"""megatron_qarl: rollout-aligned quantization-aware RL (QaRL) for Qwen3-MoE on Megatron-Core."""
+"""megatron_qarl: rollout-aligned quantization-aware RL (QaRL) for Qwen3-MoE on Megatron-Core.
+
+The package, one subpackage a concept (README.md, "Map of the code"):
+
+- ``config``: the typed run config (the schema); ``preflight``: what is checked before a run starts (the rules
+  between components, ``load_config``)
+- ``train``: ``qarl train`` and the QaRL loop (rollouts, async pipeline, evaluation, metrics, tracking)
+- ``learner``: one Megatron learner rank, its worker, its checkpoints
+- ``moe``: Qwen3-MoE on Megatron-Core (model, parallel groups, HF <-> Megatron conversion, TE, CPU fixes)
+- ``qat``: the one quantizer, fake quant, export; ``algo``: advantages, policy losses, mismatch, routing replay
+- ``rollout``: the embedded SGLang-protocol server and engine, clients, SGLang and vLLM launchers
+- ``sync``: the weight sync (payload, transports, broadcaster, delta, verification)
+- ``data``: the synthetic task, prompt files, rewards, ``qarl eval``
+- ``plan``: ``qarl plan`` (memory model and simulation); ``gpu``: the simulated CUDA device and the GPU smoke
+- ``launch``: Ray, local and Slurm launching
+"""
 
 __version__ = "0.1.0"

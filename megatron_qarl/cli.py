@@ -16,11 +16,11 @@ from megatron_qarl.errors import UserError
 
 # the module of each subcommand, in the order `qarl --help` shows them
 SUBCOMMANDS: dict[str, str] = {
-    "train": "megatron_qarl.train_cli",
+    "train": "megatron_qarl.train.cli",
     "convert": "megatron_qarl.moe.verify",
     "eval": "megatron_qarl.data.evaluate",
     "quantize": "megatron_qarl.qat.cli",
-    "plan": "megatron_qarl.plan_cli",
+    "plan": "megatron_qarl.plan.cli",
     "serve": "megatron_qarl.rollout.serve_cli",
 }
 

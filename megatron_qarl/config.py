@@ -1,10 +1,12 @@
 """The run configuration: typed sections composed from each component's own config, loaded from
 YAML with ``key.sub=value`` overrides and validated before any work starts.
 
-    cfg = load_config("configs/cpu_default.yaml", ["parallel.tp=2", "optim.lr=1e-5"])
+    cfg = validate_config(apply_overrides(load_yaml("configs/cpu_default.yaml"), ["parallel.tp=2"]))
 
-Every error is a ConfigError whose message starts with the dotted key (``parallel.tp: ...``) and,
-for YAML problems, the file and line. Relative input paths (``model.path``) are looked up from the
+A run's config is loaded with ``preflight.rules.load_config``, which adds the rules between components (what
+each rollout backend can serve, the planner's server layouts): this module imports neither. Every error is a
+ConfigError whose message starts with the dotted key (``parallel.tp: ...``) and, for YAML problems, the file
+and line. Relative input paths (``model.path``) are looked up from the
 current directory first, then from the directory above the config file's folder (the repository
 root for configs/*.yaml).
 """
@@ -287,7 +289,7 @@ class TrainConfig(_Section):
     # write every response token's logp_old - logp_sampler to log_ratios/step_NNNNNN.npy (float32) at each
     # evaluation, covering the steps since the previous one (mismatch histograms; benchmarks/repro_mini.py)
     save_log_ratios: bool = False
-    # asynchronous rollouts (megatron_qarl/rollout_pipeline.py; docs/training.md, 'Asynchronous rollouts'):
+    # asynchronous rollouts (megatron_qarl/train/pipeline.py; docs/training.md, 'Asynchronous rollouts'):
     # off: sequential; one_step: step t+1's rollouts are sampled while step t trains, the sync waits for them;
     # bounded: the servers keep sampling up to max_staleness steps ahead, a sync retracts running requests
     # (SGLang's pause_generation mode retract) and they continue under the new weights; a sample with a token
@@ -373,20 +375,6 @@ class QarlConfig(_Section):
             raise ConfigError(f"rollout.sampling.temperature: {self.rollout.sampling.temperature} must be > 0 to "
                               "train: the learner divides its logits by the rollout's temperature, as SGLang's "
                               "returned log-probs are of the temperature-scaled logits")
-        if self.rollout.backend == "sglang" and self.rollout.sync.verify:
-            raise ConfigError("rollout.sync.verify: a real SGLang server checksums its own fused, repacked and "
-                              "sharded parameters, which the learner cannot reproduce; verification is for the "
-                              "embedded server (docs/rollout.md, 'Against a real SGLang server')")
-        if self.rollout.backend == "sglang" and self.rollout.sync.delta:
-            raise ConfigError("rollout.sync.delta: SGLang 0.5.23 has no delta load format (its distributed update "
-                              "loads every received tensor whole); delta sync is for the embedded server "
-                              "(docs/rollout.md, 'Delta weight sync')")
-        if self.rollout.backend == "sglang" and self.rollout.gpus_per_server < 1:
-            raise ConfigError("rollout.gpus_per_server: sglang servers need at least 1 GPU")
-        if self.rollout.backend == "vllm":
-            from megatron_qarl.rollout.vllm_launcher import check_vllm_run
-
-            check_vllm_run(self)
         self._check_learner_memory_options()
         from megatron_qarl.moe.te import check_te_fp8
 
@@ -468,22 +456,6 @@ class QarlConfig(_Section):
             raise ConfigError(f"learner.recompute_num_layers: {self.learner.recompute_num_layers} does not divide the "
                               f"model's {arch.num_hidden_layers} layers (full recompute runs chunks of that many)")
         self._check_sizes()
-        if self.rollout.backend == "sglang":
-            from megatron_qarl.plan import LayoutError, ServerLayout, check_server_layout
-
-            ro = self.rollout
-            if ro.dp_size != 1:
-                raise ConfigError(f"rollout.dp_size: {ro.dp_size}: SGLang's weight updates assert dp_size == 1 "
-                                  "(an updatable server is one data-parallel replica); raise rollout.servers instead")
-            if ro.ep_size > ro.gpus_per_server or ro.gpus_per_server % ro.ep_size:
-                why = " (SGLang's block-FP8 MoE needs tp % ep == 0)" if self.quant.scheme == "w8a8_fp8" else ""
-                raise ConfigError(f"rollout.ep_size: {ro.ep_size} must divide rollout.gpus_per_server "
-                                  f"({ro.gpus_per_server}, SGLang's --tp-size){why}")
-            try:
-                check_server_layout(arch, self.quant, ServerLayout(tp=ro.gpus_per_server, ep=ro.ep_size))
-            except LayoutError as err:
-                raise ConfigError(f"rollout.gpus_per_server: SGLang cannot serve this model with "
-                                  f"--tp-size {ro.gpus_per_server} --ep-size {ro.ep_size}: {err}") from None
         return self
 
 
@@ -551,9 +523,3 @@ def load_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping of sections")
     return data
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None, cls: type[BaseModel] = QarlConfig):
-    """Load a YAML config, apply overrides, validate (raises ConfigError)."""
-    data = apply_overrides(load_yaml(path), list(overrides or []))
-    return validate_config(data, base_dir=Path(path).resolve().parent.parent, cls=cls)

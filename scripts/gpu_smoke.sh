@@ -5,7 +5,7 @@
 #      brought along with the repository (python scripts/gpu_wheels.py build, here; pip --no-index --no-deps
 #      there: the machine's torch is never replaced)
 #   1. what the machine offers (CUDA devices, NCCL, Transformer Engine and its FP8 scale format, SGLang)
-#   1b. the learner checks of step 2 on a simulated CUDA device (megatron_qarl/simulated_device.py, the GPUs hidden;
+#   1b. the learner checks of step 2 on a simulated CUDA device (megatron_qarl/gpu/simulated_device.py, the GPUs hidden;
 #      about two minutes on 2 CPU cores, less on a GPU host): a CPU tensor mixed into device arithmetic fails here,
 #      before the real GPU time is spent (--no-simulate skips it; the test suite runs it on its own)
 #   2. FP8 GEMMs (SGLang's block recipe on torch._scaled_mm from our codes; TE's blockwise FP8 when installed), a
@@ -26,10 +26,10 @@ RC=0
 echo "== wheels (gpu_wheels/)"
 "$PY" scripts/gpu_wheels.py install || RC=1
 echo "== machine"
-"$PY" -m megatron_qarl.gpu_smoke report || RC=1
+"$PY" -m megatron_qarl.gpu.smoke report || RC=1
 if [ "$SIMULATE" -eq 1 ]; then
   echo "== the learner checks on a simulated CUDA device (GPUs hidden)"
-  CUDA_VISIBLE_DEVICES="" timeout 300 "$PY" -m megatron_qarl.gpu_smoke simulate || RC=1
+  CUDA_VISIBLE_DEVICES="" timeout 300 "$PY" -m megatron_qarl.gpu.smoke simulate || RC=1
 fi
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "== no CUDA on this machine: the GPU checks below skip"
@@ -38,11 +38,11 @@ else
   CUDA=1
 fi
 echo "== FP8 GEMMs, CUDA learner steps (every scheme), sync payload over NCCL, NCCL broadcast"
-timeout 420 "$PY" -m megatron_qarl.gpu_smoke smoke || RC=1
+timeout 420 "$PY" -m megatron_qarl.gpu.smoke smoke || RC=1
 echo "== SGLang command of configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml"
 "$PY" - <<'PY' || RC=1
 from megatron_qarl.launch.fleet import server_command
-from megatron_qarl.config import load_config
+from megatron_qarl.preflight.rules import load_config
 from megatron_qarl.rollout.sglang_launcher import sglang_available
 cfg = load_config("configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml", ["rollout.api_key=smoke"])
 print(" ".join(server_command(cfg, cfg.model.path, "0.0.0.0", 30000)))

@@ -13,7 +13,7 @@ version-specific, the rest are pure-Python wheels).
 running interpreter lacks; an ``exact`` one also when its installed version differs, any other one also when its
 installed version is older. Nothing else is touched: never torch, never a newer package the machine has.
 
-The list is what the GPU smoke's import closure (megatron_qarl.gpu_smoke: the learner, the sync payload,
+The list is what the GPU smoke's import closure (megatron_qarl.gpu.smoke: the learner, the sync payload,
 Megatron-Core, ModelOpt's quantizers) needs beyond a torch image like the lent H200's (which has numpy, PyYAML,
 safetensors, httpx, packaging, scipy, rich, regex, tqdm, ninja, nvidia-ml-py): megatron-core and nvidia-modelopt at
 setup.py's pins, pydantic with its exact core and small helpers, and the two packages ModelOpt imports at import

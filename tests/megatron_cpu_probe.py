@@ -11,7 +11,7 @@ import warnings
 
 
 def install(skip: str) -> None:
-    from megatron_qarl import megatron_cpu as mc
+    from megatron_qarl.moe import megatron_cpu as mc
 
     fixes = [fix for fix in mc.FIXES if fix.__name__ != skip.split(":")[0]]
     if skip == "fix_alltoall_streams:splits_only":  # keep the stream part, drop the split sizes
@@ -33,7 +33,7 @@ def body(skip: str, scenario: str, model_dir: str) -> None:
     warnings.filterwarnings("ignore")
     install(skip)
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
     from megatron_qarl.moe.model import Qwen3MoeArch, build_model, forward_logits
     from megatron_qarl.moe.parallelize import init_parallel
 

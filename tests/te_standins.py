@@ -54,7 +54,7 @@ import types
 
 import torch
 
-from megatron_qarl.megatron_cpu import RMSNorm
+from megatron_qarl.moe.megatron_cpu import RMSNorm
 
 TE_VERSION = "2.8.0"  # a TE 2.x: ModelOpt takes its general_gemm path (>= 2.0), Megatron its blockwise recipe
 

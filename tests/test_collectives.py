@@ -176,7 +176,7 @@ def test_every_exported_tensor_is_on_the_device_of_its_codes(scheme, monkeypatch
 def _payload_without_placement(model_dir: str) -> None:
     """The sync payload with the old hand-over: its expert tensors go to the EP all-gather as they come."""
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Learner
+    from megatron_qarl.learner.rank import Learner
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.moe.parallelize import init_parallel
     from megatron_qarl.qat.config import QuantConfig
@@ -203,7 +203,7 @@ def test_the_real_payload_refuses_a_tensor_it_did_not_place(random_model_dir, mo
 def _rank_sees() -> tuple:
     import os
 
-    import megatron_qarl.learner  # noqa: F401 - preloaded by the forkserver: must be importable, and cheap here
+    import megatron_qarl.learner.rank  # noqa: F401 - preloaded by the forkserver: must be importable, and cheap here
 
     return os.environ.get("QARL_TEST_MARK"), os.getcwd(), os.environ["RANK"], torch.get_num_threads()
 

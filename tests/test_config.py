@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_qarl.config import QarlConfig, apply_overrides, load_config, validate_config
+from megatron_qarl.config import QarlConfig, apply_overrides, validate_config
 from megatron_qarl.errors import ConfigError
+from megatron_qarl.preflight.rules import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_qarl import gpu_smoke
-from megatron_qarl.config import load_config
+from megatron_qarl.gpu import smoke as gpu_smoke
 from megatron_qarl.launch.fleet import server_command
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model
 from megatron_qarl.moe.model import transformer_config as transformer_config_of
 from megatron_qarl.moe.te import te_config_overrides, te_transformer_config, transformer_engine_available
+from megatron_qarl.preflight.rules import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN = REPO / "configs" / "models" / "qwen3-30b-a3b"

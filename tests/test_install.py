@@ -28,10 +28,10 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from megatron_qarl.config import load_config
 from megatron_qarl.errors import ConfigError, UserError
 from megatron_qarl.launch import fleet, slurm
 from megatron_qarl.launch.fleet import check_server_interpreter, server_command, server_interpreter
+from megatron_qarl.preflight.rules import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_REQUIREMENTS = REPO / "requirements" / "sglang-server.txt"

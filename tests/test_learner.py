@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_qarl.config import OptimConfig, ParallelConfig
-from megatron_qarl.learner import Batch, Learner, token_mean_nll
+from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import init_parallel, run_ranks
 from megatron_qarl.moe.verify import world_size
@@ -75,7 +75,7 @@ def _bad_split(model_dir):
 
 def _tbpo_steps(model_dir: str, tp: int, ep: int) -> list[dict]:
     from megatron_qarl.algo.policy_loss import PolicyLossConfig
-    from megatron_qarl.learner import policy_loss_fn
+    from megatron_qarl.learner.rank import policy_loss_fn
     from megatron_qarl.qat.config import QuantConfig
 
     arch = Qwen3MoeArch.from_model_dir(model_dir)
@@ -222,7 +222,7 @@ def test_distributed_optimizer_shards_adam_over_data_parallel_ranks(random_model
 def _resume(model_dir: str, tmp: str, distributed: bool) -> tuple[list, list]:
     """Two steps, a dist-checkpointing save, two more steps; then a fresh learner loads the save and runs the
     same two steps: (the uninterrupted run's metrics, the resumed run's)."""
-    from megatron_qarl import checkpoint
+    from megatron_qarl.learner import checkpoint
 
     arch = Qwen3MoeArch.from_model_dir(model_dir)
     init_parallel(ep=2, seed=7)

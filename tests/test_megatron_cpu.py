@@ -2,7 +2,7 @@
 condition of its failure, they are installed all or none, and a learner of a GPU run never falls back to them.
 
 When one of the "still needed" tests fails, upstream no longer needs that fix: delete it from
-megatron_qarl/megatron_cpu.py together with its test.
+megatron_qarl/moe/megatron_cpu.py together with its test.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import megatron_cpu_probe
 import pytest
 import torch
 
-from megatron_qarl import megatron_cpu
 from megatron_qarl.errors import UserError
-from megatron_qarl.moe import parallelize
+from megatron_qarl.moe import megatron_cpu, parallelize
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +72,7 @@ def test_fix_te_min_version_lets_the_offload_optimizer_config_build():
     fix_te_min_version is in force."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_qarl.learner import offload_kwargs
+    from megatron_qarl.learner.rank import offload_kwargs
 
     def build():
         return OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, bf16=True,
@@ -217,7 +216,7 @@ def test_remove_restores_every_attribute_the_fixes_replaced():
 WRITER = textwrap.dedent("""
     import os, signal, sys
     if __name__ == "__main__":  # the Manager is spawned: it re-runs this file, so keep the imports below
-        from megatron_qarl import megatron_cpu
+        from megatron_qarl.moe import megatron_cpu
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
         if sys.argv[1] == "fixed":
             megatron_cpu.apply()
@@ -276,9 +275,9 @@ def test_the_checkpoint_writer_manager_dies_with_a_killed_trainer_and_the_fix_is
 ])
 def test_a_learner_of_a_gpu_run_refuses_a_process_without_cuda(config, overrides, asked, monkeypatch, tiny_model_dir):
     """Ray hides the GPUs from an actor placed without one: such a learner rank must fail, not train on the CPU."""
-    from megatron_qarl.config import load_config
-    from megatron_qarl.learner_worker import LearnerWorker
+    from megatron_qarl.learner.worker import LearnerWorker
     from megatron_qarl.moe import parallelize
+    from megatron_qarl.preflight.rules import load_config
 
     def must_not_run(**_):
         raise AssertionError("init_parallel ran: the learner started building")
@@ -295,6 +294,6 @@ def test_a_learner_of_a_gpu_run_refuses_a_process_without_cuda(config, overrides
 
 
 def test_a_cpu_run_does_not_ask_for_gpus(tiny_model_dir):
-    from megatron_qarl.config import load_config
+    from megatron_qarl.preflight.rules import load_config
 
     assert load_config(REPO / "configs" / "cpu_default.yaml").gpu_run_keys == []

@@ -1,6 +1,6 @@
-"""Learner memory by simulation (megatron_qarl/memory_sim.py): one rank of a Qwen3-30B-A3B layout at full width, 2
+"""Learner memory by simulation (megatron_qarl/plan/simulate.py): one rank of a Qwen3-30B-A3B layout at full width, 2
 layers, on the shape-only simulated device, counted by the allocation tracker, held against the planner
-(megatron_qarl/plan.py): the simulated peak is the sum of its phases, and it moves as the planner says when the
+(megatron_qarl/plan/memory.py): the simulated peak is the sum of its phases, and it moves as the planner says when the
 micro-batch, the recompute or the optimizer offload change."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_qarl.config import load_config
-from megatron_qarl.memory_sim import AllocationTracker, extrapolate, simulate_learner
+from megatron_qarl.gpu.simulated_device import SimTensor, simulated_cuda
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.plan import LearnerLayout
-from megatron_qarl.plan_cli import PlanOptions, _learner_memory
-from megatron_qarl.simulated_device import SimTensor, simulated_cuda
+from megatron_qarl.plan.cli import PlanOptions, _learner_memory
+from megatron_qarl.plan.memory import LearnerLayout
+from megatron_qarl.plan.simulate import AllocationTracker, extrapolate, simulate_learner
+from megatron_qarl.preflight.rules import load_config
 
 pytestmark = [pytest.mark.simulated_device,
               pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the simulated device needs none")]
@@ -79,7 +79,7 @@ def test_simulated_peak_is_its_phases_and_moves_as_the_planner_says():
 
 
 def test_extrapolation_is_the_line_through_two_layer_counts():
-    from megatron_qarl.memory_sim import SimResult
+    from megatron_qarl.plan.simulate import SimResult
 
     a = SimResult(layers=2, peak=10, at_peak={"weights": 4, "activations": 6}, seconds=0,
                   micro_batch_tokens=1)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_qarl import cli, plan_cli
+from megatron_qarl import cli
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.plan import (
+from megatron_qarl.plan import cli as plan_cli
+from megatron_qarl.plan.memory import (
     GIB,
     LayoutError,
     LearnerLayout,
@@ -202,7 +203,7 @@ def test_local_spec_activations_are_what_megatron_saves(big, tp, recompute):
     import dataclasses
 
     from megatron_qarl.moe.parallelize import run_ranks
-    from megatron_qarl.plan import local_spec_activation_parts
+    from megatron_qarl.plan.memory import local_spec_activation_parts
 
     arch = dataclasses.replace(big, num_hidden_layers=2, num_experts=16, vocab_size=1024)
     batch, seq = 2, 128
@@ -215,7 +216,7 @@ def test_local_spec_activations_are_what_megatron_saves(big, tp, recompute):
 
 
 def test_optimizer_offload_moves_the_shard_to_the_host(big):
-    from megatron_qarl.plan import optimizer_host_bytes, optimizer_shard_params
+    from megatron_qarl.plan.memory import optimizer_host_bytes, optimizer_shard_params
 
     lay = LearnerLayout(gpus=8, tp=4, ep=8)
     shard = optimizer_shard_params(big, lay)
@@ -234,7 +235,7 @@ def test_optimizer_offload_moves_the_shard_to_the_host(big):
 def test_attention_follows_the_model_implementation_and_where_the_learner_runs():
     from types import SimpleNamespace
 
-    from megatron_qarl.plan_cli import learner_attention
+    from megatron_qarl.plan.cli import learner_attention
 
     def cfg(impl, gpus):
         return SimpleNamespace(model=SimpleNamespace(impl=impl), learner_on_gpus=gpus)

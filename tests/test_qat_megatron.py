@@ -163,7 +163,7 @@ def test_straight_through_gradient_reaches_the_master_weight(tiny_model_dir):
 def _quant_module_types(model_dir: str, scheme: str) -> dict:
     """The learner's quantized linears: ModelOpt quant modules whose enabled quantizers run our backends."""
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Learner
+    from megatron_qarl.learner.rank import Learner
     from megatron_qarl.qat.modules import ACT_BACKEND, WEIGHT_BACKEND
 
     arch = Qwen3MoeArch.from_model_dir(model_dir)
@@ -201,9 +201,9 @@ def test_quantized_linears_are_modelopt_quant_modules_on_our_backend(scheme, tin
 
 def _resume(model_dir: str, tp: int, ep: int, ckpt: str) -> dict:
     """Two aligned W4A16 steps straight vs one step, dist-checkpoint save, a fresh learner loading it, one step."""
-    from megatron_qarl.checkpoint import load_learner, save_learner
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+    from megatron_qarl.learner.checkpoint import load_learner, save_learner
+    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
 
     arch = Qwen3MoeArch.from_model_dir(model_dir)
     init_parallel(tp=tp, ep=ep, seed=7)

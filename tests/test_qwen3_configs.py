@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from megatron_qarl import cli
-from megatron_qarl.config import load_config
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.preflight.rules import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs" / "qwen3-30b-a3b").glob("*.yaml"))
@@ -72,7 +72,7 @@ def test_every_config_fits_80gb_gpus_with_either_attention_and_its_header_says_w
     """As configured, each run fits H100 80GB GPUs whether the learner gets the TE spec's flash attention or the
     local spec's unfused one; without optimizer offload the 2 x 8 learners need 141 GB GPUs (H200), the 4 x 8 ones
     do not. The header repeats what the plan says."""
-    from megatron_qarl.plan_cli import H100_GIB, H200_GIB, PlanOptions, config_plan
+    from megatron_qarl.plan.cli import H100_GIB, H200_GIB, PlanOptions, config_plan
 
     cfg = load_config(path)
     for attention in ("flash", "unfused"):
@@ -207,7 +207,7 @@ def test_train_refuses_a_gpu_config_that_does_not_fit_before_starting_anything(t
     """The acceptance: a 30B config edited to micro-batches of 32 sequences is refused by qarl train with the
     plan's figures, before any output is written or any process starts (CPU-only here: the learner's attention is
     the local spec's, as model.impl=auto resolves without transformer_engine)."""
-    from megatron_qarl.plan_cli import PlanOptions, config_plan
+    from megatron_qarl.plan.cli import PlanOptions, config_plan
 
     path = REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml"
     out = tmp_path / "run"
@@ -226,7 +226,7 @@ def test_train_refuses_a_gpu_config_that_does_not_fit_before_starting_anything(t
 
 def test_train_memory_check_passes_configs_that_fit_and_skips_cpu_runs(tmp_path):
     from megatron_qarl.errors import UserError
-    from megatron_qarl.train_cli import check_memory
+    from megatron_qarl.train.cli import check_memory
 
     for path in CONFIGS:
         check_memory(load_config(path), str(path))  # every config as committed fits (here: the local spec)
@@ -246,7 +246,7 @@ def test_qwen3_235b_w4a16_layout_on_8x8_h100_fits_with_full_recompute_and_train_
     """Qwen3-235B-A22B (configs/models/qwen3-235b-a22b, the public model card's numbers): learner tp4/ep32 on 32
     H100s with optimizer CPU offload and full recompute fits (TE spec); with selective recompute qarl train
     refuses it with the plan's figures, before anything starts."""
-    from megatron_qarl.plan_cli import PlanOptions, config_plan
+    from megatron_qarl.plan.cli import PlanOptions, config_plan
 
     path = REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_4x8.yaml"
     fits = config_plan(load_config(path, [*QWEN3_235B_8X8, "learner.recompute=full"]), PlanOptions(te_available=True),

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_qarl.config import load_config
 from megatron_qarl.data.reward import RewardConfig, shuffle_rewards_in_groups
 from megatron_qarl.errors import ConfigError
+from megatron_qarl.preflight.rules import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

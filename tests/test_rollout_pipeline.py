@@ -1,4 +1,4 @@
-"""Asynchronous rollouts (megatron_qarl/rollout_pipeline.py) against a real embedded server (uvicorn, tiny model,
+"""Asynchronous rollouts (megatron_qarl/train/pipeline.py) against a real embedded server (uvicorn, tiny model,
 float32): a weight sync that lands mid-request (SGLang's pause_generation mode retract) gives each token the
 version that sampled it and that version's log-prob, which is what the loss's batch carries; a sample older than
 the staleness bound is regenerated, never handed to the step."""
@@ -16,15 +16,15 @@ import torch
 from embedded_server import serve_in_thread
 from safetensors.torch import load_file, save_file
 
-from megatron_qarl.config import load_config
 from megatron_qarl.data.prompts import PromptStream
+from megatron_qarl.preflight.rules import load_config
 from megatron_qarl.rollout.engine import Engine, EngineConfig
 from megatron_qarl.rollout.manager import RolloutServerError, parse_response, token_versions
-from megatron_qarl.rollout_pipeline import RolloutPipeline, sample_staleness, staleness_metrics
 from megatron_qarl.sync.weight_update import Engine as Endpoint
 from megatron_qarl.sync.weight_update import WeightUpdateAPI
-from megatron_qarl.train_rollouts import TrainRollouts
-from megatron_qarl.trainer import build_batch
+from megatron_qarl.train.pipeline import RolloutPipeline, sample_staleness, staleness_metrics
+from megatron_qarl.train.rollouts import TrainRollouts
+from megatron_qarl.train.trainer import build_batch
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [2, 19, 20, 6, 15, 16, 18, 4, 11]

@@ -122,7 +122,7 @@ def expected_server_args(cfg, model_dir: str, host: str, port: int, scheme: str)
 
 
 def serving_dir(cfg, out: Path) -> str:
-    """What rollout_model_dir (megatron_qarl/train_cli.py) hands the launcher, without the weights (the 30B
+    """What rollout_model_dir (megatron_qarl/train/cli.py) hands the launcher, without the weights (the 30B
     configs have none): the model's config.json, plus the export's quantization_config when quantized."""
     from megatron_qarl.qat.export import quantization_config
 
@@ -146,8 +146,8 @@ COMMAND_CASES = [pytest.param(p, [], id=p.stem) for p in QWEN3_CONFIGS] + \
 @pytest.mark.parametrize(("path", "overrides"), COMMAND_CASES)
 def test_server_command_is_accepted_by_sglangs_parser_with_the_configs_values(path, overrides, sglang, tmp_path,
                                                                                monkeypatch):
-    from megatron_qarl.config import load_config
     from megatron_qarl.launch.fleet import server_command
+    from megatron_qarl.preflight.rules import load_config
 
     monkeypatch.chdir(REPO)
     cfg = load_config(path, overrides)
@@ -395,8 +395,8 @@ def weight_update_requests() -> list[Sent]:
 
 def manager_requests() -> list[Sent]:
     """/generate as the rollout manager sends it, for every config: training samples, and the trainer's
-    greedy and sampled evaluation (megatron_qarl/trainer.py, evaluate)."""
-    from megatron_qarl.config import load_config
+    greedy and sampled evaluation (megatron_qarl/train/trainer.py, evaluate)."""
+    from megatron_qarl.preflight.rules import load_config
     from megatron_qarl.rollout.manager import RolloutManager, SamplingConfig
 
     sent = []
@@ -483,7 +483,7 @@ def _sync_and_record(model_dir: str, url: str) -> tuple[list[Sent], str | None]:
     """One weight sync (connect, sync with verification, close) from a learner to a real `qarl serve`:
     every request the broadcaster makes, recorded as httpx encodes it, then sent; and the sync's error."""
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Learner
+    from megatron_qarl.learner.rank import Learner
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.moe.parallelize import init_parallel
     from megatron_qarl.qat.config import QuantConfig
@@ -669,8 +669,8 @@ def test_sglang_builds_the_model_of_our_export(scheme, sglang, exports, tmp_path
 def test_fp8_blocks_too_wide_for_the_attention_are_refused_by_sglang_and_by_our_config(sglang, exports):
     """Block 128 on the tiny model: SGLang cannot build it (its fused qkv_proj needs every partition a multiple
     of block_n, fp8.py), and our config validation refuses the same layout before any server starts."""
-    from megatron_qarl.config import load_config
     from megatron_qarl.errors import ConfigError
+    from megatron_qarl.preflight.rules import load_config
 
     with pytest.raises(ConfigError, match=r"^rollout\.gpus_per_server: .* not multiples of the w8a8_fp8 block 128"):
         load_config(REPO / "configs" / "cpu_w8a8_fp8.yaml", AS_SGLANG)
@@ -691,7 +691,7 @@ SYNC_SCHEMES = {"bf16": 128, "w4a16": 128, "w8a8_fp8": 64, "w8a8_int8": 128}  # 
 def _sync_payloads(model_dir: str, out_dir: str) -> dict[str, tuple[str, bytes]]:
     """scheme -> (the serving directory, the learner's weight-sync tensors in order, torch.save'd)."""
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Learner
+    from megatron_qarl.learner.rank import Learner
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.moe.parallelize import init_parallel
     from megatron_qarl.qat.config import QuantConfig

@@ -1,6 +1,6 @@
-"""The learner's GPU code paths on a simulated CUDA device (megatron_qarl/simulated_device.py): the device's rules
+"""The learner's GPU code paths on a simulated CUDA device (megatron_qarl/gpu/simulated_device.py): the device's rules
 (a CPU tensor mixed into device arithmetic fails, as on CUDA), then every learner check of scripts/gpu_smoke.sh run
-by ``python -m megatron_qarl.gpu_smoke simulate`` (TP1/EP1, local spec, every scheme): the aligned forward, the sync
+by ``python -m megatron_qarl.gpu.smoke simulate`` (TP1/EP1, local spec, every scheme): the aligned forward, the sync
 payload through a weight-update group that takes device tensors only, a train step, an R3 train step, the delta
 encoder, a checkpoint save, and the simulated run equal to the CPU run bit for bit."""
 
@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_qarl import gpu_smoke, megatron_cpu
+from megatron_qarl.gpu import smoke as gpu_smoke
+from megatron_qarl.gpu.simulated_device import SimTensor, simulated_cuda
+from megatron_qarl.moe import megatron_cpu
 from megatron_qarl.qat.config import SCHEMES
-from megatron_qarl.simulated_device import SimTensor, simulated_cuda
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.simulated_device,
@@ -99,9 +100,9 @@ def test_the_machine_is_restored_on_exit():
 # ------------------------------------------------------------------------------------------ the learner checks
 @pytest.fixture(scope="module")
 def simulated_checks(tmp_path_factory) -> dict[str, str]:
-    """One run of ``python -m megatron_qarl.gpu_smoke simulate`` (its own process: the simulation changes
+    """One run of ``python -m megatron_qarl.gpu.smoke simulate`` (its own process: the simulation changes
     process-wide state, and Megatron's parallel state lives there)."""
-    proc = subprocess.run([sys.executable, "-m", "megatron_qarl.gpu_smoke", "simulate",
+    proc = subprocess.run([sys.executable, "-m", "megatron_qarl.gpu.smoke", "simulate",
                            "--model", str(REPO / "checkpoints" / "tiny-qwen3-moe")],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("simulate"),
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})

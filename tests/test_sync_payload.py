@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_qarl.config import OptimConfig, ParallelConfig
-from megatron_qarl.learner import Learner
+from megatron_qarl.learner.rank import Learner
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import init_parallel, run_ranks
 from megatron_qarl.moe.verify import world_size

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_qarl.config import OptimConfig, ParallelConfig
-from megatron_qarl.learner import Batch, Learner, token_mean_nll
+from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import free_port, init_parallel, run_ranks
 from megatron_qarl.moe.verify import world_size

@@ -36,8 +36,8 @@ MEGATRON_FIRST = ("megatron.core.extensions.transformer_engine",
                   "megatron.core.extensions.transformer_engine_spec_provider", "megatron.core.models.gpt",
                   "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.fp8_utils",
                   "megatron.core.transformer.transformer_block", "megatron.core.tensor_parallel.inference_layers",
-                  "megatron.core.distributed", "megatron.core.optimizer", "megatron_qarl.learner",
-                  "megatron_qarl.megatron_cpu")
+                  "megatron.core.distributed", "megatron.core.optimizer", "megatron_qarl.learner.rank",
+                  "megatron_qarl.moe.megatron_cpu")
 
 
 def _child_env() -> None:
@@ -48,7 +48,7 @@ def _child_env() -> None:
 
 def _learner(arch, scheme: str, impl: str, dtype, **kwargs):
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Learner
+    from megatron_qarl.learner.rank import Learner
     from megatron_qarl.qat.config import QuantConfig
 
     learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-4), dtype=dtype, quant=QuantConfig(scheme=scheme),
@@ -71,7 +71,7 @@ def te_learners_under_modelopts_te_plugin() -> dict:
     te_standins.install_te_package()
     mp = pytest.MonkeyPatch()
     te_standins.install(mp)
-    from megatron_qarl.learner import Batch, token_mean_nll
+    from megatron_qarl.learner.rank import Batch, token_mean_nll
     from megatron_qarl.moe import te as moe_te
     from megatron_qarl.moe.convert import param_maps, shards_to_hf
     from megatron_qarl.moe.model import Qwen3MoeArch

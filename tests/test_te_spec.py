@@ -18,9 +18,8 @@ import pytest
 import te_standins
 import torch
 
-from megatron_qarl.checkpoint import LEARNER_META, check_same_impl
-from megatron_qarl.config import load_config
 from megatron_qarl.errors import ConfigError, UserError
+from megatron_qarl.learner.checkpoint import LEARNER_META, check_same_impl
 from megatron_qarl.moe import te as moe_te
 from megatron_qarl.moe.convert import (
     Layout,
@@ -40,6 +39,7 @@ from megatron_qarl.moe.model import (
     transformer_config,
 )
 from megatron_qarl.moe.parallelize import init_parallel, run_ranks
+from megatron_qarl.preflight.rules import load_config
 
 NEEDS_TE = pytest.mark.skipif(not moe_te.transformer_engine_available(),
                               reason="Transformer Engine is not installed (the stand-in tests cover the names)")
@@ -191,9 +191,9 @@ def test_a_checkpoint_resumes_only_with_the_impl_that_wrote_it(tmp_path):
 
 def test_learner_checkpoints_record_their_impl(tiny_model_dir, tmp_path, one_rank):
     """save_learner writes the record; load_learner reads it back into the same spec and refuses another."""
-    from megatron_qarl.checkpoint import load_learner, save_learner
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Learner
+    from megatron_qarl.learner.checkpoint import load_learner, save_learner
+    from megatron_qarl.learner.rank import Learner
 
     learner = Learner(Qwen3MoeArch.from_model_dir(tiny_model_dir), ParallelConfig(), OptimConfig())
     save_learner(tmp_path / "ckpt", learner.module, learner.optimizer)

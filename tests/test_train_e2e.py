@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_qarl.tracking import read_metrics
+from megatron_qarl.train.tracking import read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -85,7 +85,7 @@ def test_one_step_kill_9_mid_overlap_then_resume_loses_no_prompt(tmp_path):
     """train.async=one_step: kill -9 after step 2's checkpoint, while step 3's rollout (sampled during step 2) is
     in flight or waiting; --resume draws step 3's prompts again and regenerates them at the checkpoint's weights
     (the in-flight samples are not saved): every prompt is trained on once, none is skipped."""
-    from megatron_qarl import checkpoint as ckpt
+    from megatron_qarl.learner import checkpoint as ckpt
 
     out = tmp_path / "async"
     steps = ["train.steps=3", "train.async=one_step", "train.eval.n=4", "train.learner_threads=1", "rollout.threads=1"]

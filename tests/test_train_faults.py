@@ -13,8 +13,8 @@ import time
 import pytest
 from test_train_e2e import CPU_DEFAULT, SMALL
 
-from megatron_qarl.config import load_config
-from megatron_qarl.tracking import read_metrics
+from megatron_qarl.preflight.rules import load_config
+from megatron_qarl.train.tracking import read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -26,8 +26,8 @@ def test_server_killed_mid_rollout_loses_no_prompt_and_nonfinite_steps_are_skipp
 
     from megatron_qarl.data.prompts import PromptStream
     from megatron_qarl.launch.local import LocalLearnerRanks, LocalServers
-    from megatron_qarl.train_cli import rollout_model_dir
-    from megatron_qarl.trainer import Trainer, TrainingAborted
+    from megatron_qarl.train.cli import rollout_model_dir
+    from megatron_qarl.train.trainer import Trainer, TrainingAborted
 
     cfg = load_config(CPU_DEFAULT, [f"train.output_dir={tmp_path / 'run'}", *SMALL, "train.steps=3",
                                     "rollout.servers=2", "train.prompts_per_step=8", "train.inject_nonfinite_steps=[2]",
@@ -85,8 +85,8 @@ def test_the_only_server_killed_mid_rollout_is_restarted_with_the_weights_and_a_
     from transformers import AutoTokenizer
 
     from megatron_qarl.launch.local import LocalLearnerRanks, LocalServers
-    from megatron_qarl.train_cli import rollout_model_dir
-    from megatron_qarl.trainer import StopRequested, Trainer
+    from megatron_qarl.train.cli import rollout_model_dir
+    from megatron_qarl.train.trainer import StopRequested, Trainer
 
     cfg = load_config(CPU_DEFAULT, [f"train.output_dir={tmp_path / 'run'}", *SMALL, "train.steps=2",
                                     "train.prompts_per_step=8", "train.checkpoint.every=0"])

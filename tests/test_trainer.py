@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from megatron_qarl import checkpoint as ckpt
-from megatron_qarl.config import load_config
 from megatron_qarl.errors import ConfigError
+from megatron_qarl.learner import checkpoint as ckpt
+from megatron_qarl.preflight.rules import load_config
 from megatron_qarl.rollout.manager import Sample
-from megatron_qarl.tracking import Tracker, read_metrics
-from megatron_qarl.trainer import build_batch
+from megatron_qarl.train.tracking import Tracker, read_metrics
+from megatron_qarl.train.trainer import build_batch
 
 CPU_DEFAULT = "configs/cpu_default.yaml"
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from vllm_tools import judge, needs_vllm
 
-from megatron_qarl.config import load_config
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.launch.fleet import server_command
+from megatron_qarl.preflight.rules import load_config
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import quantization_config
 from megatron_qarl.rollout.vllm_launcher import (

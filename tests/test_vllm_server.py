@@ -24,11 +24,12 @@ import pytest
 import torch
 from vllm_tools import VLLM_PYTHON, needs_vllm
 
-from megatron_qarl.config import OptimConfig, ParallelConfig, load_config
+from megatron_qarl.config import OptimConfig, ParallelConfig
 from megatron_qarl.launch.local import LocalServers
-from megatron_qarl.learner import Batch, Learner, token_mean_nll
+from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import init_parallel, run_ranks
+from megatron_qarl.preflight.rules import load_config
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.rollout.manager import RolloutManager, SamplingConfig
 from megatron_qarl.rollout.vllm_client import VLLMClient

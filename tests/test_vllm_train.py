@@ -18,7 +18,7 @@ import pytest
 import torch
 from vllm_tools import VLLM_PYTHON, needs_vllm
 
-from megatron_qarl.tracking import read_metrics
+from megatron_qarl.train.tracking import read_metrics
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]

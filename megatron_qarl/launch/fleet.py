@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import ConfigError
-from megatron_qarl.learner_worker import LearnerWorker
+from megatron_qarl.learner.worker import LearnerWorker
 from megatron_qarl.rollout.process import embedded_command
 from megatron_qarl.rollout.sglang_launcher import SGLangServerSpec, launch_command
 from megatron_qarl.rollout.vllm_launcher import MODULE as VLLM_MODULE
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from megatron_qarl.algo.policy_loss import PolicyLossConfig
-    from megatron_qarl.learner import Batch
+    from megatron_qarl.learner.rank import Batch
 
 T = TypeVar("T")
 

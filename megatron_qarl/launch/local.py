@@ -8,7 +8,7 @@ from typing import Any
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.launch.fleet import LearnerRanks, check_server_interpreter, log_dir, server_command, server_env
-from megatron_qarl.learner_worker import LearnerWorker
+from megatron_qarl.learner.worker import LearnerWorker
 from megatron_qarl.moe.parallelize import free_port
 from megatron_qarl.rollout.process import ServerProcess
 

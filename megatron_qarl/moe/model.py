@@ -185,7 +185,7 @@ def layer_spec(arch: Qwen3MoeArch):
 
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                      qk_layernorm=True, normalization="RMSNorm")
-    from megatron_qarl.megatron_cpu import RMSNorm
+    from megatron_qarl.moe.megatron_cpu import RMSNorm
 
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
@@ -208,7 +208,7 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
     in layer order, which is cleared first so that it holds this model's routers only.
     ``recompute``, ``recompute_num_layers``: activation recompute (``recompute_kwargs``).
     """
-    from megatron_qarl import megatron_cpu
+    from megatron_qarl.moe import megatron_cpu
 
     megatron_cpu.apply()
     if sp is None:

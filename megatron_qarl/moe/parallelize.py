@@ -129,7 +129,7 @@ def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_qarl import megatron_cpu
+    from megatron_qarl.moe import megatron_cpu
     from megatron_qarl.moe.model import expert_tp
 
     megatron_cpu.apply()
@@ -181,7 +181,7 @@ def single_rank_env() -> None:
 
 # modules every rank imports (torch, Megatron-Core, ModelOpt, the learner): a forkserver imports them once per
 # process and forks ranks from it, instead of each spawned rank importing them again (about 5 s of CPU per rank)
-RANK_PRELOAD = ["megatron_qarl.learner"]
+RANK_PRELOAD = ["megatron_qarl.learner.rank"]
 
 
 def rank_context():

@@ -33,10 +33,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from megatron_qarl.config import QarlConfig
 
 VLLM_VERSION = "0.32.0"
 MODULE = "vllm.entrypoints.openai.api_server"
@@ -126,38 +122,3 @@ def check_vllm_checkpoint(model_path: str | Path, *, on_gpu: bool) -> str:
         raise ValueError(f"{where}: W4A16 group size {group}: vLLM 0.32's CPU int4 MoE kernel takes group "
                          f"{CPU_INT4_GROUP} only ('No WNA16 MoE backend supports the deployment configuration')")
     return "w4a16"
-
-
-def check_vllm_run(cfg: QarlConfig) -> None:
-    """Config-load checks for ``rollout.backend: vllm``; a ConfigError names the key."""
-    from megatron_qarl.errors import ConfigError
-
-    r, q = cfg.rollout, cfg.quant
-    on_gpu = r.gpus_per_server > 0
-    if q.scheme == "w8a8_fp8" and not on_gpu:
-        raise ConfigError("quant.scheme: w8a8_fp8 with rollout.backend=vllm on CPU (rollout.gpus_per_server=0): "
-                          "vLLM 0.32's CPU block-FP8 kernel cannot load this model (fused qkv scales) and needs "
-                          "AMX-FP8; use w4a16, w8a8_int8 or bf16, or GPU servers")
-    if q.scheme == "w4a16" and not on_gpu and q.group_size != CPU_INT4_GROUP:
-        raise ConfigError(f"quant.group_size: {q.group_size}: vLLM 0.32's CPU int4 MoE kernel (CPUExpertsInt4) "
-                          f"serves group size {CPU_INT4_GROUP} only")
-    if q.scheme == "w4a16" and not q.symmetric:
-        raise ConfigError("quant.symmetric: false: vLLM 0.32's int4 MoE kernels take symmetric codes only; "
-                          "use symmetric W4A16 with rollout.backend=vllm")
-    if r.sync.delta:
-        raise ConfigError("rollout.sync.delta: vLLM 0.32's weight-transfer API loads whole tensors (its sparse "
-                          "backend is CUDA-only); delta sync is for the embedded server")
-    if r.sync.verify:
-        raise ConfigError("rollout.sync.verify: vLLM checksums its own processed (repacked) parameters "
-                          "(/weight_checker), which the learner cannot reproduce; verification is for the embedded "
-                          "server")
-    if cfg.algo.wants_routes:
-        raise ConfigError("algo.routing_replay: routing replay / agreement needs the servers' routed experts, "
-                          "which this project reads from SGLang and the embedded server only")
-    if cfg.train.async_mode == "bounded":
-        raise ConfigError("train.async: bounded with rollout.backend=vllm: requests stay in flight across a sync and "
-                          "need SGLang's retract pause and per-token weight versions in meta_info, which vLLM 0.32's "
-                          "API does not return; use train.async: one_step (or off)")
-    if r.dp_size != 1 or r.ep_size != 1:
-        raise ConfigError("rollout.ep_size: vLLM servers here run one data-parallel replica each with "
-                          "--tensor-parallel-size only (rollout.dp_size and ep_size stay 1)")

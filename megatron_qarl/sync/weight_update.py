@@ -88,7 +88,7 @@ class WeightUpdateAPI:
         """POST /pause_generation. ``abort`` (SGLang's default, an empty body): running requests end with
         finish_reason abort; ``retract``: they go back to the queue without their KV cache and are re-prefilled
         with the new weights on /continue_generation (the bounded-staleness pipeline's choice, trainer side:
-        megatron_qarl/rollout_pipeline.py)."""
+        megatron_qarl/train/pipeline.py)."""
         self.call("POST", "/pause_generation", {} if mode == "abort" else {"mode": mode})
 
     def flush_cache(self, tries: int = 50) -> None:

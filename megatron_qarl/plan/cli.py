@@ -16,7 +16,7 @@ For every cluster of ``nodes`` x ``gpus_per_node`` GPUs it tries each placement 
 colocated on all GPUs, or split: learner on a nodes, rollout servers on the others), every learner layout
 (TP in 1, 2, 4, 8 with sequence parallel when TP > 1, EP dividing the experts and the GPU count) and every
 rollout server layout (one server per TP GPUs inside a node, EP dividing TP), and reports the memory of each
-(formulas in ``megatron_qarl.plan``) and whether it fits. What a run config does not say, the GPU and the
+(formulas in ``megatron_qarl.plan.memory``) and whether it fits. What a run config does not say, the GPU and the
 what-if learner options, is ``PlanOptions``.
 """
 
@@ -29,10 +29,10 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_qarl.config import QarlConfig, load_config, validate_config
+from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.plan import (
+from megatron_qarl.plan.memory import (
     ATTENTIONS,
     GIB,
     RECOMPUTES,
@@ -48,6 +48,7 @@ from megatron_qarl.plan import (
     rollout_weight_bytes,
     step_shape,
 )
+from megatron_qarl.preflight.rules import load_config, validate_run
 from megatron_qarl.qat.config import SCHEMES, QuantConfig
 
 TP_CHOICES = (1, 2, 4, 8)
@@ -144,7 +145,7 @@ def recipe_config(model: str | Path, scheme: str, mem_fraction_static: float = 0
     """The run config ``qarl plan --model`` plans: ``RECIPE`` for ``model`` in ``scheme``."""
     data = json.loads(json.dumps(RECIPE))
     data["rollout"]["mem_fraction_static"] = mem_fraction_static
-    return validate_config({**data, "model": {"path": str(model)}, "quant": {"scheme": scheme}})
+    return validate_run({**data, "model": {"path": str(model)}, "quant": {"scheme": scheme}})
 
 
 def micro_batch_tokens(cfg: QarlConfig, dp: int, opts: PlanOptions) -> int:
@@ -477,11 +478,11 @@ SIM_PHASES = ("weights", "gradients", "optimizer", "activations", "qat_cache", "
 
 
 def simulation_check(cfg: QarlConfig, opts: PlanOptions, layers: Sequence[int] = (2, 4)) -> dict:
-    """``qarl plan --simulate``: the planner's learner figures beside ``memory_sim``'s simulation of one learner rank
+    """``qarl plan --simulate``: the planner's learner figures beside ``plan.simulate``'s simulation of one learner rank
     (extrapolated to the model's layers from ``layers``), per phase, bytes, with the relative difference
     (plan - simulated) / simulated. The simulation runs Megatron's local spec (Transformer Engine is not installed
     where it runs), so the planner is asked for that attention (``unfused``)."""
-    from megatron_qarl.memory_sim import simulate_config
+    from megatron_qarl.plan.simulate import simulate_config
 
     arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
@@ -497,7 +498,7 @@ def simulation_check(cfg: QarlConfig, opts: PlanOptions, layers: Sequence[int] =
 def render_simulation_text(check: dict) -> str:
     sim = check["simulation"]
     runs = ", ".join(f"{s['layers']} layers {s['seconds']} s" for s in sim["simulated"])
-    out = [f"\nsimulated learner rank (memory_sim: rank 0 of tp{check['layout']['tp']}/ep{check['layout']['ep']} on "
+    out = [f"\nsimulated learner rank (simulated: rank 0 of tp{check['layout']['tp']}/ep{check['layout']['ep']} on "
            f"{check['layout']['gpus']} GPUs, local spec, shape-only device; {runs}; extrapolated to "
            f"{sim['model_layers']} layers):",
            f"  {'phase':<12} {'plan GiB':>9} {'sim GiB':>9} {'plan-sim':>9}"]
@@ -554,7 +555,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "where the learner runs)")
     parser.add_argument("--simulate", action="store_true",
                         help="--config: also simulate one learner rank at full width on a shape-only simulated CUDA "
-                             "device (megatron_qarl.memory_sim; minutes) and set its figures beside the plan's")
+                             "device (megatron_qarl.plan.simulate; minutes) and set its figures beside the plan's")
     parser.add_argument("--simulate-layers", type=int, nargs="+", default=[2, 4], metavar="L",
                         help="layer counts simulated (2 4): the first two are extrapolated to the model's layers; "
                              "a third checks the extrapolation")

@@ -22,7 +22,7 @@ device arithmetic fails as it does on a GPU.
   ``torch.cuda.FloatTensor`` check, the alltoall dispatcher's device-to-host stream, the checkpoint writer's
   non-blocking copies and synchronize. Fixes keyed on other conditions (no Transformer Engine) stay.
 
-- **Shape-only backing** (``simulated_cuda(shapes_only=True)``, for ``memory_sim``): device tensors hold meta
+- **Shape-only backing** (``simulated_cuda(shapes_only=True)``, for ``plan.simulate``): device tensors hold meta
   tensors (shape, dtype, strides; no memory) instead of CPU ones, except small ones (up to ``SMALL_BYTES``) made
   by factories or copied from the host, which keep real values; ``_run_shapes`` runs each op on meta when any
   operand is meta, on the CPU otherwise, and stands in for the data-dependent steps (balanced top-k routing,
@@ -107,7 +107,7 @@ class _State:
     """What the active ``simulated_cuda`` block asked for: shape-only backing, and the tracker told of every tensor."""
 
     shapes_only: bool = False
-    tracker = None  # an object with add(tensor): memory_sim.AllocationTracker
+    tracker = None  # an object with add(tensor): plan.simulate.AllocationTracker
 
 
 _STATE = _State()
@@ -346,7 +346,7 @@ def _run_shapes(func, args, kwargs):
     an op on real operands only runs on the CPU. Data-dependent results: ``masked_select`` takes its length from
     a real mask; ``topk`` of unknown scores returns real, balanced indices (``_balanced_topk``: the router's
     choice); ``.item()`` returns ``_scalar_stand_in``; a copy to the host, zeros. c10d collectives run on the
-    stand-in process group of the other ranks (memory_sim): a collective with real inputs gets real outputs."""
+    stand-in process group of the other ranks (plan.simulate): a collective with real inputs gets real outputs."""
     name = func.overloadpacket.__name__
     wrappers: dict[int, SimTensor] = {}
     leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, SimTensor)]
@@ -580,7 +580,7 @@ def simulated_cuda(*, shapes_only: bool = False, tracker=None) -> Iterator[None]
 
     ``shapes_only``: device tensors hold no values beyond small bookkeeping ones (``_run_shapes``): a model of any
     size builds and steps in no memory. ``tracker``: told of every tensor the device holds (``tracker.add``)."""
-    from megatron_qarl import megatron_cpu
+    from megatron_qarl.moe import megatron_cpu
 
     env = dict(os.environ)
     get_backend = dist.get_backend

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from megatron_qarl.config import QarlConfig, load_config
+from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
+from megatron_qarl.preflight.rules import load_config
 
 
 def rollout_model_dir(cfg: QarlConfig) -> str:
@@ -47,9 +48,9 @@ def rollout_model_dir(cfg: QarlConfig) -> str:
 
 def gpu_gib(cfg: QarlConfig) -> float:
     """Memory of one GPU the run gets, in GiB: launch.gpu_gib, else what torch reports for this node's first GPU,
-    else an H100 80GB (plan_cli.H100_GIB)."""
-    from megatron_qarl.plan import GIB
-    from megatron_qarl.plan_cli import H100_GIB
+    else an H100 80GB (plan.cli.H100_GIB)."""
+    from megatron_qarl.plan.cli import H100_GIB
+    from megatron_qarl.plan.memory import GIB
 
     if cfg.launch.gpu_gib:
         return cfg.launch.gpu_gib
@@ -69,7 +70,7 @@ def check_memory(cfg: QarlConfig, config: str = "this config") -> None:
     if not (cfg.learner_on_gpus and cfg.launch.memory_check):
         return
     from megatron_qarl.moe.te import transformer_engine_available
-    from megatron_qarl.plan_cli import PlanOptions, config_plan, refusal
+    from megatron_qarl.plan.cli import PlanOptions, config_plan, refusal
 
     opts = PlanOptions(gpu_gib=gpu_gib(cfg), te_available=transformer_engine_available())
     why = refusal(config_plan(cfg, opts, alternatives=False), config)
@@ -86,7 +87,7 @@ def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
     from transformers import AutoTokenizer
 
     from megatron_qarl.data.prompts import PromptStream
-    from megatron_qarl.trainer import Trainer, write_summary
+    from megatron_qarl.train.trainer import Trainer, write_summary
 
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,7 +136,7 @@ def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
 
 def _report(summary: dict[str, float], out: Path) -> str:
     rows = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else summary
-    from megatron_qarl.tracking import read_metrics
+    from megatron_qarl.train.tracking import read_metrics
 
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "time/step_s" in r]
     lines = [f"output: {out}"]
@@ -163,7 +164,7 @@ def _run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    from megatron_qarl.trainer import StopRequested
+    from megatron_qarl.train.trainer import StopRequested
 
     try:
         summary = run(cfg, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty(), stop=stop,

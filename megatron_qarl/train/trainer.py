@@ -9,10 +9,10 @@ The trainer is the driver: it holds the data stream, the reward workers and the 
 the learner ranks and rollout servers through megatron_qarl/launch/'s LearnerRanks and ServerFleet, so the same
 loop runs in one process on a laptop and on a Ray cluster started by Slurm.
 
-Its rooms: train_rollouts.py (rollouts with server failover, restarts and the weight sync), rollout_pipeline.py
-(``train.async``: whether a step's rollout runs in line or overlaps the previous steps' training, the staleness
-bound, the mismatch split), train_eval.py (held-out evaluation, log ratios), train_metrics.py (a step's metrics);
-this module holds the step and the run.
+Its rooms, beside it in train/: rollouts.py (rollouts with server failover, restarts and the weight sync),
+pipeline.py (``train.async``: whether a step's rollout runs in line or overlaps the previous steps' training, the
+staleness bound, the mismatch split), evaluation.py (held-out evaluation, log ratios), metrics.py (a step's
+metrics), tracking.py (TensorBoard, JSONL, plots); this module holds the step and the run.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_qarl import checkpoint as ckpt
 from megatron_qarl.algo.advantages import group_advantages
 from megatron_qarl.algo.mismatch import mismatch_metrics
 from megatron_qarl.algo.routing import routes_batch, routing_agreement
@@ -35,13 +34,14 @@ from megatron_qarl.data.prompts import PromptStream
 from megatron_qarl.data.reward import RewardScorer, shuffle_rewards_in_groups
 from megatron_qarl.errors import UserError
 from megatron_qarl.launch.fleet import LearnerRanks, ServerFleet
-from megatron_qarl.learner import Batch
+from megatron_qarl.learner import checkpoint as ckpt
+from megatron_qarl.learner.rank import Batch
 from megatron_qarl.rollout.manager import RoutesSpec, Sample
-from megatron_qarl.rollout_pipeline import RolloutPipeline, mismatch_split, rescored_BT, staleness_metrics
-from megatron_qarl.tracking import Tracker
-from megatron_qarl.train_eval import Evaluation, response_texts
-from megatron_qarl.train_metrics import scalar, step_metrics
-from megatron_qarl.train_rollouts import TrainingAborted, TrainRollouts
+from megatron_qarl.train.evaluation import Evaluation, response_texts
+from megatron_qarl.train.metrics import scalar, step_metrics
+from megatron_qarl.train.pipeline import RolloutPipeline, mismatch_split, rescored_BT, staleness_metrics
+from megatron_qarl.train.rollouts import TrainingAborted, TrainRollouts
+from megatron_qarl.train.tracking import Tracker
 
 
 class StopRequested(Exception):

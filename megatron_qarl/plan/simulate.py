@@ -49,7 +49,7 @@ import torch
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.plan import micro_batch_sequences, step_shape
+from megatron_qarl.plan.memory import micro_batch_sequences, step_shape
 
 LABELS = ("weights", "gradients", "optimizer", "qat_cache", "activations", "other")
 
@@ -92,7 +92,7 @@ class AllocationTracker:
 
     def relabel(self, tensors, label: str) -> None:
         """Move the storages of ``tensors`` (device tensors) to ``label``."""
-        from megatron_qarl.simulated_device import SimTensor
+        from megatron_qarl.gpu.simulated_device import SimTensor
 
         for t in tensors:
             data = t._data if isinstance(t, SimTensor) else t
@@ -156,7 +156,7 @@ def _fake_world(world: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("memory_sim: a process group is already initialised in this process")
+        raise RuntimeError("plan.simulate: a process group is already initialised in this process")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 
 
@@ -183,7 +183,7 @@ def _fake_side_groups() -> Iterator[None]:
 def _batch(cfg: QarlConfig, dp: int, micro_sequences: int, seq_len: int):
     """One micro-batch of ``micro_sequences`` full-length sequences per data-parallel rank, with what the policy
     loss reads (advantages, old and sampler log-probs) and, for R3, the routes."""
-    from megatron_qarl.learner import Batch
+    from megatron_qarl.learner.rank import Batch
 
     rows = dp * micro_sequences
     g = torch.Generator().manual_seed(0)
@@ -265,9 +265,9 @@ def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_
                      steps: int = 2, debug: bool = False) -> SimResult:
     """One rank of ``cfg``'s learner at full width with ``layers`` layers (None: the model's), shape-only (module
     docstring); ``micro_batch_tokens`` overrides the sequence length of the one-sequence-per-rank micro-batch."""
-    from megatron_qarl.learner import Learner, policy_loss_fn
+    from megatron_qarl.gpu.simulated_device import simulated_cuda
+    from megatron_qarl.learner.rank import Learner, policy_loss_fn
     from megatron_qarl.moe.parallelize import destroy_parallel, init_parallel
-    from megatron_qarl.simulated_device import simulated_cuda
     from megatron_qarl.wire import parse_dtype
 
     t0 = time.perf_counter()

@@ -49,7 +49,7 @@ from megatron_qarl.algo.mismatch import mismatch_metrics
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.data.prompts import PromptSample, PromptStream
 from megatron_qarl.rollout.manager import EveryServerDown, RolloutManager, RoutesSpec, Sample
-from megatron_qarl.train_rollouts import TrainRollouts
+from megatron_qarl.train.rollouts import TrainRollouts
 
 
 def version_number(version: str | None) -> int | None:

@@ -86,7 +86,7 @@ class TrainRollouts:
         """The servers' log-probs of each sample's response tokens under the weights they hold now (one prefill
         per sample: /generate of prompt + response with ``logprob_start_len`` at the response and one new token,
         whose ``input_token_logprobs`` are those log-probs), in sample order. The mismatch split of the
-        asynchronous pipeline (rollout_pipeline.py) compares them with the learner's and the sampler's."""
+        asynchronous pipeline (train/pipeline.py) compares them with the learner's and the sampler's."""
         samples = [s for g in groups for s in g]
         live = self.live()
         if not live:

@@ -11,7 +11,7 @@ from megatron_qarl.data.math_task import heldout_problems
 from megatron_qarl.data.prompts import PromptStream, render_prompt, tokenize, uses_chat_template
 from megatron_qarl.data.reward import RewardScorer
 from megatron_qarl.rollout.manager import Sample, SamplingConfig
-from megatron_qarl.train_rollouts import TrainRollouts
+from megatron_qarl.train.rollouts import TrainRollouts
 
 EVAL_SEED_OFFSET = 1 << 20  # eval sampling seeds never collide with training ones
 

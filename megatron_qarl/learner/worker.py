@@ -62,7 +62,7 @@ class LearnerWorker:
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the learner's process group, build the sharded model and load the checkpoint (a GPU run on a
         process without a GPU: UserError, before anything is built)."""
-        from megatron_qarl.learner import Learner
+        from megatron_qarl.learner.rank import Learner
         from megatron_qarl.moe.model import Qwen3MoeArch
         from megatron_qarl.moe.parallelize import init_parallel
 
@@ -103,7 +103,7 @@ class LearnerWorker:
 
     def train(self, batch, loss_cfg, poison: bool = False) -> dict | None:
         """One optimizer step with algo/'s policy loss; ``poison`` multiplies the loss by NaN (fault drills)."""
-        from megatron_qarl.learner import policy_loss_fn
+        from megatron_qarl.learner.rank import policy_loss_fn
 
         loss_fn = policy_loss_fn(loss_cfg, batch)
         if poison:
@@ -146,12 +146,12 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------------------- checkpoints
     def save(self, path: str) -> None:
-        from megatron_qarl.checkpoint import save_learner
+        from megatron_qarl.learner.checkpoint import save_learner
 
         save_learner(path, self.learner.module, self.learner.optimizer)
 
     def load(self, path: str, weight_version: int) -> None:
-        from megatron_qarl.checkpoint import load_learner
+        from megatron_qarl.learner.checkpoint import load_learner
 
         load_learner(path, self.learner.module, self.learner.optimizer)
         if self.learner.fake_quant:

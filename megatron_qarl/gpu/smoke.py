@@ -1,4 +1,4 @@
-"""The GPU machine check behind scripts/gpu_smoke.sh (``python -m megatron_qarl.gpu_smoke report|simulate|smoke``).
+"""The GPU machine check behind scripts/gpu_smoke.sh (``python -m megatron_qarl.gpu.smoke report|simulate|smoke``).
 
 ``report``: what this machine offers (CUDA devices, NCCL, Transformer Engine and its FP8 block-scale format,
 SGLang, the torch.distributed backend the learner would pick). ``simulate``: the learner checks below on a simulated
@@ -141,7 +141,7 @@ def learner_checks(model_dir: str, impl: str, scheme: str, workdir: str, *, simu
     import torch
 
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
     from megatron_qarl.moe.model import Qwen3MoeArch
 
     key = f"[{impl},{scheme}]"
@@ -205,7 +205,7 @@ def learner_checks(model_dir: str, impl: str, scheme: str, workdir: str, *, simu
         return _delta_roundtrip(state["before"], after)
 
     def checkpoint():
-        from megatron_qarl.checkpoint import save_learner
+        from megatron_qarl.learner.checkpoint import save_learner
 
         path = Path(workdir) / f"checkpoint-{impl}-{scheme}"
         save_learner(path, state["learner"].module, state["learner"].optimizer)
@@ -280,7 +280,7 @@ def te_fp8_check(model_dir: str) -> str:
     import torch
 
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
     from megatron_qarl.moe.model import Qwen3MoeArch
 
     torch.manual_seed(0)
@@ -324,8 +324,8 @@ def simulate(model_dir: str, workdir: str) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from megatron_qarl.gpu.simulated_device import simulated_cuda
     from megatron_qarl.moe.parallelize import destroy_parallel, init_parallel, single_rank_env
-    from megatron_qarl.simulated_device import simulated_cuda
 
     single_rank_env()
     dist.init_process_group("gloo")  # the simulated GPU has no NCCL: its groups are gloo (module docstring)
@@ -347,7 +347,7 @@ def simulate(model_dir: str, workdir: str) -> dict[str, Any]:
             f"{({k: _summary(v) for k, v in cpu.items()})}")
     finally:
         destroy_parallel()
-    return {"device": "simulated CUDA (megatron_qarl.simulated_device)", "checks": checks}
+    return {"device": "simulated CUDA (megatron_qarl.gpu.simulated_device)", "checks": checks}
 
 
 def _cpu_comparable_step(model_dir: str) -> dict:
@@ -355,7 +355,7 @@ def _cpu_comparable_step(model_dir: str) -> dict:
     import torch
 
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner import Batch, Learner, token_mean_nll
+    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
     from megatron_qarl.moe.model import Qwen3MoeArch
 
     torch.manual_seed(0)
@@ -464,7 +464,7 @@ def smoke(model: str | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_qarl.gpu_smoke", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_qarl.gpu.smoke", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["report", "smoke", "simulate"],
                         help="report: the machine; smoke: the real CUDA checks; simulate: the learner checks on a "
                              "simulated CUDA device (any machine without CUDA, seconds)")

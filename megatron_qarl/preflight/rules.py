@@ -1,0 +1,109 @@
+"""The rules between keys of different components, and ``load_config``, the one way a run's config is loaded.
+
+config.py is the schema: each section's types and the checks that need only the config and the model's
+config.json. What a backend can serve, what the planner says a server layout can hold, and which async modes a
+backend supports span components, so they live here, where the config, the planner and every backend are known;
+the config module imports none of them (tests/test_import_cycles.py). ``qarl preflight`` (this package) adds the
+checks of the environments a run executes in.
+
+    cfg = load_config("configs/cpu_default.yaml", ["parallel.tp=2", "optim.lr=1e-5"])
+
+Every refusal is a ConfigError whose message starts with the dotted key and says why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from megatron_qarl.config import QarlConfig, apply_overrides, load_yaml, validate_config
+from megatron_qarl.errors import ConfigError
+from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.plan.memory import LayoutError, ServerLayout, check_server_layout
+from megatron_qarl.rollout.vllm_launcher import CPU_INT4_GROUP
+
+
+def check_sglang(cfg: QarlConfig) -> None:
+    """``rollout.backend: sglang``: what SGLang 0.5.23's servers accept and can update."""
+    ro = cfg.rollout
+    if ro.sync.verify:
+        raise ConfigError("rollout.sync.verify: a real SGLang server checksums its own fused, repacked and "
+                          "sharded parameters, which the learner cannot reproduce; verification is for the "
+                          "embedded server (docs/rollout.md, 'Against a real SGLang server')")
+    if ro.sync.delta:
+        raise ConfigError("rollout.sync.delta: SGLang 0.5.23 has no delta load format (its distributed update "
+                          "loads every received tensor whole); delta sync is for the embedded server "
+                          "(docs/rollout.md, 'Delta weight sync')")
+    if ro.gpus_per_server < 1:
+        raise ConfigError("rollout.gpus_per_server: sglang servers need at least 1 GPU")
+    if ro.dp_size != 1:
+        raise ConfigError(f"rollout.dp_size: {ro.dp_size}: SGLang's weight updates assert dp_size == 1 "
+                          "(an updatable server is one data-parallel replica); raise rollout.servers instead")
+    if ro.ep_size > ro.gpus_per_server or ro.gpus_per_server % ro.ep_size:
+        why = " (SGLang's block-FP8 MoE needs tp % ep == 0)" if cfg.quant.scheme == "w8a8_fp8" else ""
+        raise ConfigError(f"rollout.ep_size: {ro.ep_size} must divide rollout.gpus_per_server "
+                          f"({ro.gpus_per_server}, SGLang's --tp-size){why}")
+    try:
+        check_server_layout(Qwen3MoeArch.from_model_dir(cfg.model.path), cfg.quant,
+                            ServerLayout(tp=ro.gpus_per_server, ep=ro.ep_size))
+    except LayoutError as err:
+        raise ConfigError(f"rollout.gpus_per_server: SGLang cannot serve this model with "
+                          f"--tp-size {ro.gpus_per_server} --ep-size {ro.ep_size}: {err}") from None
+
+
+def check_vllm(cfg: QarlConfig) -> None:
+    """``rollout.backend: vllm``: what vLLM 0.32 can serve and what its API returns (rollout/vllm_launcher.py)."""
+    r, q = cfg.rollout, cfg.quant
+    on_gpu = r.gpus_per_server > 0
+    if q.scheme == "w8a8_fp8" and not on_gpu:
+        raise ConfigError("quant.scheme: w8a8_fp8 with rollout.backend=vllm on CPU (rollout.gpus_per_server=0): "
+                          "vLLM 0.32's CPU block-FP8 kernel cannot load this model (fused qkv scales) and needs "
+                          "AMX-FP8; use w4a16, w8a8_int8 or bf16, or GPU servers")
+    if q.scheme == "w4a16" and not on_gpu and q.group_size != CPU_INT4_GROUP:
+        raise ConfigError(f"quant.group_size: {q.group_size}: vLLM 0.32's CPU int4 MoE kernel (CPUExpertsInt4) "
+                          f"serves group size {CPU_INT4_GROUP} only")
+    if q.scheme == "w4a16" and not q.symmetric:
+        raise ConfigError("quant.symmetric: false: vLLM 0.32's int4 MoE kernels take symmetric codes only; "
+                          "use symmetric W4A16 with rollout.backend=vllm")
+    if r.sync.delta:
+        raise ConfigError("rollout.sync.delta: vLLM 0.32's weight-transfer API loads whole tensors (its sparse "
+                          "backend is CUDA-only); delta sync is for the embedded server")
+    if r.sync.verify:
+        raise ConfigError("rollout.sync.verify: vLLM checksums its own processed (repacked) parameters "
+                          "(/weight_checker), which the learner cannot reproduce; verification is for the embedded "
+                          "server")
+    if cfg.algo.wants_routes:
+        raise ConfigError("algo.routing_replay: routing replay / agreement needs the servers' routed experts, "
+                          "which this project reads from SGLang and the embedded server only")
+    if cfg.train.async_mode == "bounded":
+        raise ConfigError("train.async: bounded with rollout.backend=vllm: requests stay in flight across a sync and "
+                          "need SGLang's retract pause and per-token weight versions in meta_info, which vLLM 0.32's "
+                          "API does not return; use train.async: one_step (or off)")
+    if r.dp_size != 1 or r.ep_size != 1:
+        raise ConfigError("rollout.ep_size: vLLM servers here run one data-parallel replica each with "
+                          "--tensor-parallel-size only (rollout.dp_size and ep_size stay 1)")
+
+
+BACKEND_RULES = {"embedded": None, "sglang": check_sglang, "vllm": check_vllm}
+
+
+def check_run(cfg: QarlConfig) -> QarlConfig:
+    """Every rule between components on a schema-valid config; ConfigError naming the key, else ``cfg``."""
+    rule = BACKEND_RULES[cfg.rollout.backend]
+    if rule is not None:
+        rule(cfg)
+    return cfg
+
+
+def validate_run(data: dict, base_dir: str | Path | None = None, cls: type[BaseModel] = QarlConfig):
+    """``config.validate_config`` and then, for a whole run (``cls`` QarlConfig), ``check_run``."""
+    cfg = validate_config(data, base_dir=base_dir, cls=cls)
+    return check_run(cfg) if isinstance(cfg, QarlConfig) else cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, cls: type[BaseModel] = QarlConfig):
+    """Load a YAML config, apply ``key.sub=value`` overrides, validate the schema and the rules between
+    components (raises ConfigError naming the key)."""
+    data = apply_overrides(load_yaml(path), list(overrides or []))
+    return validate_run(data, base_dir=Path(path).resolve().parent.parent, cls=cls)
