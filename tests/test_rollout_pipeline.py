@@ -80,7 +80,7 @@ def test_sync_mid_request_each_token_has_its_version_and_the_loss_its_behaviour_
                                                                              timeout=120).json()))
         thread.start()
         deadline = time.monotonic() + 30
-        while not any(len(r.output_ids) >= 4 for r in list(engine._active.values())):
+        while not any(len(r.output_ids) >= 4 for r in engine.scheduler.running()):
             assert time.monotonic() < deadline and thread.is_alive(), "the request never got going"
             time.sleep(0.005)
         # the trainer's sync, as sync/broadcaster.py runs it in bounded mode (a disk load stands in for the
@@ -175,7 +175,7 @@ def test_r3_routes_of_positions_forwarded_before_a_retract_stay_those_of_the_sam
                                                                                                    tmp_path):
     """R3 under bounded staleness: a request retracted across a weight update keeps, for every position already
     forwarded, the routes the sampling version used; the positions after come from the new version."""
-    from megatron_qarl.rollout.engine import SamplingParams
+    from megatron_qarl.rollout.request import SamplingParams
 
     model_dir = private_tiny_copy(tmp_path)
     tensors = load_file(Path(model_dir) / "model.safetensors")
@@ -201,8 +201,8 @@ def test_r3_routes_of_positions_forwarded_before_a_retract_stay_those_of_the_sam
             while len(req.output_ids) < 4 and not req.finish_reason:
                 time.sleep(0.001)
             engine.pause("retract")
-            engine.load_tensors(v2, "v2")
-            engine.finalize_weights()
+            engine.weights.load_tensors(v2, "v2")
+            engine.weights.finalize()
             engine.resume()
 
         forward = engine.model.forward_routed
