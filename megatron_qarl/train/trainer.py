@@ -137,13 +137,14 @@ class Trainer:
         if cfg.train.async_mode != "off" and cfg.train.mismatch_split:
             # the servers hold the learner's version; before ahead() (one_step: they are idle, no queueing behind
             # the next rollout's requests)
-            rescored = self.rollouts.rescore(groups, cfg.rollout.sampling.temperature)
+            rescored = self.rollouts.rescore(groups)
         t_rescore = time.perf_counter()
         self.pipeline.ahead(step)  # async: the next steps' rollouts start now, at the current weights
         if cfg.train.async_mode != "off":
             stale, self.staleness = staleness_metrics(groups, st.weight_version, cfg.train.staleness_bound)
             m.update(stale)
             m["async/regenerated"] = float(job.regenerated)
+            m["async/continued"] = float(manager.continued)  # requests aborted by a sync, continued
             m["async/rollout_busy_s"] = job.busy_s
         t_rollout = time.perf_counter()
         G = cfg.rollout.sampling.n_samples
@@ -160,8 +161,11 @@ class Trainer:
         else:
             logp_old_BT = self._routing(groups, batch, logp_sampler_BT, m)
         t_logp = time.perf_counter()
-        if rescored is not None:
-            m.update(mismatch_split(logp_old_BT, rescored_BT(groups, rescored, tuple(logp_sampler_BT.shape)),
+        if rescored is not None:  # the rescore is of the unscaled distribution: so is the learner's side of it
+            unscaled_BT = logp_old_BT if cfg.rollout.sampling.temperature == 1.0 else self.learners.logprobs(
+                batch.tokens_BS, batch.extra.get("routes_BSLK"), temperature=1.0)
+            m.update(mismatch_split(logp_old_BT, unscaled_BT, rescored_BT(groups, rescored,
+                                                                          tuple(logp_sampler_BT.shape)),
                                     logp_sampler_BT, batch.loss_mask_BT))
         adv_B = group_advantages(train_rewards, G, cfg.algo.advantage).float()
         batch.extra.update(adv_B=adv_B, logp_old_BT=logp_old_BT, logp_sampler_BT=logp_sampler_BT)
