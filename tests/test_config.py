@@ -108,6 +108,15 @@ def test_delta_sync_is_refused_for_real_sglang_servers():
                     ["rollout.backend=sglang", "rollout.gpus_per_server=1", "rollout.sync.delta=true"])
 
 
+def test_greedy_top_k_with_a_temperature_is_refused_as_sglang_reports_its_logprobs_unscaled():
+    """SGLang 0.5.23 samples a batch whose requests all have top_k <= 1 greedily and reports log_softmax(z), while the
+    learner scores log_softmax(z / T): refused at load, on every backend (the embedded engine is SGLang's stand-in)."""
+    cfg = REPO / "configs" / "cpu_default.yaml"
+    assert load_config(cfg, ["rollout.sampling.top_k=1"]).rollout.sampling.top_k == 1  # at T = 1 they agree
+    with pytest.raises(ConfigError, match=r"^rollout\.sampling\.top_k: 1 with rollout\.sampling\.temperature=0\.8"):
+        load_config(cfg, ["rollout.sampling.top_k=1", "rollout.sampling.temperature=0.8"])
+
+
 def test_learner_memory_keys_are_typed_with_defaults(tiny_model_dir):
     cfg = load_config(REPO / "configs" / "cpu_default.yaml")
     le = cfg.learner

@@ -170,8 +170,8 @@ class Learner:
 
     def _logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool,
                   temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logp [B, S-1], and with ``record`` the experts this rank's routers chose: [B, S_local, L, K]).
-        ``temperature``: divide the logits by this one instead of the learner's."""
+        """(logp [B, S-1] at ``temperature`` or the learner's, and with ``record`` the experts this rank's routers
+        chose: [B, S_local, L, K])."""
         from megatron.core import tensor_parallel
 
         seq = tokens_BS.shape[1]
@@ -196,8 +196,7 @@ class Learner:
         finally:
             if replay is not None:
                 replay.close()
-        temperature = self.temperature if temperature is None else temperature
-        if temperature != 1.0:
+        if (temperature := self.temperature if temperature is None else temperature) != 1.0:
             logits_BSV = logits_BSV / temperature
         ce_BS = tensor_parallel.vocab_parallel_cross_entropy(logits_BSV, labels_BS)
         return -ce_BS[:, : seq - 1].float(), routes
@@ -208,8 +207,7 @@ class Learner:
         """The aligned forward (fake quant on when configured): logp [B, S-1] of the whole batch on
         every rank; each data-parallel rank computes its slice (rows padded to a multiple of the
         data-parallel size by repeating the last one), then they are all-gathered. ``routes_BSLK``: R3.
-        ``temperature``: log_softmax(z / temperature) instead of the learner's (1.0: the unscaled log-probs SGLang
-        reports for prompt tokens, which the mismatch split's rescore reads; train/pipeline.py)."""
+        ``temperature``: instead of the learner's (1.0: the unscaled ones, train/pipeline.py's mismatch split)."""
         return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature)[0]
 
     @torch.no_grad()
