@@ -50,9 +50,11 @@ from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import export_state_dict
 from megatron_qarl.rollout import native
-from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams, in_fresh_thread
+from megatron_qarl.rollout.engine import Engine, EngineConfig
 from megatron_qarl.rollout.kernels import INT4_INNER_K_TILES
 from megatron_qarl.rollout.model import Qwen3MoeEngineModel
+from megatron_qarl.rollout.request import SamplingParams
+from megatron_qarl.rollout.weight_loading import in_fresh_thread
 
 CONFIG = {
     "model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 2048, "num_hidden_layers": 2,

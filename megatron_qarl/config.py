@@ -292,8 +292,9 @@ class TrainConfig(_Section):
     # asynchronous rollouts (megatron_qarl/train/pipeline.py; docs/training.md, 'Asynchronous rollouts'):
     # off: sequential; one_step: step t+1's rollouts are sampled while step t trains, the sync waits for them;
     # bounded: the servers keep sampling up to max_staleness steps ahead, a sync retracts running requests
-    # (SGLang's pause_generation mode retract) and they continue under the new weights; a sample with a token
-    # more than max_staleness versions behind the learner is regenerated, never trained on
+    # (SGLang's pause_generation mode retract; with R3 it aborts them and each is continued as a new request) and
+    # they continue under the new weights; a sample with a token more than max_staleness versions behind the
+    # learner is regenerated, never trained on
     async_mode: Literal["off", "one_step", "bounded"] = Field(default="off", alias="async")
     max_staleness: int = Field(default=2, ge=1)  # bounded: weight versions
     # async modes: the servers rescore each batch at the learner's version, splitting the mismatch into its
@@ -312,12 +313,6 @@ class TrainConfig(_Section):
     def staleness_bound(self) -> int:
         """How many weight versions a trained sample may lag the learner: 0 off, 1 one_step, max_staleness."""
         return {"off": 0, "one_step": 1, "bounded": self.max_staleness}[self.async_mode]
-
-    @property
-    def sync_pause_mode(self) -> str:
-        """/pause_generation's mode for the weight sync: ``retract`` when requests stay in flight across it
-        (bounded), else ``abort`` (nothing is in flight; SGLang's default)."""
-        return "retract" if self.async_mode == "bounded" else "abort"
 
 
 class LaunchConfig(_Section):
@@ -380,6 +375,17 @@ class QarlConfig(_Section):
 
         check_te_fp8(self.model.te_fp8, self.model.impl, self.quant.scheme)
         return self
+
+    @property
+    def sync_pause_mode(self) -> str:
+        """/pause_generation's mode for the weight sync. ``abort`` (SGLang's default) where nothing is in flight at a
+        sync (train.async off, one_step); ``retract`` where requests stay in flight across it (bounded): they are
+        re-prefilled under the new weights and continue. Except with R3 (algo.routing_replay or routing_agreement):
+        SGLang's retract recomputes every position's routes under the new weights (``Req.reset_for_retract``,
+        rollout/routed_experts.py), so the sync aborts the running requests and the rollout manager continues each
+        as a new request, every segment with the routes its tokens were sampled under (rollout/manager.py)."""
+        bounded = self.train.async_mode == "bounded"
+        return "retract" if bounded and not self.algo.wants_routes else "abort"
 
     @property
     def gpu_run_keys(self) -> list[str]:

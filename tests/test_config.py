@@ -58,14 +58,18 @@ def test_wrong_configs_name_the_key(override, message, tiny_model_dir):
 
 def test_train_async_modes_and_their_bounds(tiny_model_dir):
     """train.async: off (YAML's bare off, a boolean, included), one_step (bound 1), bounded (max_staleness); a
-    sync retracts running requests only in bounded mode; the saved config spells the key train.async."""
+    sync retracts running requests only in bounded mode, and aborts them there too with R3 (SGLang's retract
+    recomputes their routes; the manager continues them); the saved config spells the key train.async."""
     modes = {}
     for value in ("off", "one_step", "bounded"):
         cfg = load_config(REPO / "configs" / "cpu_default.yaml", [f"train.async={value}", "train.max_staleness=3"])
-        modes[value] = (cfg.train.async_mode, cfg.train.staleness_bound, cfg.train.sync_pause_mode,
+        modes[value] = (cfg.train.async_mode, cfg.train.staleness_bound, cfg.sync_pause_mode,
                         cfg.model_dump(mode="json")["train"]["async"])
     assert modes == {"off": ("off", 0, "abort", "off"), "one_step": ("one_step", 1, "abort", "one_step"),
                      "bounded": ("bounded", 3, "retract", "bounded")}
+    for r3 in ("algo.routing_replay=true", "algo.routing_agreement=true"):
+        assert load_config(REPO / "configs" / "cpu_default.yaml", ["train.async=bounded", r3]).sync_pause_mode == \
+            "abort"
     assert load_config(REPO / "configs" / "cpu_default.yaml").train.async_mode == "off"
 
 
@@ -102,6 +106,15 @@ def test_delta_sync_is_refused_for_real_sglang_servers():
     with pytest.raises(ConfigError, match=r"^rollout\.sync\.delta: SGLang 0\.5\.23 has no delta load format"):
         load_config(REPO / "configs" / "cpu_default.yaml",
                     ["rollout.backend=sglang", "rollout.gpus_per_server=1", "rollout.sync.delta=true"])
+
+
+def test_greedy_top_k_with_a_temperature_is_refused_as_sglang_reports_its_logprobs_unscaled():
+    """SGLang 0.5.23 samples a batch whose requests all have top_k <= 1 greedily and reports log_softmax(z), while the
+    learner scores log_softmax(z / T): refused at load, on every backend (the embedded engine is SGLang's stand-in)."""
+    cfg = REPO / "configs" / "cpu_default.yaml"
+    assert load_config(cfg, ["rollout.sampling.top_k=1"]).rollout.sampling.top_k == 1  # at T = 1 they agree
+    with pytest.raises(ConfigError, match=r"^rollout\.sampling\.top_k: 1 with rollout\.sampling\.temperature=0\.8"):
+        load_config(cfg, ["rollout.sampling.top_k=1", "rollout.sampling.temperature=0.8"])
 
 
 def test_learner_memory_keys_are_typed_with_defaults(tiny_model_dir):

@@ -25,8 +25,9 @@ from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import iter_safetensors, quantize_checkpoint
 from megatron_qarl.qat.fake_quant import fake_quant_act
 from megatron_qarl.rollout import native
-from megatron_qarl.rollout.engine import Engine, EngineConfig, SamplingParams
+from megatron_qarl.rollout.engine import Engine, EngineConfig
 from megatron_qarl.rollout.kernels import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, _mkldnn_bf16
+from megatron_qarl.rollout.request import SamplingParams
 from megatron_qarl.rollout.weight_receiver import NO_SESSION, OUTSIDE_SESSION, SESSION_OPEN
 from megatron_qarl.sync.checksum import engine_checksum, overall_checksum, weight_checksums
 
@@ -455,7 +456,7 @@ def test_int4_repack_equals_torchs_conversion():
 
 
 def test_in_fresh_thread_returns_raises_and_leaves_no_thread():
-    from megatron_qarl.rollout.engine import in_fresh_thread
+    from megatron_qarl.rollout.weight_loading import in_fresh_thread
 
     before = threading.active_count()
     assert in_fresh_thread(lambda a, b=0: (threading.current_thread().name, a + b), 2, b=3) == ("qarl-engine-load", 5)

@@ -140,3 +140,80 @@ def test_routes_are_asked_for_and_decoded():
     (group,) = asyncio.run(mgr.generate([_routed_server(routes_for)], [[5, 6]], step=0))
     assert seen[0]["return_routed_experts"] is True
     assert group[0].routes.shape == (3, 2, 2) and group[0].routes[2].tolist() == [[0, 1], [2, 3]]
+
+
+def _scripted_server(answers: list):
+    """A server answering /generate with ``answers`` in turn: each (finish type, output ids, version, with routes);
+    routes row r of a forwarded position p is experts [p % 8, (p + 1) % 8] in every layer (2 layers, top-2), so a
+    stitched sample shows which request computed each row."""
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        finish, out, version, routed = answers[min(len(seen), len(answers)) - 1]
+        start = body.get("routed_experts_start_len", 0)
+        seqlen = len(body["input_ids"]) + len(out)
+        meta = {"finish_reason": {"type": finish}, "weight_version": version,
+                "weight_versions": [{"version": version, "start": 0, "end": len(out)}] if out else [],
+                "output_token_logprobs": [[-0.1 * (t + 1), t, None] for t in out]}
+        if routed and body.get("return_routed_experts"):
+            pos = torch.arange(start, seqlen - 1, dtype=torch.int32)
+            rows = torch.stack([pos % 8, (pos + 1) % 8], -1)[:, None].expand(-1, 2, 2).contiguous()
+            meta["routed_experts"] = _b64(rows)
+        return httpx.Response(200, json={"text": "", "output_ids": out, "meta_info": meta})
+
+    return SGLangClient("http://s", transport=httpx.MockTransport(handler), config=ClientConfig(retries=0)), seen
+
+
+def test_an_aborted_request_is_continued_and_its_segments_stitched_with_their_routes():
+    """A sync that aborts a running request (SGLang's pause_generation abort, R3 in bounded mode): the manager keeps
+    the partial output and its routes, sends prompt + output as a new request for the rest (budget reduced, its
+    own seed, routes of the new positions only: routed_experts_start_len = its prompt length - 1), and stitches
+    tokens, log-probs, per-token versions and routes into one sample. An answer aborted while queued (no routes)
+    keeps nothing."""
+    from megatron_qarl.rollout.manager import RoutesSpec
+
+    client, seen = _scripted_server([("abort", [5, 6, 7], "v1", True), ("abort", [9], "v2", False),
+                                     ("stop", [8, 1], "v2", True)])
+    mgr = RolloutManager(SamplingConfig(n_samples=1, max_new_tokens=10), stop_token_ids=[1], seed=3,
+                         routes=RoutesSpec(layers=2, topk=2, num_experts=8), max_idle_aborts=2)
+    ((s,),) = asyncio.run(mgr.generate([client], [[2, 3]], step=4))
+    assert [b["input_ids"] for b in seen] == [[2, 3], [2, 3, 5, 6, 7], [2, 3, 5, 6, 7]]
+    assert [b["sampling_params"]["max_new_tokens"] for b in seen] == [10, 7, 7]
+    assert "routed_experts_start_len" not in seen[0] and [b["routed_experts_start_len"] for b in seen[1:]] == [4, 4]
+    seeds = [b["sampling_params"]["sampling_seed"] for b in seen]
+    assert seeds[0] == sample_seed(3, 4, 0, 0) and len(set(seeds)) == 3
+    assert s.prompt_ids == [2, 3] and s.response_ids == [5, 6, 7, 8, 1] and s.finish_reason == "stop"
+    assert s.logp_sampler == pytest.approx([-0.6, -0.7, -0.8, -0.9, -0.2])
+    assert s.versions() == ["v1"] * 3 + ["v2"] * 2 and mgr.continued == 2
+    # rows 0..5: positions 0..5 of [2, 3, 5, 6, 7, 8, 1], each from the request that forwarded it
+    assert s.routes.shape == (6, 2, 2) and s.routes[:, 0, 0].tolist() == list(range(6))
+
+
+@pytest.mark.parametrize(("answers", "finish", "response"), [
+    ([("abort", [5, 1], "v1", True)], "stop", [5, 1]),  # SGLang checks the abort before the stop token it sampled
+    ([("abort", [5, 6, 7, 8], "v1", True)], "length", [5, 6, 7, 8]),
+])
+def test_an_aborted_request_that_already_ended_is_not_continued(answers, finish, response):
+    from megatron_qarl.rollout.manager import RoutesSpec
+
+    client, seen = _scripted_server(answers)
+    mgr = RolloutManager(SamplingConfig(n_samples=1, max_new_tokens=4), stop_token_ids=[1],
+                         routes=RoutesSpec(layers=2, topk=2, num_experts=8), max_idle_aborts=2)
+    ((s,),) = asyncio.run(mgr.generate([client], [[2, 3]], step=0))
+    assert len(seen) == 1 and s.finish_reason == finish and s.response_ids == response
+
+
+def test_aborts_without_output_beyond_the_limit_are_a_failing_server_and_without_continuation_an_answer():
+    a, seen_a = _scripted_server([("abort", [], "v1", False)])
+    b, seen_b = _scripted_server([("stop", [4, 1], "v2", False)])
+    mgr = RolloutManager(SamplingConfig(n_samples=1), stop_token_ids=[1], max_idle_aborts=2)
+    with pytest.raises(EveryServerDown):
+        asyncio.run(mgr.generate([a], [[2]], step=0))
+    assert len(seen_a) == 3 and mgr.server_failures == 1 and mgr.resent == 1
+    ((s,),) = asyncio.run(mgr.generate([b], [[2]], step=0))  # the restarted server
+    assert s.response_ids == [4, 1] and len(seen_b) == 1
+    a, _ = _scripted_server([("abort", [5], "v1", False)])
+    ((s,),) = asyncio.run(RolloutManager(SamplingConfig(n_samples=1), stop_token_ids=[1]).generate([a], [[2]], 0))
+    assert s.finish_reason == "abort" and s.response_ids == [5]  # max_idle_aborts None: an abort is an answer

@@ -5,6 +5,8 @@ the staleness bound is regenerated, never handed to the step."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 import types
@@ -16,10 +18,19 @@ import torch
 from embedded_server import serve_in_thread
 from safetensors.torch import load_file, save_file
 
+from megatron_qarl.algo.routing import decode_routed_experts
 from megatron_qarl.data.prompts import PromptStream
 from megatron_qarl.preflight.rules import load_config
+from megatron_qarl.rollout.client import SGLangClient
 from megatron_qarl.rollout.engine import Engine, EngineConfig
-from megatron_qarl.rollout.manager import RolloutServerError, parse_response, token_versions
+from megatron_qarl.rollout.manager import (
+    RolloutManager,
+    RolloutServerError,
+    RoutesSpec,
+    SamplingConfig,
+    parse_response,
+    token_versions,
+)
 from megatron_qarl.sync.weight_update import Engine as Endpoint
 from megatron_qarl.sync.weight_update import WeightUpdateAPI
 from megatron_qarl.train.pipeline import RolloutPipeline, sample_staleness, staleness_metrics
@@ -80,7 +91,7 @@ def test_sync_mid_request_each_token_has_its_version_and_the_loss_its_behaviour_
                                                                              timeout=120).json()))
         thread.start()
         deadline = time.monotonic() + 30
-        while not any(len(r.output_ids) >= 4 for r in list(engine._active.values())):
+        while not any(len(r.output_ids) >= 4 for r in engine.scheduler.running()):
             assert time.monotonic() < deadline and thread.is_alive(), "the request never got going"
             time.sleep(0.005)
         # the trainer's sync, as sync/broadcaster.py runs it in bounded mode (a disk load stands in for the
@@ -171,60 +182,182 @@ def test_a_sample_older_than_max_staleness_is_regenerated_never_trained_on(serve
         pipe.close()
 
 
-def test_r3_routes_of_positions_forwarded_before_a_retract_stay_those_of_the_sampling_version(private_tiny_copy,
-                                                                                                   tmp_path):
-    """R3 under bounded staleness: a request retracted across a weight update keeps, for every position already
-    forwarded, the routes the sampling version used; the positions after come from the new version."""
-    from megatron_qarl.rollout.engine import SamplingParams
+def _learner_logprobs(model_dir: str, tokens_BS: torch.Tensor, temperature: float) -> tuple[torch.Tensor, ...]:
+    """An fp32 learner's log-probs of ``tokens_BS`` at the sampling temperature and unscaled (one rank)."""
+    from megatron_qarl.config import OptimConfig, ParallelConfig
+    from megatron_qarl.learner.rank import Learner
+    from megatron_qarl.moe.model import Qwen3MoeArch
+    from megatron_qarl.moe.parallelize import init_parallel
 
-    model_dir = private_tiny_copy(tmp_path)
-    tensors = load_file(Path(model_dir) / "model.safetensors")
-    v2 = {k: -t for k, t in tensors.items() if k.endswith("mlp.gate.weight")}  # every router flipped
-    engine = Engine(EngineConfig(model_path=model_dir, dtype="float32", max_batch_size=2, num_threads=1,
-                                 enable_return_routed_experts=True))
-    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    init_parallel()
+    learner = Learner(Qwen3MoeArch.from_model_dir(model_dir), ParallelConfig(), OptimConfig(), temperature=temperature)
+    learner.load_hf(model_dir)
+    return learner.forward_logprobs(tokens_BS), learner.forward_logprobs(tokens_BS, temperature=1.0)
 
-    def run(prompt, during=None):
-        done = threading.Event()
-        req = engine.make_request(prompt, params, return_routed_experts=True, on_done=lambda r: done.set())
-        engine.submit(req)
-        if during is not None:
-            during(req)
-        assert done.wait(60)
-        return req
 
+def test_the_mismatch_split_compares_like_with_like_at_temperature_0_8(server, model_dirs, tmp_path):
+    """At T = 0.8 (the 30B configs) with float32 on both sides and no staleness, both parts of the split stay at
+    numerics (<= 1e-5 per token): the rescore reads SGLang's input log-probs, which are unscaled at any T, and is
+    compared with the learner's unscaled log-probs. Compared with the learner's T-scaled ones, as before the fix,
+    the 'quantization' part measured the temperature."""
+    from megatron_qarl.moe.parallelize import run_ranks
+    from megatron_qarl.train.pipeline import mismatch_split, rescored_BT
+
+    base, _ = server
+    http = httpx.Client(base_url=base, timeout=60)
+    _load(http, model_dirs[0], "v1")
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml", [
+        "rollout.sampling.temperature=0.8", "launch.backend=local", f"model.path={model_dirs[0]}",
+        f"train.output_dir={tmp_path}"])
+    rollouts = TrainRollouts(cfg, None, types.SimpleNamespace(urls=[base], alive=lambda: [True]), [1],
+                             on_sync=lambda report: None)
+    sampling = SamplingConfig(n_samples=2, temperature=0.8, max_new_tokens=8)
+    groups, _ = rollouts.rollout([PROMPT, PROMPT[:5]], sampling, 3)
+    rescored = rollouts.rescore(groups)
+    batch, logp_sampler_BT = build_batch(groups, pad_id=0)
+    logp_old_BT, unscaled_BT = run_ranks(1, _learner_logprobs, model_dirs[0], batch.tokens_BS, 0.8)[0]
+    mask = batch.loss_mask_BT
+    rescored_at = rescored_BT(groups, rescored, tuple(logp_sampler_BT.shape))
+    m = mismatch_split(logp_old_BT, unscaled_BT, rescored_at, logp_sampler_BT, mask)
+    assert m["mismatch_quant/mismatch_tok_abs_p99"] <= 1e-5 and m["mismatch_stale/mismatch_tok_abs_p99"] <= 1e-5, m
+    assert (logp_old_BT - logp_sampler_BT)[mask > 0].abs().max() <= 1e-5  # the sampler's are T-scaled, as the loss's
+    assert (logp_old_BT - rescored_at)[mask > 0].abs().mean() > 1e-2  # T-scaled vs unscaled: the old comparison
+
+
+@pytest.fixture(scope="module")
+def r3_dirs(tmp_path_factory, private_tiny_copy) -> tuple[str, str]:
+    """(the tiny model without an EOS id, so that requests run to their budget; the same with every router
+    flipped: a second weight version that routes every position differently)."""
+    import json
+
+    base = Path(private_tiny_copy(tmp_path_factory.mktemp("r3_v1")))
+    for name in ("config.json", "generation_config.json"):
+        conf = json.loads((base / name).read_text())
+        conf.pop("eos_token_id", None)
+        (base / name).write_text(json.dumps(conf))
+    flipped = Path(private_tiny_copy(tmp_path_factory.mktemp("r3_v2")))
+    tensors = load_file(flipped / "model.safetensors")
+    save_file({k: -t if k.endswith("mlp.gate.weight") else t for k, t in tensors.items()},
+              flipped / "model.safetensors")
+    return str(base), str(flipped)
+
+
+@contextlib.contextmanager
+def _slow_routed(engine, seconds: float = 0.02):
+    """Every routed forward a little longer, so that a sync surely lands mid-request."""
+    forward = engine.model.forward_routed
+
+    def slow(*args, **kw):
+        time.sleep(seconds)
+        return forward(*args, **kw)
+
+    engine.model.forward_routed = slow
     try:
-        straight = run(PROMPT)
-        want_v1 = engine.routed_experts(straight)
-
-        def sync_mid_request(req):
-            while len(req.output_ids) < 4 and not req.finish_reason:
-                time.sleep(0.001)
-            engine.pause("retract")
-            engine.load_tensors(v2, "v2")
-            engine.finalize_weights()
-            engine.resume()
-
-        forward = engine.model.forward_routed
-
-        def slow(*args, **kw):
-            time.sleep(0.02)
-            return forward(*args, **kw)
-
-        engine.model.forward_routed = slow
-        try:
-            spanning = run(PROMPT, sync_mid_request)
-        finally:
-            engine.model.forward_routed = forward
-        (old, k), = spanning.version_events
-        assert old == "default" and 4 <= k < 12 and spanning.num_retractions == 1
-        routes = engine.routed_experts(spanning)
-        forwarded = len(PROMPT) + k - 1  # positions forwarded under v1: the prompt and the first k - 1 outputs
-        assert spanning.output_ids[:k] == straight.output_ids[:k]  # v1 sampled these
-        assert torch.equal(routes[:forwarded], want_v1[:forwarded])
-        # the new version routes those positions differently, so keeping them is a choice, not a coincidence
-        v2_routes = engine.routed_experts(run(PROMPT + spanning.output_ids[:k]))
-        assert not torch.equal(v2_routes[:forwarded], routes[:forwarded])
-        assert torch.equal(routes[forwarded: forwarded + 1], v2_routes[forwarded: forwarded + 1])
+        yield
     finally:
-        engine.shutdown()
+        engine.model.forward_routed = forward
+
+
+def _sync_mid_request(base: str, engine, model_dir: str, version: str, mode: str, after: int = 4) -> None:
+    """The trainer's sync as sync/broadcaster.py runs it while a request is running with ``after`` tokens out:
+    pause (``mode``), flush, new weights (a disk load stands in for the broadcast buckets), continue."""
+    deadline = time.monotonic() + 30
+    while not any(len(r.output_ids) >= after for r in engine.scheduler.running()):
+        assert time.monotonic() < deadline, "the request never got going"
+        time.sleep(0.002)
+    api = WeightUpdateAPI(Endpoint(base))
+    api.pause_generation(mode)
+    api.flush_cache()
+    _load(httpx.Client(base_url=base, timeout=60), model_dir, version)
+    api.continue_generation()
+
+
+def _routes(http: httpx.Client, seq: list[int], spec: RoutesSpec) -> torch.Tensor:
+    """The routes the server's weights give every position of ``seq`` but the last (one prefill), sorted per token."""
+    out = http.post("/generate", json={"input_ids": seq, "return_routed_experts": True,
+                                       "sampling_params": {"temperature": 0, "max_new_tokens": 1}}).json()
+    routes = decode_routed_experts(out["meta_info"]["routed_experts"], len(seq) + 1, spec.layers, spec.topk,
+                                   spec.num_experts, "reference")
+    return routes[: len(seq) - 1].sort(-1).values
+
+
+def test_r3_after_a_retract_every_route_is_recomputed_as_sglangs(r3_dirs):
+    """SGLang 0.5.23 (Req.reset_for_retract sets routed_experts to None; the capturer keeps routes per KV slot, and
+    the re-prefill recomputes every slot): a request retracted across a weight update answers the NEW version's
+    routes for every position, including those whose next token the old version sampled. The engine did the
+    opposite before (it kept the old routes, so R3 replayed one thing in the tests and another in production)."""
+    engine = Engine(EngineConfig(model_path=r3_dirs[0], dtype="float32", max_batch_size=2, num_threads=1,
+                                 enable_return_routed_experts=True))
+    spec = RoutesSpec(*_arch_routes(r3_dirs[0]))
+    body = {"input_ids": PROMPT, "return_routed_experts": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 12}}
+    with serve_in_thread(engine) as base:
+        http = httpx.Client(base_url=base, timeout=60)
+        _load(http, r3_dirs[0], "v1")
+        result: dict = {}
+        with _slow_routed(engine):
+            thread = threading.Thread(target=lambda: result.update(r=httpx.post(f"{base}/generate", json=body,
+                                                                                 timeout=120).json()))
+            thread.start()
+            _sync_mid_request(base, engine, r3_dirs[1], "v2", "retract")
+            thread.join(timeout=120)
+        meta = result["r"]["meta_info"]
+        k = meta["weight_versions"][0]["end"]
+        assert meta["num_retractions"] == 1 and [s["version"] for s in meta["weight_versions"]] == ["v1", "v2"]
+        seq = PROMPT + result["r"]["output_ids"]
+        routes = decode_routed_experts(meta["routed_experts"], len(seq), spec.layers, spec.topk, spec.num_experts,
+                                       "retracted").sort(-1).values
+        v2 = _routes(http, seq, spec)
+        _load(http, r3_dirs[0], "v1")
+        v1 = _routes(http, seq, spec)
+    forwarded = len(PROMPT) + k - 1  # positions forwarded under v1 before the retract
+    assert torch.equal(routes, v2)  # every one of them recomputed under v2
+    assert not torch.equal(v1[:forwarded], v2[:forwarded])  # which really differs from the sampling version's
+
+
+def test_r3_under_bounded_staleness_every_segment_keeps_the_routes_it_was_sampled_under(r3_dirs):
+    """R3 exact per segment under SGLang's semantics: with routes wanted, the bounded pipeline's sync aborts the
+    running requests (QarlConfig.sync_pause_mode) and the rollout manager continues each as a new request; the
+    stitched sample's tokens, log-probs, versions and routes are each segment's: the positions that sampled
+    tokens under v1 carry v1's routes, the rest v2's."""
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml", ["train.async=bounded", "algo.routing_replay=true",
+                                                              f"model.path={r3_dirs[0]}"])
+    engine = Engine(EngineConfig(model_path=r3_dirs[0], dtype="float32", max_batch_size=2, num_threads=1,
+                                 enable_return_routed_experts=True))
+    spec = RoutesSpec(*_arch_routes(r3_dirs[0]))
+    manager = RolloutManager(SamplingConfig(n_samples=1, temperature=1.0, max_new_tokens=20), [], seed=5,
+                             routes=spec, max_idle_aborts=cfg.train.staleness_bound + 1)
+    with serve_in_thread(engine) as base:
+        http = httpx.Client(base_url=base, timeout=60)
+        _load(http, r3_dirs[0], "v1")
+        result: dict = {}
+
+        async def rollout():
+            async with SGLangClient(base) as client:
+                return await manager.generate([client], [PROMPT], step=1)
+
+        with _slow_routed(engine):
+            thread = threading.Thread(target=lambda: result.update(groups=asyncio.run(rollout())))
+            thread.start()
+            _sync_mid_request(base, engine, r3_dirs[1], "v2", cfg.sync_pause_mode)
+            thread.join(timeout=120)
+        ((sample,),) = result["groups"]
+        seq = PROMPT + sample.response_ids
+        v2, new_lp = _routes(http, seq, spec), _rescore(http, PROMPT, sample.response_ids)
+        _load(http, r3_dirs[0], "v1")
+        v1, old_lp = _routes(http, seq, spec), _rescore(http, PROMPT, sample.response_ids)
+    k = sample.versions().count("v1")
+    assert cfg.sync_pause_mode == "abort" and manager.continued == 1 and sample.finish_reason == "length"
+    assert 4 <= k < 20 and sample.versions() == ["v1"] * k + ["v2"] * (20 - k)
+    cut = len(PROMPT) + k - 1  # positions whose forward sampled a v1 token: the prompt's last and outputs 1..k-1
+    routes = sample.routes.sort(-1).values
+    assert torch.equal(routes[:cut], v1[:cut]) and torch.equal(routes[cut:], v2[cut:])
+    assert not torch.equal(v1[:cut], v2[:cut]) and not torch.equal(v1[cut:], v2[cut:])  # the versions differ
+    assert torch.allclose(torch.tensor(sample.logp_sampler), torch.tensor(old_lp[:k] + new_lp[k:]), atol=1e-5)
+
+
+def _arch_routes(model_dir: str) -> tuple[int, int, int]:
+    from megatron_qarl.moe.model import Qwen3MoeArch
+
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    return arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts

@@ -102,8 +102,11 @@ def test_sampling_seed_reproduces(http):
     assert len(others) > 1  # different seeds give different samples
 
 
-def test_logprobs_are_of_the_temperature_scaled_distribution(server, http):
-    """SGLang's default: log_softmax(logits / T) of the sampled token, before top-k / top-p."""
+def test_output_logprobs_are_temperature_scaled_and_prompt_logprobs_are_not(server, http):
+    """SGLang 0.5.23: output_token_logprobs = log_softmax(logits / T) of the sampled token, before top-k / top-p
+    (sglang/srt/layers/sampler.py); input_token_logprobs = log_softmax(logits), the raw logits whatever the
+    temperature (sglang/srt/layers/logprob_processor.py, InputLogprobProcessor). Before the fix the prompt's were
+    scaled by T too, so a rescore through them measured the temperature."""
     _, engine = server
     t = 0.7
     out = gen(http, sampling_params={"temperature": t, "max_new_tokens": 6, "sampling_seed": 5, "ignore_eos": True,
@@ -119,8 +122,10 @@ def test_logprobs_are_of_the_temperature_scaled_distribution(server, http):
     assert got == pytest.approx(want, abs=1e-5)
     inputs = out["meta_info"]["input_token_logprobs"]  # logprob_start_len 0: every prompt token, first None
     assert [x[1] for x in inputs] == PROMPT and inputs[0][0] is None
-    assert [x[0] for x in inputs[1:]] == pytest.approx([float(logp[i, PROMPT[i + 1]]) for i in range(n - 1)],
+    raw = torch.log_softmax(logits, dim=-1)
+    assert [x[0] for x in inputs[1:]] == pytest.approx([float(raw[i, PROMPT[i + 1]]) for i in range(n - 1)],
                                                         abs=1e-5)
+    assert max(abs(float(raw[i, PROMPT[i + 1]] - logp[i, PROMPT[i + 1]])) for i in range(n - 1)) > 1e-2
 
 
 def _background(http_base: str, body: dict) -> tuple[threading.Thread, dict]:
@@ -136,7 +141,7 @@ def _background(http_base: str, body: dict) -> tuple[threading.Thread, dict]:
 
 def _wait_pending(engine, n: int = 1) -> None:
     deadline = time.monotonic() + 20
-    while engine.num_pending() < n:
+    while engine.scheduler.num_pending() < n:
         assert time.monotonic() < deadline, "request never became pending"
         time.sleep(0.01)
 
@@ -151,7 +156,7 @@ def test_pause_in_place_flush_continue(server, http):
                                                                                  "max_new_tokens": 4}})
     _wait_pending(engine)
     time.sleep(0.2)
-    assert engine.num_pending() == 1  # paused: it waits
+    assert engine.scheduler.num_pending() == 1  # paused: it waits
     assert http.post("/flush_cache").status_code == 200  # waiting, no cache yet
     assert http.post("/continue_generation").json()["success"]
     thread.join(timeout=60)
@@ -160,7 +165,7 @@ def test_pause_in_place_flush_continue(server, http):
         thread, result = _background(base, {"input_ids": PROMPT, "sampling_params": {
             "temperature": 0, "max_new_tokens": 100, "ignore_eos": True}})
         _wait_pending(engine)
-        while not any(r.output_ids for r in list(engine._active.values())):
+        while not any(r.output_ids for r in engine.scheduler.running()):
             time.sleep(0.005)
         assert http.post("/pause_generation", json={"mode": "in_place"}).json()["success"]
         assert http.post("/flush_cache").status_code == 400  # requests hold their cache: trainers retry
@@ -193,7 +198,7 @@ def test_pause_abort_returns_partial_requests(server, http):
         thread, result = _background(base, {"input_ids": PROMPT, "sampling_params": {
             "temperature": 0, "max_new_tokens": 100, "ignore_eos": True}})
         _wait_pending(engine)
-        while not any(r.output_ids for r in list(engine._active.values())):
+        while not any(r.output_ids for r in engine.scheduler.running()):
             time.sleep(0.005)
         paused = http.post("/pause_generation", json={"mode": "abort"}).json()
         thread.join(timeout=60)
@@ -212,12 +217,12 @@ def test_pause_retract_resumes_identically(server, http):
     with slow_steps(engine):
         thread, result = _background(base, body)
         _wait_pending(engine)
-        while not any(r.output_ids for r in list(engine._active.values())):
+        while not any(r.output_ids for r in engine.scheduler.running()):
             time.sleep(0.005)
         paused = http.post("/pause_generation", json={"mode": "retract"}).json()
     assert paused["num_paused_requests"] == 1
     time.sleep(0.1)
-    assert engine.num_pending() == 1 and thread.is_alive()
+    assert engine.scheduler.num_pending() == 1 and thread.is_alive()
     # SGLang flushes a paused engine whose requests wait without a cache (is_fully_idle(ignore_waiting=paused)):
     # the sync of the bounded-staleness pipeline runs exactly this while requests are in flight
     assert http.post("/flush_cache").status_code == 200

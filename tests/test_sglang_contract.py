@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import contextlib
 import dataclasses
@@ -321,6 +322,28 @@ class Recorder:
                             transport=httpx.MockTransport(self))
 
 
+class AbortingRecorder(Recorder):
+    """A Recorder whose first /generate answer is an abort after one token with its routes (a sync paused the
+    server, SGLang's pause_generation abort, R3 in bounded mode), so the manager's continuation is recorded too."""
+
+    def __init__(self, source: str, vocab_size: int, layers: int, topk: int):
+        super().__init__(source, vocab_size)
+        self.layers, self.topk = layers, topk
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/generate":
+            return super().__call__(request)
+        self.sent.append(sent_from(self.source, request, self.vocab_size))
+        body = json.loads(request.content)
+        first = len(self.sent) == 1
+        meta = {"output_token_logprobs": [[-0.5, 2 + first, None]], "weight_version": "v0", "completion_tokens": 1,
+                "finish_reason": {"type": "abort", "message": "Aborted"} if first else {"type": "stop", "matched": 2}}
+        rows = len(body["input_ids"]) - body.get("routed_experts_start_len", 0)
+        routes = torch.arange(self.topk, dtype=torch.int32).repeat(rows, self.layers, 1)
+        meta["routed_experts"] = base64.b64encode(routes.numpy().tobytes()).decode()
+        return httpx.Response(200, json={"text": "", "output_ids": [2 + first], "meta_info": meta})
+
+
 # every SGLangClient request, with the arguments our code uses; a new client method must be added here
 CLIENT_CALLS = {
     "generate": lambda c: c.generate([[5, 6, 7], [8, 9]], {"temperature": 1.0, "max_new_tokens": 4}),
@@ -397,7 +420,7 @@ def manager_requests() -> list[Sent]:
     """/generate as the rollout manager sends it, for every config: training samples, and the trainer's
     greedy and sampled evaluation (megatron_qarl/train/trainer.py, evaluate)."""
     from megatron_qarl.preflight.rules import load_config
-    from megatron_qarl.rollout.manager import RolloutManager, SamplingConfig
+    from megatron_qarl.rollout.manager import RolloutManager, RoutesSpec, SamplingConfig
 
     sent = []
     for path in QWEN3_CONFIGS + CPU_CONFIGS:
@@ -420,6 +443,20 @@ def manager_requests() -> list[Sent]:
 
         asyncio.run(run())
         sent += rec.sent
+        # R3 under bounded staleness: the request a sync aborted, and its continuation (routed_experts_start_len)
+        layers, topk = model["num_hidden_layers"], model["num_experts_per_tok"]
+        routes = RoutesSpec(layers, topk, model["num_experts"])
+        rec = AbortingRecorder(f"RolloutManager {path.stem} R3 continuation", model["vocab_size"], layers, topk)
+
+        async def continued(rec=rec, stop_ids=stop_ids, seed=cfg.seed, sampling=cfg.rollout.sampling, routes=routes):
+            async with rec.client() as c:
+                manager = RolloutManager(sampling.model_copy(update={"n_samples": 1}), stop_ids, seed=seed,
+                                         routes=routes, max_idle_aborts=2)
+                await manager.generate([c], [[3, 4, 5, 6]], step=7)
+            assert manager.continued == 1 and rec.sent[1].body["routed_experts_start_len"] == 4
+
+        asyncio.run(continued())
+        sent += rec.sent
     return sent
 
 
@@ -441,7 +478,7 @@ SPAN_CASES = [([], "v1", 5), ([("v1", 3)], "v2", 8), ([("v1", 0), ("v2", 2), ("v
 
 def _span_responses() -> list[dict]:
     """The embedded server's /generate answers (rollout/server.py) for the SPAN_CASES requests."""
-    from megatron_qarl.rollout.engine import Request, SamplingParams
+    from megatron_qarl.rollout.request import Request, SamplingParams
     from megatron_qarl.rollout.server import GenerateReq, _response
 
     out = []

@@ -6,8 +6,9 @@ answers ``meta_info.routed_experts`` = base64 of the bytes of an int32 tensor [r
 (sglang/srt/managers/detokenizer_manager.py; decoded by ``extract_routed_experts_from_meta_info`` in
 sglang/srt/state_capturer/routed_experts.py). Row r is the forward of position ``start + r``: the
 positions [start, seqlen - 1), seqlen = prompt + response tokens (the last token is never forwarded).
-We always ask for start = 0, so row t is position t, the forward that scored token t + 1 -- the same
-index as the learner's log-prob ``logp_BT[:, t]``.
+A sample's first request asks for start = 0, so row t is position t, the forward that scored token t + 1 -- the
+same index as the learner's log-prob ``logp_BT[:, t]``; the continuation of an aborted request (rollout/manager.py)
+asks for the rows of its new positions only and they are appended.
 
 Shapes: B responses, S tokens (prompt + response, right-padded), T = S - 1, L MoE layers, K = top-k.
 """
@@ -25,8 +26,9 @@ class RoutesError(ValueError):
 
 
 def decode_routed_experts(encoded: str | None, seqlen: int, layers: int, topk: int, num_experts: int,
-                          where: str) -> torch.Tensor:
-    """SGLang's ``routed_experts`` string -> int32 [seqlen - 1, L, K], checked (``where`` names the sample)."""
+                          where: str, start: int = 0) -> torch.Tensor:
+    """SGLang's ``routed_experts`` string -> int32 [seqlen - 1 - start, L, K] (positions [start, seqlen - 1), as
+    asked with ``routed_experts_start_len``), checked (``where`` names the sample)."""
     if encoded is None:
         raise RoutesError(f"{where}: no meta_info.routed_experts (routing replay needs servers started with "
                           "--enable-return-routed-experts, and return_routed_experts in the request)")
@@ -34,10 +36,11 @@ def decode_routed_experts(encoded: str | None, seqlen: int, layers: int, topk: i
         raw = base64.b64decode(encoded.encode("utf-8"), validate=True)
     except (binascii.Error, ValueError) as err:
         raise RoutesError(f"{where}: routed_experts is not base64: {err}") from None
-    rows = seqlen - 1
+    rows = seqlen - 1 - start
     if len(raw) != rows * layers * topk * 4:
         raise RoutesError(f"{where}: routed_experts has {len(raw)} bytes; expected int32 [{rows}, {layers}, {topk}]"
-                          f" = {rows * layers * topk * 4} (positions 0..{rows - 1} of a {seqlen}-token sequence)")
+                          f" = {rows * layers * topk * 4} (positions {start}..{seqlen - 2} of a {seqlen}-token "
+                          "sequence)")
     routes = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(rows, layers, topk)
     bad = (routes < 0) | (routes >= num_experts)
     if bad.any():

@@ -53,8 +53,9 @@ class LearnerRanks(abc.ABC):
     def sync(self) -> dict:
         return self.on_every_rank(LearnerWorker.sync)[0]
 
-    def logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        return self.on_every_rank(LearnerWorker.logprobs, tokens_BS)[0]
+    def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
+                 temperature: float | None = None) -> torch.Tensor:
+        return self.on_every_rank(LearnerWorker.logprobs, tokens_BS, routes_BSLK, temperature)[0]
 
     def routing_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None) -> dict:
         return self.on_every_rank(LearnerWorker.routing_logprobs, tokens_BS, routes_BSLK)[0]

@@ -168,9 +168,10 @@ class Learner:
         weights are the softmax of the router's logits over those experts."""
         return self._logprobs(tokens_BS, routes_BSLK, record=False)[0]
 
-    def _logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None,
-                  record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logp [B, S-1], and with ``record`` the experts this rank's routers chose: [B, S_local, L, K])."""
+    def _logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool,
+                  temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logp [B, S-1] at ``temperature`` or the learner's, and with ``record`` the experts this rank's routers
+        chose: [B, S_local, L, K])."""
         from megatron.core import tensor_parallel
 
         seq = tokens_BS.shape[1]
@@ -195,17 +196,19 @@ class Learner:
         finally:
             if replay is not None:
                 replay.close()
-        if self.temperature != 1.0:
-            logits_BSV = logits_BSV / self.temperature
+        if (temperature := self.temperature if temperature is None else temperature) != 1.0:
+            logits_BSV = logits_BSV / temperature
         ce_BS = tensor_parallel.vocab_parallel_cross_entropy(logits_BSV, labels_BS)
         return -ce_BS[:, : seq - 1].float(), routes
 
     @torch.no_grad()
-    def forward_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
+                         temperature: float | None = None) -> torch.Tensor:
         """The aligned forward (fake quant on when configured): logp [B, S-1] of the whole batch on
         every rank; each data-parallel rank computes its slice (rows padded to a multiple of the
-        data-parallel size by repeating the last one), then they are all-gathered. ``routes_BSLK``: R3."""
-        return self._dp_forward(tokens_BS, routes_BSLK, record=False)[0]
+        data-parallel size by repeating the last one), then they are all-gathered. ``routes_BSLK``: R3.
+        ``temperature``: instead of the learner's (1.0: the unscaled ones, train/pipeline.py's mismatch split)."""
+        return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature)[0]
 
     @torch.no_grad()
     def forward_routes(self, tokens_BS: torch.Tensor,
@@ -217,7 +220,8 @@ class Learner:
             raise ValueError("forward_routes: this learner was built without routing_replay")
         return self._dp_forward(tokens_BS, routes_BSLK, record=True)
 
-    def _dp_forward(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool):
+    def _dp_forward(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool,
+                    temperature: float | None = None):
         from megatron.core import parallel_state as ps
 
         self.model.eval()
@@ -232,7 +236,7 @@ class Learner:
         routes_mine = routes_BSLK[mine] if routes_BSLK is not None else None
         size = self.micro_batch_size or rows_BS.shape[0]
         parts = [self._logprobs(rows_BS[i:i + size], None if routes_mine is None else routes_mine[i:i + size],
-                                record) for i in range(0, rows_BS.shape[0], size)]
+                                record, temperature) for i in range(0, rows_BS.shape[0], size)]
         local = {"log-probs": torch.cat([p[0] for p in parts])}
         if record:
             local["routes"] = self._gather_seq(torch.cat([p[1] for p in parts]))[:, : tokens_BS.shape[1]]

@@ -87,9 +87,11 @@ class LearnerWorker:
         self.learner.load_hf(cfg.model.path)
 
     # ------------------------------------------------------------------------------- compute
-    def logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
-        """The aligned forward log-probs [B, S-1] (the fake-quant weights when quantization is aligned)."""
-        out = self.learner.forward_logprobs(tokens_BS)
+    def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
+                 temperature: float | None = None) -> torch.Tensor | None:
+        """The aligned forward log-probs [B, S-1] (the fake-quant weights when quantization is aligned);
+        ``routes_BSLK`` replayed (R3), ``temperature`` instead of the sampling one (``Learner.forward_logprobs``)."""
+        out = self.learner.forward_logprobs(tokens_BS, routes_BSLK, temperature)
         return out if self.rank == 0 else None
 
     def routing_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None) -> dict | None:
@@ -132,7 +134,7 @@ class LearnerWorker:
         self.broadcaster = DistributedBroadcaster(
             [Engine(u, ranks_per_engine, api_key) for u in urls], master_addr=self.master_addr,
             bucket_bytes=sync.bucket_mb << 20, dtype=parse_dtype(self.cfg.rollout.dtype), timeout_s=sync.timeout_s,
-            verify=sync.verify, delta=sync.delta, pause_mode=self.cfg.train.sync_pause_mode,
+            verify=sync.verify, delta=sync.delta, pause_mode=self.cfg.sync_pause_mode,
             api_cls=VLLMWeightUpdateAPI if self.cfg.rollout.backend == "vllm" else WeightUpdateAPI)
         self.broadcaster.version = self.weight_version
 

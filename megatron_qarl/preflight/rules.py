@@ -88,11 +88,24 @@ def check_vllm(cfg: QarlConfig) -> None:
 BACKEND_RULES = {"embedded": None, "sglang": check_sglang, "vllm": check_vllm}
 
 
+def check_logprob_semantics(cfg: QarlConfig) -> None:
+    """Sampling settings under which the log-probs SGLang reports are not of the distribution the learner scores
+    (log_softmax(z / T), ``rollout.sampling.temperature``). SGLang 0.5.23 takes a batch whose requests all have
+    top_k <= 1 as greedy (``is_all_greedy`` in sglang/srt/sampling/sampling_batch_info.py) and then returns
+    log_softmax(z), unscaled (``Sampler.forward``, sglang/srt/layers/sampler.py)."""
+    s = cfg.rollout.sampling
+    if s.top_k == 1 and s.temperature != 1.0:
+        raise ConfigError(f"rollout.sampling.top_k: 1 with rollout.sampling.temperature={s.temperature}: SGLang "
+                          "samples such a batch greedily and reports unscaled log-probs, while the learner divides its "
+                          "logits by the temperature; the same samples come with temperature 1 (or raise top_k)")
+
+
 def check_run(cfg: QarlConfig) -> QarlConfig:
     """Every rule between components on a schema-valid config; ConfigError naming the key, else ``cfg``."""
     rule = BACKEND_RULES[cfg.rollout.backend]
     if rule is not None:
         rule(cfg)
+    check_logprob_semantics(cfg)
     return cfg
 
 

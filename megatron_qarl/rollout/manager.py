@@ -7,6 +7,15 @@ after the client's retries) it is marked dead and its unfinished requests are se
 no prompt is lost, and ``resent`` counts them. When the last one fails, ``generate`` raises
 ``EveryServerDown`` and keeps the samples that finished: the caller restarts the servers and calls
 ``generate`` again with new clients, which sends only the missing requests.
+
+A request that ends with finish_reason ``abort`` (a weight sync paused the servers with SGLang's ``abort`` mode while
+it ran) is continued when the manager is asked to (``max_idle_aborts``): its partial output is kept as a segment
+and the rest is a new request whose prompt is the original prompt + that output, with the remaining token budget;
+the segments are stitched into one Sample (tokens, log-probs, per-token weight versions, and with R3 the routes:
+the continuation asks SGLang for the rows of its new positions only, ``routed_experts_start_len`` = its prompt
+length - 1). So every segment's routes are those its tokens were sampled under, which SGLang's ``retract`` does
+not keep (rollout/routed_experts.py). An aborted answer without routes (SGLang answers a request aborted while
+queued from its tokenizer manager, without ``routed_experts``) keeps nothing: its tokens are sampled again.
 """
 
 from __future__ import annotations
@@ -72,15 +81,17 @@ class RoutesSpec:
     num_experts: int
 
 
-def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt_index}:{sample_index}".encode(), digest_size=4)
+def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int, segment: int = 0) -> int:
+    """The sampling_seed of a sample's request (``segment`` > 0: the continuation after its segment-th abort)."""
+    key = f"{run_seed}:{step}:{prompt_index}:{sample_index}" + (f":{segment}" if segment else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=4)
     return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
 
 
 def parse_response(resp: dict, prompt_index: int, sample_index: int, prompt_ids: list[int], server: str,
-                   routes: RoutesSpec | None = None) -> Sample:
+                   routes: RoutesSpec | None = None, routes_start: int = 0) -> Sample:
     """SGLang's /generate answer -> Sample (token ids from output_token_logprobs: stop token kept; with
-    ``routes``, the routed experts of every forwarded position, checked)."""
+    ``routes``, the routed experts of every forwarded position from ``routes_start`` on, checked)."""
     meta = resp["meta_info"]
     triples = meta.get("output_token_logprobs")
     if triples is None:
@@ -96,7 +107,7 @@ def parse_response(resp: dict, prompt_index: int, sample_index: int, prompt_ids:
         try:
             seqlen = len(prompt_ids) + len(sample.response_ids)
             sample.routes = decode_routed_experts(meta.get("routed_experts"), seqlen, routes.layers, routes.topk,
-                                                  routes.num_experts, where)
+                                                  routes.num_experts, where, routes_start)
         except RoutesError as err:  # the server's setup or contract, not a transient failure: not re-sent
             raise RolloutServerError(str(err), status=400) from None
     return sample
@@ -120,6 +131,16 @@ def token_versions(spans: list[dict], n: int, where: str) -> list[str]:
     return out
 
 
+def stitch(kept: Sample, segment: Sample) -> Sample:
+    """``kept`` (the segments so far) followed by ``segment``, the answer to the continuation whose prompt was
+    kept's prompt + response: one Sample over the original prompt; the finish reason, version and server are the
+    last segment's, the per-token versions and routes (R3) are concatenated."""
+    routes = None if kept.routes is None else torch.cat([kept.routes, segment.routes])
+    return dataclasses.replace(segment, prompt_ids=kept.prompt_ids, response_ids=kept.response_ids +
+                               segment.response_ids, logp_sampler=kept.logp_sampler + segment.logp_sampler,
+                               routes=routes, token_versions=kept.versions() + segment.versions())
+
+
 class EveryServerDown(RolloutServerError):
     """Every server failed during a rollout; the samples that finished are kept for the next ``generate``."""
 
@@ -128,9 +149,13 @@ class RolloutManager:
     """Fans a batch of prompts out to the servers and gathers G samples each."""
 
     def __init__(self, sampling: SamplingConfig, stop_token_ids: Sequence[int], *, seed: int = 0,
-                 routes: RoutesSpec | None = None):
+                 routes: RoutesSpec | None = None, max_idle_aborts: int | None = None):
+        """``max_idle_aborts``: continue aborted requests (module docstring); a request aborted more than this many
+        times in a row without a new token counts as a failure of its server. None: an abort is an answer."""
         self.sampling, self.stop_token_ids, self.seed = sampling, list(stop_token_ids), seed
         self.routes = routes
+        self.max_idle_aborts = max_idle_aborts
+        self.continued = 0  # continuation requests sent (aborted requests resumed)
         self.finished: dict[tuple[int, int], Sample] = {}  # (prompt, sample) -> its sample, across calls
         self.clients: list[SGLangClient] = []  # this call's servers, with their state:
         self.alive: list[bool] = []
@@ -153,22 +178,65 @@ class RolloutManager:
             self.server_failures += 1
 
     async def _one(self, step: int, p: int, j: int, prompt_ids: list[int]) -> None:
-        params = self.sampling.params(sample_seed(self.seed, step, p, j), self.stop_token_ids)
+        kept: Sample | None = None  # the segments so far of a request that was aborted and is being continued
+        idle = 0  # aborts in a row without a new token
+        resumed = 0  # continuations sent for this sample
         while True:
             i = self._pick()
             self.in_flight[i] += 1
             try:
-                extra = {"return_routed_experts": True} if self.routes is not None else {}
-                resp = await self.clients[i].generate(prompt_ids, params, return_logprob=True, **extra)
-                self.finished[(p, j)] = parse_response(resp, p, j, prompt_ids, self.clients[i].url, self.routes)
-                return
+                segment = await self._segment(i, sample_seed(self.seed, step, p, j, resumed), p, j, prompt_ids, kept)
             except RolloutServerError as err:
                 if err.status is not None and err.status < 500:
                     raise  # our request is wrong: re-sending cannot help
                 self._fail(i)
                 self.resent += 1
+                continue
             finally:
                 self.in_flight[i] -= 1
+            if segment is not None and (segment.finish_reason != "abort" or self.max_idle_aborts is None):
+                self.finished[(p, j)] = segment if kept is None else stitch(kept, segment)
+                return
+            if segment is not None and segment.response_ids:
+                kept, idle = (segment if kept is None else stitch(kept, segment)), 0
+                if self._complete(kept):
+                    self.finished[(p, j)] = kept
+                    return
+            else:
+                idle += 1
+                if idle > self.max_idle_aborts:  # not syncs: a server that aborts everything
+                    self._fail(i)
+                    self.resent += 1
+                    idle = 0
+            resumed += 1
+            self.continued += 1
+
+    async def _segment(self, i: int, seed: int, p: int, j: int, prompt_ids: list[int],
+                       kept: Sample | None) -> Sample | None:
+        """One /generate to server ``i``: the sample, or with ``kept`` the continuation after its response so far.
+        None: an aborted answer that keeps nothing (no routes where routes are wanted)."""
+        done = kept.response_ids if kept is not None else []
+        params = self.sampling.params(seed, self.stop_token_ids)
+        params["max_new_tokens"] -= len(done)
+        start = len(prompt_ids) + len(done) - 1 if done else 0  # R3: the rows of the new positions only
+        extra = {}
+        if self.routes is not None:
+            extra = {"return_routed_experts": True, **({"routed_experts_start_len": start} if done else {})}
+        resp = await self.clients[i].generate(prompt_ids + done, params, return_logprob=True, **extra)
+        meta = resp["meta_info"]
+        if (self.max_idle_aborts is not None and self.routes is not None and meta.get("routed_experts") is None
+                and meta["finish_reason"]["type"] == "abort"):
+            return None
+        return parse_response(resp, p, j, prompt_ids + done, self.clients[i].url, self.routes, start)
+
+    def _complete(self, kept: Sample) -> bool:
+        """An aborted request whose kept output already ends with a stop token or fills the budget is done (SGLang
+        checks an abort before the stop token it sampled in the same step)."""
+        if kept.response_ids[-1] in self.stop_token_ids:
+            kept.finish_reason = "stop"
+        elif len(kept.response_ids) >= self.sampling.max_new_tokens:
+            kept.finish_reason = "length"
+        return kept.finish_reason != "abort"
 
     async def generate(self, clients: Sequence[SGLangClient], prompts: Sequence[list[int]],
                        step: int) -> list[list[Sample]]:

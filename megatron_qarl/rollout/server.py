@@ -28,7 +28,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_qarl.errors import UserError
-from megatron_qarl.rollout.engine import Engine, SamplingParams, weight_version_spans
+from megatron_qarl.rollout import routed_experts
+from megatron_qarl.rollout.engine import Engine
+from megatron_qarl.rollout.request import SamplingParams, weight_version_spans
 from megatron_qarl.rollout.weight_receiver import WeightReceiver
 
 
@@ -116,7 +118,7 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
     async def get_model_info() -> dict:
         m = engine.model
         return {"model_path": receiver.model_path, "tokenizer_path": receiver.model_path, "is_generation": True,
-                "weight_version": engine.weight_version, "quantization": m.scheme, "dtype": engine.cfg.dtype,
+                "weight_version": engine.weights.version, "quantization": m.scheme, "dtype": engine.cfg.dtype,
                 "max_context_length": engine.max_seq_len, "vocab_size": engine.vocab_size,
                 "max_batch_size": m.slots}
 
@@ -126,7 +128,7 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
 
     @app.post("/flush_cache", dependencies=guarded)
     async def flush_cache() -> Response:
-        pending = engine.num_unflushable()  # SGLang: running ones, and waiting ones unless paused
+        pending = engine.scheduler.num_unflushable()  # SGLang: running ones, and waiting ones unless paused
         if pending:
             return Response(f"Cache not flushed: {pending} request(s) pending\n", status_code=400)
         return Response("Cache flushed.\n", status_code=200)
@@ -218,6 +220,6 @@ def _response(req, body: GenerateReq, tokenizer, engine: Engine) -> dict:
         start = max(body.logprob_start_len, 0)
         meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.input_logprobs,
                                                                        req.prompt_ids[start:], strict=False)]
-    if req.return_routed_experts:  # SGLang's encoding: base64 of the int32 [rows, layers, top-k] tensor's bytes
+    if routed_experts.has_routes(req):  # SGLang's encoding: base64 of the int32 [rows, layers, top-k] tensor's bytes
         meta["routed_experts"] = base64.b64encode(engine.routed_experts(req).numpy().tobytes()).decode("utf-8")
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from megatron_qarl import wire
 from megatron_qarl.moe.parallelize import broadcast, group_empty
 from megatron_qarl.qat.export import iter_safetensors
-from megatron_qarl.rollout.engine import Engine, in_fresh_thread
+from megatron_qarl.rollout.engine import Engine
+from megatron_qarl.rollout.weight_loading import in_fresh_thread
 from megatron_qarl.sync import delta
 from megatron_qarl.sync.checksum import engine_checksum, overall_checksum, weight_checksums
 
@@ -140,7 +141,7 @@ class WeightReceiver:
     # ------------------------------------------------------------------------------------ disk
     def update_weights_from_disk(self, body: UpdateFromDiskReq) -> JSONResponse:
         engine = self.engine
-        n = engine.num_pending()
+        n = engine.scheduler.num_pending()
         try:
             if body.load_format not in (None, "auto", "safetensors"):
                 raise ValueError(f"load_format {body.load_format!r}: only safetensors checkpoints are read")
@@ -149,7 +150,7 @@ class WeightReceiver:
             if body.abort_all_requests:
                 engine.abort_all("aborted by update_weights_from_disk")
             tensors = in_fresh_thread(lambda: dict(iter_safetensors(body.model_path)))  # see in_fresh_thread
-            engine.update_tensors(tensors, body.weight_version)
+            engine.weights.update_tensors(tensors, body.weight_version)
         except (ValueError, OSError) as err:
             return JSONResponse({"success": False, "message": str(err), "num_paused_requests": n}, 400)
         self.model_path = body.model_path
@@ -196,7 +197,7 @@ class WeightReceiver:
             if not self.session_open:
                 return _answer(False, NO_SESSION)
             try:
-                self.engine.finalize_weights()
+                self.engine.weights.finalize()
             finally:
                 self.session_open = False
         return _answer(True, "Success")
@@ -234,20 +235,21 @@ class WeightReceiver:
             if body.abort_all_requests:
                 engine.abort_all("aborted by update_weights_from_distributed")
             if body.load_format == delta.LOAD_FORMAT:  # changed blocks only, into the held tensors in place
-                engine.apply_deltas(delta.pair_parts(received), body.weight_version)
+                engine.weights.apply_deltas(delta.pair_parts(received), body.weight_version)
             else:
-                engine.load_tensors(received, body.weight_version)
+                engine.weights.load_tensors(received, body.weight_version)
         except ValueError as err:
             return _answer(False, f"Failed to update parameter online: {err}. The full weights of the ModelRunner "
                                   "are partially updated. Please discard the whole weights.")
-        if body.flush_cache and engine.num_unflushable():  # SGLang's flush: waiting requests of a paused engine
-            return _answer(False, NOT_FLUSHED)  # (retracted ones) do not count
+        # SGLang's flush: the waiting requests of a paused engine (retracted ones) do not count
+        if body.flush_cache and engine.scheduler.num_unflushable():
+            return _answer(False, NOT_FLUSHED)
         return _answer(True, "Succeeded to update parameter online.")
 
     def update_weight_version(self, body: UpdateWeightVersionReq) -> JSONResponse:
         if body.abort_all_requests:
             self.engine.abort_all("aborted by update_weight_version")
-        self.engine.set_weight_version(body.new_version)
+        self.engine.weights.set_version(body.new_version)
         return JSONResponse({"success": True, "message": f"Weight version updated to {body.new_version}",
                              "new_version": body.new_version})
 

@@ -22,6 +22,12 @@ and the log-prob the server returns with it is that version's (SGLang documents 
 "under the new weights", sglang/srt/managers/scheduler.py, pause_generation). The price is one re-prefill of
 each running request per sync.
 
+With R3 (routes wanted) the sync aborts instead (``QarlConfig.sync_pause_mode``): SGLang's retract also recomputes
+the routes of every position already forwarded, under the new weights (``Req.reset_for_retract``), so the routes
+of tokens the old version sampled would be lost. An aborted request keeps its partial output and routes, and the
+rollout manager continues it as a new request from prompt + that output (rollout/manager.py, ``max_idle_aborts``),
+so every segment's routes are those its tokens were sampled under; the price is the same re-prefill.
+
 Bound: a sample any of whose tokens is more than the bound (1 for one_step, ``max_staleness`` for bounded) weight
 versions behind the learner when its step trains (a server that failed and was restarted, a slow request) is
 regenerated at the current weights, with the same sampling seed, before the step uses it
@@ -96,19 +102,28 @@ def rescored_BT(groups: list[list[Sample]], rescored: list[list[float]], shape: 
     return out
 
 
-def mismatch_split(logp_old_BT: torch.Tensor, logp_rescored_BT: torch.Tensor, logp_sampler_BT: torch.Tensor,
-                   mask_BT: torch.Tensor) -> dict[str, float]:
-    """The learner-sampler mismatch d = logp_old - logp_sampler split exactly in two, d = d_quant + d_stale:
+def mismatch_split(logp_old_BT: torch.Tensor, logp_old_unscaled_BT: torch.Tensor, logp_rescored_BT: torch.Tensor,
+                   logp_sampler_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, float]:
+    """The learner-sampler mismatch d = logp_old - logp_sampler split exactly in two, d = d_quant + d_stale.
 
-        d_quant = logp_old - logp_rescored      learner vs server at the SAME weights (the learner's): quantization
-                                                and kernel numerics, what QaRL's alignment removes
-        d_stale = logp_rescored - logp_sampler  the server's current weights vs the versions that sampled:
-                                                the policy change over the staleness
+    logp_old and logp_sampler are log_softmax(z / T) (the loss's; the sampler's output log-probs, SGLang's default).
+    The servers' rescore reads SGLang's input_token_logprobs, which are log_softmax(z) at any T (rollout/sampling.py),
+    so it is compared with the learner's unscaled log-probs ``logp_old_unscaled`` (= logp_old at T = 1):
 
-    Returns mismatch_quant/* and mismatch_stale/* (algo/mismatch.py's statistics of each part)."""
-    m = {f"mismatch_quant/{k}": float(v) for k, v in mismatch_metrics(logp_old_BT, logp_rescored_BT,
+        d_quant = logp_old_unscaled - logp_rescored   learner vs server at the SAME weights (the learner's) and the
+                                                      same semantics: quantization and kernel numerics, what QaRL's
+                                                      alignment removes
+        d_stale = d - d_quant                         the rest: (logp_rescored + logp_old - logp_old_unscaled)
+                                                      - logp_sampler, the server's rescore carried to temperature T
+                                                      by the learner's shift, vs the versions that sampled: the
+                                                      policy change over the staleness
+
+    At T = 1 these are logp_old - logp_rescored and logp_rescored - logp_sampler. Returns mismatch_quant/* and
+    mismatch_stale/* (algo/mismatch.py's statistics of each part)."""
+    m = {f"mismatch_quant/{k}": float(v) for k, v in mismatch_metrics(logp_old_unscaled_BT, logp_rescored_BT,
                                                                        mask_BT).items()}
-    m.update({f"mismatch_stale/{k}": float(v) for k, v in mismatch_metrics(logp_rescored_BT, logp_sampler_BT,
+    at_t_BT = logp_rescored_BT + logp_old_BT - logp_old_unscaled_BT
+    m.update({f"mismatch_stale/{k}": float(v) for k, v in mismatch_metrics(at_t_BT, logp_sampler_BT,
                                                                             mask_BT).items()})
     return m
 
@@ -192,8 +207,10 @@ class RolloutPipeline:
     # ------------------------------------------------------------------------------------ internals
     def _draw(self, step: int) -> Rollout:
         before = self.stream.state_dict()
+        # a request aborted by a sync is continued (R3 in bounded mode; a restart's sync in the others); a rollout in
+        # flight sees at most bound + 1 syncs, so more aborts in a row without output are a failing server
         manager = RolloutManager(self.cfg.rollout.sampling, self.rollouts.stop_ids, seed=self.cfg.seed,
-                                 routes=self.routes)
+                                 routes=self.routes, max_idle_aborts=self.bound + 1)
         return Rollout(step, self.stream.next_batch(self.cfg.train.prompts_per_step), before, manager)
 
     def _run(self, job: Rollout, background: bool) -> None:

@@ -10,7 +10,8 @@ the missing requests are sent again (``rollout``). Dead servers are restarted af
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
@@ -18,6 +19,8 @@ from megatron_qarl.launch.fleet import LearnerRanks, ServerFleet
 from megatron_qarl.rollout.client import ClientConfig, SGLangClient
 from megatron_qarl.rollout.manager import EveryServerDown, RolloutManager, RoutesSpec, Sample, SamplingConfig
 from megatron_qarl.rollout.vllm_client import VLLMClient
+
+T = TypeVar("T")
 
 
 class TrainingAborted(UserError):
@@ -41,19 +44,23 @@ class TrainRollouts:
     def live(self) -> list[int]:
         return [i for i, a in enumerate(self.servers.alive()) if a]
 
-    def generate(self, manager: RolloutManager, prompts: list[list[int]], seed_step: int,
-                 live: list[int]) -> list[list[Sample]]:
-        """One round of ``manager``'s requests to the ``live`` servers (clients live as long as the round)."""
+    def on_clients(self, live: list[int], work: Callable[[list[SGLangClient]], Awaitable[T]]) -> T:
+        """``work`` with one client per ``live`` server, run to completion; the clients live as long as it."""
 
         async def run():
             clients = [self.client(self.servers.urls[i]) for i in live]
             try:
-                return await manager.generate(clients, prompts, seed_step)
+                return await work(clients)
             finally:
                 for c in clients:
                     await c.close()
 
         return asyncio.run(run())
+
+    def generate(self, manager: RolloutManager, prompts: list[list[int]], seed_step: int,
+                 live: list[int]) -> list[list[Sample]]:
+        """One round of ``manager``'s requests to the ``live`` servers."""
+        return self.on_clients(live, lambda clients: manager.generate(clients, prompts, seed_step))
 
     def rollout(self, prompts: list[list[int]], sampling: SamplingConfig, seed_step: int,
                 routes: RoutesSpec | None = None, *, manager: RolloutManager | None = None,
@@ -82,18 +89,19 @@ class TrainRollouts:
             self.sync()
             live = self.live()
 
-    def rescore(self, groups: list[list[Sample]], temperature: float) -> list[list[float]]:
+    def rescore(self, groups: list[list[Sample]]) -> list[list[float]]:
         """The servers' log-probs of each sample's response tokens under the weights they hold now (one prefill
-        per sample: /generate of prompt + response with ``logprob_start_len`` at the response and one new token,
-        whose ``input_token_logprobs`` are those log-probs), in sample order. The mismatch split of the
-        asynchronous pipeline (train/pipeline.py) compares them with the learner's and the sampler's."""
+        per sample: /generate of prompt + response with ``logprob_start_len`` at the response and one greedy new
+        token, whose ``input_token_logprobs`` are those log-probs), in sample order. SGLang computes input log-probs
+        from the raw logits: these are log_softmax(z) whatever the sampling temperature (rollout/sampling.py). The
+        mismatch split of the asynchronous pipeline (train/pipeline.py) compares them with the learner's."""
         samples = [s for g in groups for s in g]
         live = self.live()
         if not live:
             raise TrainingAborted("every rollout server is down")
 
         async def one(client, s: Sample) -> list[float]:
-            params = {"temperature": temperature, "max_new_tokens": 1, "stop_token_ids": []}
+            params = {"temperature": 0.0, "max_new_tokens": 1, "stop_token_ids": []}
             resp = await client.generate(s.prompt_ids + s.response_ids, params, return_logprob=True,
                                          logprob_start_len=len(s.prompt_ids))
             got = [float(t[0]) for t in resp["meta_info"]["input_token_logprobs"]][: len(s.response_ids)]
@@ -102,15 +110,8 @@ class TrainRollouts:
                                       f"{len(s.response_ids)} response tokens")
             return got
 
-        async def run():
-            clients = [self.client(self.servers.urls[i]) for i in live]
-            try:
-                return await asyncio.gather(*(one(clients[k % len(clients)], s) for k, s in enumerate(samples)))
-            finally:
-                for c in clients:
-                    await c.close()
-
-        return asyncio.run(run())
+        return self.on_clients(live, lambda clients: asyncio.gather(
+            *(one(clients[k % len(clients)], s) for k, s in enumerate(samples))))
 
     def connect(self) -> None:
         """(Re)create the weight-update group with every live server."""

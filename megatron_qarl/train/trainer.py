@@ -137,13 +137,14 @@ class Trainer:
         if cfg.train.async_mode != "off" and cfg.train.mismatch_split:
             # the servers hold the learner's version; before ahead() (one_step: they are idle, no queueing behind
             # the next rollout's requests)
-            rescored = self.rollouts.rescore(groups, cfg.rollout.sampling.temperature)
+            rescored = self.rollouts.rescore(groups)
         t_rescore = time.perf_counter()
         self.pipeline.ahead(step)  # async: the next steps' rollouts start now, at the current weights
         if cfg.train.async_mode != "off":
             stale, self.staleness = staleness_metrics(groups, st.weight_version, cfg.train.staleness_bound)
             m.update(stale)
             m["async/regenerated"] = float(job.regenerated)
+            m["async/continued"] = float(manager.continued)  # requests aborted by a sync, continued
             m["async/rollout_busy_s"] = job.busy_s
         t_rollout = time.perf_counter()
         G = cfg.rollout.sampling.n_samples
@@ -159,10 +160,9 @@ class Trainer:
             logp_old_BT = self.learners.logprobs(batch.tokens_BS)
         else:
             logp_old_BT = self._routing(groups, batch, logp_sampler_BT, m)
-        t_logp = time.perf_counter()
         if rescored is not None:
-            m.update(mismatch_split(logp_old_BT, rescored_BT(groups, rescored, tuple(logp_sampler_BT.shape)),
-                                    logp_sampler_BT, batch.loss_mask_BT))
+            m.update(self._mismatch_split(groups, rescored, batch, logp_old_BT, logp_sampler_BT))
+        t_logp = time.perf_counter()
         adv_B = group_advantages(train_rewards, G, cfg.algo.advantage).float()
         batch.extra.update(adv_B=adv_B, logp_old_BT=logp_old_BT, logp_sampler_BT=logp_sampler_BT)
         loss_metrics = self.learners.train(batch, cfg.algo.loss, step in cfg.train.inject_nonfinite_steps)
@@ -196,6 +196,16 @@ class Trainer:
         st.step = step
         st.data = self.pipeline.data_state()  # async: before the prompts of rollouts still in flight
         return m
+
+    def _mismatch_split(self, groups: list[list[Sample]], rescored: list[list[float]], batch: Batch,
+                        logp_old_BT: torch.Tensor, logp_sampler_BT: torch.Tensor) -> dict[str, float]:
+        """train/pipeline.py's mismatch split of this step. The servers' rescore is of the unscaled distribution
+        (SGLang's input log-probs), so the learner's side of it is too: logp_old itself at temperature 1, else one
+        more aligned forward at temperature 1 (with the same replayed routes under R3)."""
+        unscaled_BT = logp_old_BT if self.cfg.rollout.sampling.temperature == 1.0 else self.learners.logprobs(
+            batch.tokens_BS, batch.extra.get("routes_BSLK"), temperature=1.0)
+        return mismatch_split(logp_old_BT, unscaled_BT, rescored_BT(groups, rescored, tuple(logp_sampler_BT.shape)),
+                              logp_sampler_BT, batch.loss_mask_BT)
 
     def _count_nonfinite(self, step: int, loss_metrics: dict[str, float]) -> None:
         """A skipped update (non-finite loss or gradient) counts; train.max_nonfinite_in_row of them in a row
