@@ -26,7 +26,7 @@ from megatron_qarl.preflight.report import Finding
 from megatron_qarl.wire import dtype_name, init_custom_process_group
 
 if TYPE_CHECKING:
-    from megatron_qarl.preflight.environments import ProbeProcess
+    from megatron_qarl.preflight.peer import ProbeProcess
 
 GROUP_NAME = "qarl_preflight_weight_update"
 
