@@ -232,8 +232,9 @@ def train_command(config: str, overrides: Sequence[str], *, nodes: int, python: 
     """``qarl train`` for a job on ``nodes`` nodes: the cluster overrides first (and ``server_python``, the
     QARL_SERVER_PYTHON override), the user's after (they win), ``--resume`` when the run has a checkpoint, a
     per-job rollout API key when the config has none (servers listen on the node address, and then their admin
-    endpoints need one)."""
-    cmd = [python, "-m", "megatron_qarl.cli", "train", "--config", config, "--no-progress"]
+    endpoints need one). ``--no-preflight``: the job has just run the whole of ``qarl preflight`` on every node
+    (``preflight_command``), so qarl train does not repeat its part of it."""
+    cmd = [python, "-m", "megatron_qarl.cli", "train", "--config", config, "--no-progress", "--no-preflight"]
     cmd += ["--resume"] if resume else []
     cmd += [*CLUSTER_OVERRIDES, f"launch.nodes={nodes}"]
     cmd += [f"rollout.api_key={api_key}"] if api_key else []
@@ -242,9 +243,10 @@ def train_command(config: str, overrides: Sequence[str], *, nodes: int, python: 
 
 def preflight_command(train: Sequence[str]) -> list[str]:
     """``qarl preflight`` of the run ``train`` (QARL_TRAIN's argv) starts: the same interpreter, config and overrides,
-    without ``--no-progress`` / ``--resume``. slurm/qarl.sbatch runs it on every node before anything else."""
+    without qarl train's flags. slurm/qarl.sbatch runs it on every node before anything else."""
     i = list(train).index("train")
-    return [*train[:i], "preflight", *[a for a in train[i + 1:] if a not in ("--no-progress", "--resume")]]
+    flags = ("--no-progress", "--no-preflight", "--resume")
+    return [*train[:i], "preflight", *[a for a in train[i + 1:] if a not in flags]]
 
 
 def check_job_layout(settings: dict, nodes: int, gpus: int) -> None:

