@@ -16,6 +16,7 @@ once.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
 import shlex
@@ -55,19 +56,24 @@ def _server_argv(cfg: QarlConfig) -> tuple[list[str] | None, str | None]:
     return cmd[len(interp) + 2:], None
 
 
-def learner_facts() -> tuple[dict, Finding]:
-    """This environment's facts and whether it imports the learner's backend (Megatron-Core)."""
+def learner_facts(import_backend: bool) -> tuple[dict, Finding]:
+    """This environment's facts and whether it has the learner's backend, Megatron-Core: imported (``qarl
+    preflight``), or only found (``qarl train``, which imports it next and would fail there, naming it)."""
     facts = probe.facts()
     label = f"learner {sys.executable}"
+    version = facts["packages"].get("megatron-core")
     try:
-        with warnings.catch_warnings():  # its "Transformer Engine and Apex are not installed" on CPU machines
-            warnings.simplefilter("ignore")
-            importlib.import_module("megatron.core")
+        if import_backend:
+            with warnings.catch_warnings():  # its "Transformer Engine and Apex are not installed" on CPU machines
+                warnings.simplefilter("ignore")
+                importlib.import_module("megatron.core")
+        elif importlib.util.find_spec("megatron") is None or version is None:
+            raise ImportError("megatron-core is not installed")
     except Exception as err:  # noqa: BLE001 - any failure to import is the answer
         return facts, Finding("learner's environment", False, f"{label} cannot import megatron.core: "
                               f"{type(err).__name__}: {err}", env=label, fix=f"pip install -e . there ({INSTALL_DOC})")
     return facts, Finding("learner's environment", True, f"{label}: python {facts['python']}, torch "
-                          f"{facts['torch']}, megatron-core {facts['packages'].get('megatron-core')} imports")
+                          f"{facts['torch']}, megatron-core {version} {'imports' if import_backend else 'installed'}")
 
 
 def _server_answers(cfg: QarlConfig, task: dict, trip: RoundTrip | None) -> tuple[dict, Finding | None]:
@@ -102,7 +108,7 @@ def check_environments(cfg: QarlConfig, *, round_trip: bool) -> list[Finding]:
     key = "rollout.launch_prefix" if r.launch_prefix else "rollout.server_python"
     label = f"servers {shlex.join(server_interpreter(cfg))}"
     learner = f"learner {sys.executable}"
-    lfacts, lfound = learner_facts()
+    lfacts, lfound = learner_facts(import_backend=round_trip)
     megatron, te_req = megatron_te_requirement()
     te = check_te(lfacts["packages"].get("transformer-engine"), megatron, te_req, cfg.model.impl)
     backend = dist_backend()
