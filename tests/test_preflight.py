@@ -25,6 +25,7 @@ import pytest
 from vllm_tools import VLLM_PYTHON, needs_vllm
 
 from megatron_qarl import cli
+from megatron_qarl.preflight.probe import proc_driver_version
 from megatron_qarl.preflight.versions import (
     check_driver,
     check_nccl,
@@ -87,6 +88,11 @@ def test_driver_rule_cuda_13_needs_r580():
     assert check_driver({"learner": CPU, "servers": CPU}, []).ok  # a CPU run: no CUDA, no driver
     cpu_torch = check_driver({"learner": CPU}, gpu)  # a GPU run on a CPU build of torch
     assert cpu_torch.ok is False and cpu_torch.key == "launch.gpus_per_node=8"
+    # the driver as /proc/driver/nvidia/version says it (proprietary and open kernel modules)
+    assert proc_driver_version("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC "
+                               "2024\nGCC version:  gcc version 12.2.0\n") == "550.54.15"
+    assert proc_driver_version("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  "
+                               "(dvs-builder@U16-I3-B03-4-3)  Sun Jul 27 06:54:38 UTC 2025\n") == "580.65.06"
     no_driver = check_driver({"learner": cuda_env("2.29.7", driver=None)}, [])
     assert no_driver.ok and not check_driver({"learner": cuda_env("2.29.7", driver=None)}, gpu).ok
 

@@ -72,14 +72,19 @@ def nccl_runtime() -> str | None:
         return None
 
 
+def proc_driver_version(text: str) -> str | None:
+    """The driver version in /proc/driver/nvidia/version's text (``NVRM version: NVIDIA UNIX [Open] Kernel Module
+    [for x86_64]  580.65.06  ...``), or None."""
+    m = re.search(r"Kernel Module\b.*?\s(\d{3,}\.\d+(?:\.\d+)?)\s", text)
+    return m.group(1) if m else None
+
+
 def driver_version() -> str | None:
     """The NVIDIA kernel driver's version (``580.65.06``): /proc/driver/nvidia/version, else ``nvidia-smi``; None
     where there is no NVIDIA driver."""
     proc_file = Path("/proc/driver/nvidia/version")
-    if proc_file.is_file():
-        m = re.search(r"Kernel Module\b.*?\s(\d{3,}\.\d+(?:\.\d+)?)\s", proc_file.read_text())
-        if m:
-            return m.group(1)
+    if proc_file.is_file() and proc_driver_version(proc_file.read_text()):
+        return proc_driver_version(proc_file.read_text())
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
