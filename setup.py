@@ -37,7 +37,10 @@ EXTRAS = {
     # our torch==2.13.0 and transformers==5.24.0 (its METADATA), so the rollout servers run in their OWN
     # environment, requirements/sglang-server.txt, named by the config key rollout.server_python
     # (docs/cluster.md "Installing"; tests/test_install.py checks both against SGLang's installed METADATA).
-    "gpu": ["transformer-engine[pytorch]>=2.4"],
+    # Transformer Engine as megatron-core 0.16.1 is tested with it (its METADATA: transformer-engine[core_cu13,
+    # pytorch]>=2.9.0a0,<2.12.0): core_cu13 is the core library for torch 2.13's CUDA 13 build; an open ">=2.4" took
+    # TE 2.20.2, outside that range (qarl preflight checks the installed one against megatron-core's range).
+    "gpu": ["transformer-engine[core_cu13,pytorch]>=2.9,<2.12"],
 }
 
 setup(

@@ -17,6 +17,7 @@ from megatron_qarl.errors import UserError
 # the module of each subcommand, in the order `qarl --help` shows them
 SUBCOMMANDS: dict[str, str] = {
     "train": "megatron_qarl.train.cli",
+    "preflight": "megatron_qarl.preflight.cli",
     "convert": "megatron_qarl.moe.verify",
     "eval": "megatron_qarl.data.evaluate",
     "quantize": "megatron_qarl.qat.cli",

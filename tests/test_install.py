@@ -151,6 +151,29 @@ def test_learner_gpu_extra_co_installs_with_our_pins(sglang_dist):
         "inference engines run in the servers' own environment (rollout.server_python), not the learner's"
 
 
+# transformer-engine's releases on PyPI (pip index versions transformer-engine, December 2026)
+TE_RELEASES = ["1.13.0", "2.1.0", "2.4.0", "2.6.0.post1", "2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0", "2.14.1",
+               "2.17.1", "2.20.2"]
+
+
+def test_learner_gpu_extra_asks_the_transformer_engine_megatron_core_is_tested_with():
+    """Issue 29 item 3: the gpu extra's Transformer Engine is inside the range megatron-core's own METADATA declares
+    (0.16.1: transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0) and asks for its extras, core_cu13 (the core
+    library for torch 2.13's CUDA 13 build) among them. The old ``transformer-engine[pytorch]>=2.4`` admitted 2.4 to
+    2.20.2 (what pip installs from it today) and named no core library."""
+    _, extras = setup_requirements()
+    (ours,) = [r for r in extras["gpu"] if canonicalize_name(r.name) == "transformer-engine"]
+    theirs = next(Requirement(line) for line in md.distribution("megatron-core").requires
+                  if canonicalize_name(Requirement(line).name) == "transformer-engine")
+    assert {canonicalize_name(e) for e in theirs.extras} <= {canonicalize_name(e) for e in ours.extras}, (ours, theirs)
+    versions = [Version(v) for v in TE_RELEASES] + _candidates(ours.specifier) + _candidates(theirs.specifier)
+    untested = sorted({str(v) for v in versions if ours.specifier.contains(v, prereleases=True)
+                       and not theirs.specifier.contains(v, prereleases=True)})
+    assert not untested, f"the gpu extra ({ours}) admits TE versions megatron-core is not tested with ({theirs}): " \
+                         f"{untested}"
+    assert any(ours.specifier.contains(Version(v)) for v in TE_RELEASES)  # and some release satisfies it
+
+
 def test_server_environment_satisfies_sglangs_own_pins(sglang_dist):
     """requirements/sglang-server.txt is the servers' whole environment: it installs the SGLang whose METADATA
     is read here (the version the contract tests check), and whatever else it pins agrees with SGLang's pins."""

@@ -85,11 +85,16 @@ def test_ray_start_commands():
 
 def test_train_command_and_resume(tmp_path):
     cmd = slurm.train_command("configs/x.yaml", ["train.steps=5"], nodes=2, python="py", api_key="k")
-    assert cmd[:7] == ["py", "-m", "megatron_qarl.cli", "train", "--config", "configs/x.yaml", "--no-progress"]
+    assert cmd[:8] == ["py", "-m", "megatron_qarl.cli", "train", "--config", "configs/x.yaml", "--no-progress",
+                       "--no-preflight"]  # every node has just run the whole preflight
     assert "--resume" not in cmd
-    assert cmd[7:] == ["launch.backend=ray", "launch.ray_address=auto", "launch.master_addr=auto",
+    assert cmd[8:] == ["launch.backend=ray", "launch.ray_address=auto", "launch.master_addr=auto",
                        "launch.server_host=0.0.0.0", "launch.nodes=2", "rollout.api_key=k", "train.steps=5"]
     assert "--resume" in slurm.train_command("c.yaml", [], nodes=1, resume=True)
+    # every node's preflight checks the very run: same interpreter, config and overrides
+    resumed = slurm.train_command("configs/x.yaml", ["train.steps=5"], nodes=2, python="py", api_key="k", resume=True)
+    assert slurm.preflight_command(resumed) == ["py", "-m", "megatron_qarl.cli", "preflight", "--config",
+                                                "configs/x.yaml", *cmd[8:]]
     assert not slurm.has_checkpoint(tmp_path)
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_000010\n")
@@ -108,6 +113,7 @@ def test_job_env_for_a_two_node_job(tmp_path, monkeypatch):
     assert vals["GLOO_SOCKET_IFNAME"] == vals["NCCL_SOCKET_IFNAME"] == "lo"
     train = vals["QARL_TRAIN"]
     assert "--resume" not in train and "launch.nodes=2" in train
+    assert vals["QARL_PREFLIGHT"] == slurm.preflight_command(train)
     assert any(a.startswith("rollout.api_key=") and len(a) > 30 for a in train)  # servers listen on 0.0.0.0
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "latest").write_text("step_000001")

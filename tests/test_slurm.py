@@ -1,7 +1,8 @@
 """slurm/qarl.sbatch on a REAL Slurm (slurmctld + two slurmd on this host, auth/none; Debian's packages, which
-.ci/run installs): a two-node job starts Ray across both nodes, places the learner and the rollout server on
-different nodes and trains; told USR1 (what --signal sends before the time limit) it checkpoints, requeues itself,
-resumes on both nodes and COMPLETES."""
+.ci/run installs): a two-node job runs `qarl preflight` on both nodes, starts Ray across both nodes, places the
+learner and the rollout server on different nodes and trains; told USR1 (what --signal sends before the time limit)
+it checkpoints, requeues itself, resumes on both nodes and COMPLETES. A job whose servers' environment runs another
+NCCL than the learner's is stopped by preflight before anything starts, its report in the job's output."""
 
 from __future__ import annotations
 
@@ -113,6 +114,10 @@ def test_two_node_job_runs_ray_across_nodes_checkpoints_on_usr1_requeues_and_res
     assert {learner, servers} == {"127.0.0.2", "127.0.0.3"}, placed
     assert "step 1/3 reward=" in first, first[-4000:]
     assert f"rollout servers run on: {python}" in first
+    # preflight ran first, on both nodes (srun --label: task 0 and 1), and passed there
+    assert first.index("preflight: all 8 checks passed") < first.index("ray: 2 nodes up: ")
+    assert {ln.split(":")[0] for ln in first.splitlines() if ln.endswith("preflight: all 8 checks passed")} == \
+        {"0", "1"}
     runs = [p.read_text().splitlines() for p in server_env.glob("argv.*")]
     assert [str(python), "-m", "megatron_qarl.cli", "serve"] in [a[:4] for a in runs], runs
     # USR1: a checkpoint, exit 75, the job requeues itself; the restart resumes and completes
@@ -125,3 +130,38 @@ def test_two_node_job_runs_ray_across_nodes_checkpoints_on_usr1_requeues_and_res
     assert latest.read_text().strip() == "step_000003"
     assert sorted(p.name for p in (out / "slurm" / f"job-{job}").glob("ray-node*.log")) == \
         ["ray-node0.log", "ray-node1.log"]
+
+
+def _records(folder: Path, name: str, version: str) -> Path:
+    """A folder holding one distribution record as pip writes it (importlib.metadata reads it on sys.path)."""
+    info = folder / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return folder
+
+
+def test_a_job_whose_environments_run_two_nccls_is_stopped_by_preflight(slurm, tmp_path, ray_tmp):
+    """Issue 29 item 2 at the job level: the learner's environment holds nvidia-nccl-cu13 2.29.7 (torch 2.13.0's
+    pin), the servers' 2.30.7 (torch 2.14.1's, SGLang 0.5.23's). The job's preflight refuses the run on its node,
+    naming both environments, the key and the fix, and the job ends (exit 4) before Ray or qarl train start."""
+    out = tmp_path / "run"
+    server_site = _records(tmp_path / "server-site", "nvidia-nccl-cu13", "2.30.7")
+    python = tmp_path / "server-env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/bash\nexport PYTHONPATH={server_site}:{REPO}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    learner_site = _records(tmp_path / "learner-site", "nvidia-nccl-cu13", "2.29.7")
+    job = _submit(slurm, "configs/cpu_default.yaml", [f"train.output_dir={out}", *SMALL], ray_tmp,
+                  env={"QARL_SERVER_PYTHON": str(python), "PYTHONPATH": f"{learner_site}:{REPO}"})
+    info = slurm.wait(job, timeout_s=600)
+    log = _log(out, job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "4:0", f"{info}\n{log[-6000:]}"
+    report = log[log.index("preflight on every node: "):]
+    assert "0: qarl preflight configs/cpu_default.yaml on " in report
+    assert f"FAIL  NCCL [rollout.server_python; learner {sys.executable}, servers {python}]" in report
+    assert "learner" in report and "2.29.7 (installed nvidia-nccl-cu13==2.29.7)" in report
+    assert f"servers {python}: 2.30.7 (installed nvidia-nccl-cu13==2.30.7)" in report
+    assert "fix: install the learner's NCCL in the servers' environment" in report
+    assert "0: preflight: 1 problem of 8 checks: the run would fail" in report
+    assert "preflight refused this run (the report above): nothing was started" in report
+    assert "ray: " not in log and "qarl train exited" not in log and not (out / "metrics.jsonl").exists()

@@ -7,7 +7,8 @@ each node, network interface variables, per-job log folders, and the ``qarl trai
         --gpus-per-node from the config's launch section and the job's log in <train.output_dir>/slurm/ (that
         folder is made first: sbatch does not make it)
 and, inside the job, as slurm/qarl.sbatch runs them:
-    python -m megatron_qarl.launch.slurm env CONFIG [key.sub=value ...]   shell assignments to eval
+    python -m megatron_qarl.launch.slurm env CONFIG [key.sub=value ...]   shell assignments to eval (QARL_PREFLIGHT:
+        the ``qarl preflight`` every node runs first, srun; QARL_TRAIN: the ``qarl train`` of the first node)
     python -m megatron_qarl.launch.slurm ray-node                          (one task per node, srun) ray start;
         a worker node whose start times out joining the head is started again (join_ray)
     python -m megatron_qarl.launch.slurm wait-ray --nodes N                until N Ray nodes are up
@@ -231,12 +232,21 @@ def train_command(config: str, overrides: Sequence[str], *, nodes: int, python: 
     """``qarl train`` for a job on ``nodes`` nodes: the cluster overrides first (and ``server_python``, the
     QARL_SERVER_PYTHON override), the user's after (they win), ``--resume`` when the run has a checkpoint, a
     per-job rollout API key when the config has none (servers listen on the node address, and then their admin
-    endpoints need one)."""
-    cmd = [python, "-m", "megatron_qarl.cli", "train", "--config", config, "--no-progress"]
+    endpoints need one). ``--no-preflight``: the job has just run the whole of ``qarl preflight`` on every node
+    (``preflight_command``), so qarl train does not repeat its part of it."""
+    cmd = [python, "-m", "megatron_qarl.cli", "train", "--config", config, "--no-progress", "--no-preflight"]
     cmd += ["--resume"] if resume else []
     cmd += [*CLUSTER_OVERRIDES, f"launch.nodes={nodes}"]
     cmd += [f"rollout.api_key={api_key}"] if api_key else []
     return cmd + list(server_python) + list(overrides)
+
+
+def preflight_command(train: Sequence[str]) -> list[str]:
+    """``qarl preflight`` of the run ``train`` (QARL_TRAIN's argv) starts: the same interpreter, config and overrides,
+    without qarl train's flags. slurm/qarl.sbatch runs it on every node before anything else."""
+    i = list(train).index("train")
+    flags = ("--no-progress", "--no-preflight", "--resume")
+    return [*train[:i], "preflight", *[a for a in train[i + 1:] if a not in flags]]
 
 
 def check_job_layout(settings: dict, nodes: int, gpus: int) -> None:
@@ -252,7 +262,8 @@ def check_job_layout(settings: dict, nodes: int, gpus: int) -> None:
 
 def job_env(config: str, overrides: Sequence[str], env: Mapping[str, str] = os.environ,
             python: str = sys.executable) -> dict[str, str | list[str]]:
-    """Everything the job script needs, computed on the batch (first) node. ``QARL_TRAIN`` is the argv."""
+    """Everything the job script needs, computed on the batch (first) node. ``QARL_TRAIN`` and ``QARL_PREFLIGHT``
+    are argvs."""
     nodes = job_nodes(env)
     server_python = server_python_override(env)
     settings = run_settings(config, [*server_python, *overrides])
@@ -263,6 +274,8 @@ def job_env(config: str, overrides: Sequence[str], env: Mapping[str, str] = os.e
     out = settings["output_dir"]
     resume = has_checkpoint(out)
     api_key = None if settings["api_key"] else secrets.token_hex(16)
+    train = train_command(config, overrides, nodes=len(nodes), python=python, resume=resume, api_key=api_key,
+                          server_python=server_python)
     return {
         "QARL_NODES": " ".join(nodes),
         "QARL_NNODES": str(len(nodes)),
@@ -277,8 +290,8 @@ def job_env(config: str, overrides: Sequence[str], env: Mapping[str, str] = os.e
         **socket_env(head_addr, env),
         # for the job's log: what every rollout server starts with (launch/fleet.py server_interpreter)
         "QARL_SERVER_INTERPRETER": shlex.join([*settings["launch_prefix"], str(settings["server_python"] or python)]),
-        "QARL_TRAIN": train_command(config, overrides, nodes=len(nodes), python=python, resume=resume,
-                                    api_key=api_key, server_python=server_python),
+        "QARL_TRAIN": train,
+        "QARL_PREFLIGHT": preflight_command(train),
     }
 
 

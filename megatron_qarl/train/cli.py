@@ -1,10 +1,12 @@
 """``qarl train --config C [--resume] [key.sub=value ...]``: the QaRL training job.
 
-Validates the whole config first, and refuses a GPU run that ``qarl plan`` says does not fit its GPUs
-(``check_memory``), then writes it to ``<train.output_dir>/config.yaml``, prepares the rollout
-servers' starting checkpoint (the policy exported in ``quant.scheme``'s SGLang format, or the policy
-itself for bf16), launches learner ranks and servers (launch.backend: ray or local) and runs the loop.
-Ends with a summary: start and final held-out accuracy and the mean time of each phase.
+Validates the whole config first, refuses a GPU run that ``qarl plan`` says does not fit its GPUs
+(``check_memory``) and a run whose environments are not ready (``qarl preflight`` without its round trip:
+preflight/environments.py ``require_ready``; ``--no-preflight`` skips it), then writes it to
+``<train.output_dir>/config.yaml``, prepares the rollout servers' starting checkpoint (the policy exported in
+``quant.scheme``'s SGLang format, or the policy itself for bf16), launches learner ranks and servers
+(launch.backend: ray or local) and runs the loop. Ends with a summary: start and final held-out accuracy and the
+mean time of each phase.
 """
 
 from __future__ import annotations
@@ -82,8 +84,12 @@ EXIT_STOPPED = 75  # stopped early on SIGUSR1/SIGTERM with a checkpoint saved (E
 
 
 def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
-        stop: threading.Event | None = None, config: str = "this config") -> dict[str, float]:
+        stop: threading.Event | None = None, config: str = "this config", preflight: bool = True) -> dict[str, float]:
     check_memory(cfg, config)
+    if preflight:  # the cheap part of `qarl preflight`: the environments, NCCL, TE, driver, the server command
+        from megatron_qarl.preflight.environments import require_ready
+
+        require_ready(cfg, config)
     from transformers import AutoTokenizer
 
     from megatron_qarl.data.prompts import PromptStream
@@ -168,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         summary = run(cfg, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty(), stop=stop,
-                      config=str(args.config))
+                      config=str(args.config), preflight=not args.no_preflight)
     except StopRequested as err:
         print(f"qarl train: {err}", flush=True)
         return EXIT_STOPPED
@@ -182,6 +188,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="YAML run config (configs/cpu_default.yaml)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the output dir")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-preflight", action="store_true",
+                        help="skip the environment checks of qarl preflight (run before anything is built)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     parser.set_defaults(func=_run)
     return parser

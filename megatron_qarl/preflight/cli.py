@@ -1,0 +1,73 @@
+"""``qarl preflight --config C [key.sub=value ...]``: is this run ready, before any weight loads?
+
+Loads the config as ``qarl train`` does (same overrides; a bad key is refused naming it, exit 2), then checks on this
+node and lists every finding at once, each problem naming the config key, the environment and the fix:
+
+- the GPU memory plan (``qarl train``'s ``check_memory``: GPU runs only);
+- the learner's environment (this interpreter) imports Megatron-Core; the servers' environment
+  (``rollout.launch_prefix`` + ``rollout.server_python``) exists and imports its backend;
+- one NCCL in every member of the weight-update group; Transformer Engine inside megatron-core's tested range; the
+  NVIDIA driver new enough for each environment's torch CUDA build (preflight/versions.py);
+- the server command accepted by the backend's own parser inside the servers' environment;
+- a weight-update round trip: a real process group between this process and one of the servers' environment
+  (gloo here, NCCL on GPUs), one bucket sent and compared (preflight/roundtrip.py; ``--no-round-trip`` skips it).
+
+Exit 0 when every check passes, 1 when any fails. ``qarl train`` runs the same checks but the round trip before it
+builds anything; ``slurm/qarl.sbatch`` runs this on every node first and stops the job with its report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+from megatron_qarl.config import QarlConfig
+from megatron_qarl.errors import UserError
+from megatron_qarl.preflight.environments import check_environments
+from megatron_qarl.preflight.report import Finding, format_report, problems
+from megatron_qarl.preflight.rules import load_config
+
+EXIT_NOT_READY = 1
+
+
+def memory_finding(cfg: QarlConfig, config: str) -> Finding:
+    """``qarl train``'s refusal of a GPU run that ``qarl plan`` says does not fit, as a finding."""
+    from megatron_qarl.train.cli import check_memory
+
+    if not cfg.learner_on_gpus:
+        return Finding("GPU memory plan", True, "a CPU run (no GPU memory to plan)")
+    if not cfg.launch.memory_check:
+        return Finding("GPU memory plan", True, "not checked: launch.memory_check=false")
+    try:
+        check_memory(cfg, config)
+    except UserError as err:
+        return Finding("GPU memory plan", False, str(err), env="the run's GPUs",
+                       fix=f"qarl plan --config {config} shows the layouts that fit")
+    return Finding("GPU memory plan", True, f"fits (qarl plan --config {config})")
+
+
+def preflight(cfg: QarlConfig, config: str, *, round_trip: bool = True) -> list[Finding]:
+    """Every check of the run on this node, as findings."""
+    return [memory_finding(cfg, config), *check_environments(cfg, round_trip=round_trip)]
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    findings = preflight(cfg, str(args.config), round_trip=not args.no_round_trip)
+    r = cfg.rollout
+    title = (f"qarl preflight {args.config} on {socket.gethostname()}: rollout.backend={r.backend}, "
+             f"{r.servers} server(s), learner python {sys.executable}")
+    print(format_report(title, findings), flush=True)
+    return EXIT_NOT_READY if problems(findings) else 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("preflight", help="check a run's environments before it starts",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML run config, as for qarl train")
+    parser.add_argument("--no-round-trip", action="store_true",
+                        help="skip the weight-update round trip (what qarl train runs)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    parser.set_defaults(func=_run)
+    return parser

@@ -1,0 +1,166 @@
+"""The version rules between a run's environments, as pure functions of what each environment reports
+(preflight/probe.py ``facts``): one NCCL in the weight-update group, Transformer Engine inside megatron-core's tested
+range, an NVIDIA driver new enough for each torch's CUDA build.
+
+- NCCL: every rank of a communicator exchanges its NCCL version at init and each refuses a peer whose version differs
+  ("Mismatched NCCL version detected", ncclInvalidUsage; NCCL's src/init.cc), so the learner's rank 0 and every
+  server must run the same NCCL, to the patch level. torch's Linux CUDA wheels load the NCCL of the
+  ``nvidia-nccl-cu13`` distribution they pin (torch 2.13.0: 2.29.7; torch 2.14.1, SGLang 0.5.23's pin: 2.30.7).
+  Compared: ``torch.cuda.nccl.version()`` where torch is a CUDA build, else the installed nvidia-nccl-cu* package.
+- Transformer Engine: megatron-core declares the TE it is tested with in its METADATA
+  (megatron-core 0.16.1: ``transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0``, its ``dev`` extra); read at
+  run time from the installed megatron-core, so the rule follows a new pin.
+- Driver: a CUDA build needs a driver of at least its major's minimum (NVIDIA's CUDA minor-version compatibility,
+  docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html: CUDA 13.x >= 580, 12.x >= 525,
+  11.x >= 450); torch 2.13.0's and 2.14.1's Linux wheels are CUDA 13.0 builds (they require cuda-toolkit 13.0.3).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+
+from packaging.requirements import Requirement
+from packaging.version import InvalidVersion, Version
+
+from megatron_qarl.preflight.probe import canonical
+from megatron_qarl.preflight.report import Finding
+
+DRIVER_FLOOR = {11: 450, 12: 525, 13: 580}  # CUDA major -> the oldest driver branch that runs it
+NCCL_DOC = "docs/cluster.md, \"One NCCL\""
+
+
+# ------------------------------------------------------------------------------------------------- NCCL
+def nccl_of(facts: dict) -> tuple[str | None, str]:
+    """(the NCCL version an environment runs, where that was read): torch's runtime NCCL where torch is a CUDA build,
+    else the one nvidia-nccl-cu* distribution installed; (None, why) when it has none. Several different NCCL
+    distributions in one environment answer all of them, joined (never equal to another environment's)."""
+    pkgs = facts.get("nccl_packages") or {}
+    if facts.get("nccl_runtime"):
+        via = f"torch {facts.get('torch')} (CUDA {facts.get('torch_cuda')}): torch.cuda.nccl.version()"
+        return facts["nccl_runtime"], via + (f"; installed {_dists(pkgs)}" if pkgs else "")
+    if pkgs:
+        return "+".join(sorted(set(pkgs.values()))), f"installed {_dists(pkgs)}"
+    cuda = facts.get("torch_cuda")
+    return None, (f"no NCCL: torch {facts.get('torch')} is a CPU build, no nvidia-nccl package" if not cuda else
+                  f"no NCCL: torch {facts.get('torch')} (CUDA {cuda}) cannot say and no nvidia-nccl package")
+
+
+def _dists(pkgs: dict[str, str]) -> str:
+    return ", ".join(f"{n}=={v}" for n, v in sorted(pkgs.items()))
+
+
+def check_nccl(members: dict[str, dict], backend: str, server_key: str) -> Finding:
+    """One NCCL in the weight-update group. ``members``: environment label -> facts, the learner's first;
+    ``backend``: the group's (gloo on CPU, nccl on GPUs). Environments that have an NCCL must agree (a gloo run in
+    them would fail on GPUs); under NCCL every member must have one. The fix puts the learner's NCCL in the
+    servers' environment (``server_key`` names it)."""
+    found = {label: nccl_of(f) for label, f in members.items()}
+    have = {label: v for label, (v, _) in found.items() if v}
+    said = "; ".join(f"{label}: {v or '-'} ({via})" for label, (v, via) in found.items())
+    learner, learner_nccl = next(iter(members)), found[next(iter(members))][0]
+    if len(set(have.values())) > 1:
+        fix = (f"install the learner's NCCL in the servers' environment: <server python> -m pip install --no-deps "
+               f"nvidia-nccl-cu13=={learner_nccl} ({NCCL_DOC})" if learner_nccl else
+               f"one NCCL in every environment ({NCCL_DOC})")
+        return Finding("NCCL", False, f"the weight-update group's members run different NCCLs, which NCCL refuses "
+                       f"at the first sync (\"Mismatched NCCL version detected\"): {said}",
+                       key=server_key, env=", ".join(have), fix=fix)
+    if backend == "nccl" and len(have) < len(members):
+        lacking = [label for label in members if label not in have]
+        return Finding("NCCL", False, f"an NCCL weight-update group (GPUs) with members without NCCL: {said}",
+                       key=server_key if learner not in lacking else None, env=", ".join(lacking),
+                       fix=f"a CUDA build of torch with its nvidia-nccl package in each ({NCCL_DOC})")
+    if not have:
+        return Finding("NCCL", True, f"no NCCL in any environment: a {backend} group ({said})")
+    return Finding("NCCL", True, f"one NCCL {next(iter(have.values()))} in {len(have)} of {len(members)} "
+                   f"environments, a {backend} group: {said}")
+
+
+# ------------------------------------------------------------------------------------ Transformer Engine
+def megatron_te_requirement() -> tuple[str | None, Requirement | None]:
+    """(megatron-core's installed version, the transformer-engine requirement of its METADATA), Nones when absent."""
+    try:
+        dist = md.distribution("megatron-core")
+    except md.PackageNotFoundError:
+        return None, None
+    for line in dist.requires or []:
+        req = Requirement(line)
+        if canonical(req.name) == "transformer-engine":
+            return dist.version, req
+    return dist.version, None
+
+
+def check_te(te_version: str | None, megatron: str | None, requirement: Requirement | None, impl: str) -> Finding:
+    """The learner's Transformer Engine inside megatron-core's tested range (``requirement``'s specifier; markers
+    such as its ``extra == "dev"`` are where it is declared, not a condition). Not installed passes, unless
+    ``model.impl`` is ``te``."""
+    if requirement is None:
+        return Finding("transformer-engine", megatron is not None or te_version is None,
+                       f"megatron-core {megatron or 'not installed'} declares no transformer-engine range; "
+                       f"installed: {te_version or 'none'}")
+    tested = f"megatron-core {megatron} is tested with transformer-engine{requirement.specifier} " \
+             f"(extras {','.join(sorted(requirement.extras)) or 'none'}; its METADATA)"
+    if te_version is None:
+        if impl == "te":
+            return Finding("transformer-engine", False, f"model.impl=te, but the learner's environment has no "
+                           f"transformer-engine; {tested}", key="model.impl", env="learner",
+                           fix=f"pip install --no-build-isolation \"transformer-engine[core_cu13,pytorch]"
+                               f"{requirement.specifier}\" (setup.py's gpu extra), or model.impl=local")
+        return Finding("transformer-engine", True, f"not installed in the learner's environment (model.impl={impl}: "
+                       f"Megatron's local spec); {tested}")
+    try:
+        inside = requirement.specifier.contains(Version(te_version), prereleases=True)
+    except InvalidVersion:
+        inside = False
+    if inside:
+        return Finding("transformer-engine", True, f"{te_version} in the learner's environment; {tested}")
+    return Finding("transformer-engine", False, f"{te_version} in the learner's environment is outside the range "
+                   f"{tested}", key="model.impl", env="learner",
+                   fix=f"pip install --no-build-isolation \"transformer-engine[core_cu13,pytorch]"
+                       f"{requirement.specifier}\" (setup.py's gpu extra) in the learner's environment, or "
+                       f"model.impl=local to run without it")
+
+
+# ----------------------------------------------------------------------------------------------- driver
+def driver_floor(cuda: str) -> int | None:
+    """The oldest driver branch that runs a CUDA ``cuda`` build (``"13.0"`` -> 580); None for a major not known."""
+    try:
+        return DRIVER_FLOOR.get(int(cuda.split(".")[0]))
+    except ValueError:
+        return None
+
+
+def check_driver(members: dict[str, dict], gpu_keys: list[str]) -> Finding:
+    """Each environment's torch CUDA build against this node's NVIDIA driver. ``gpu_keys``: the config keys that put
+    the learner on GPUs (``QarlConfig.gpu_run_keys``; empty: a CPU run). A CPU run passes without CUDA (a CUDA wheel
+    runs on a CPU too); a GPU run needs a CUDA build in every environment and a driver of at least its floor."""
+    driver = next((f.get("driver") for f in members.values() if f.get("driver")), None)
+    cuda = {label: f.get("torch_cuda") for label, f in members.items() if f.get("torch_cuda")}
+    key = ", ".join(gpu_keys) or None
+    cpu_only = [label for label in members if label not in cuda]
+    if gpu_keys and cpu_only:
+        return Finding("CUDA driver", False, f"a GPU run ({key}), but torch is a CPU build in {', '.join(cpu_only)}",
+                       key=key, env=", ".join(cpu_only), fix="install torch's CUDA build there (PyPI's Linux wheel; "
+                                                             "docs/cluster.md, \"Installing\")")
+    if not cuda:
+        return Finding("CUDA driver", True, f"no CUDA: every environment's torch is a CPU build, a CPU run (driver: "
+                       f"{driver or 'none'})")
+    builds = "; ".join(f"{label}: torch CUDA {c} (needs driver >= {driver_floor(c) or '?'})"
+                       for label, c in cuda.items())
+    if driver is None:
+        return Finding("CUDA driver", not gpu_keys, f"no NVIDIA driver on this node; {builds}", key=key,
+                       env=", ".join(cuda), fix="run on a GPU node with an NVIDIA driver" if gpu_keys else None)
+    low = [label for label, c in cuda.items() if (driver_floor(c) or 0) > _major(driver)]
+    if low:
+        need = max(driver_floor(cuda[label]) or 0 for label in low)
+        return Finding("CUDA driver", False, f"driver {driver} is older than the CUDA builds need: {builds}",
+                       env=", ".join(low), fix=f"an NVIDIA driver >= {need} (R{need}), or a torch build for the "
+                                               f"CUDA the driver runs (docs/cluster.md, \"Installing\")")
+    return Finding("CUDA driver", True, f"driver {driver}; {builds}")
+
+
+def _major(driver: str) -> int:
+    try:
+        return int(driver.split(".")[0])
+    except ValueError:
+        return 0
