@@ -125,33 +125,51 @@ int qarl_quant_fp8(int isa, const void *x, int x_bf16, int64_t T, int64_t K, int
 static inline float add_block(float y, float dot, float sx, float sw) { return y + ((dot * 256.0f) * sx) * sw; }
 
 #if QARL_X86
-/* 16 weight codes -> fp32 w / 256, lanes 0-7 and 8-15. */
-QARL_AVX2 static inline __m256i e4m3_halfs(const uint8_t *w) {
-    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
-    return _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 1), _mm256_set1_epi16((short)0xBF80));
+/* Codes in the high byte of 16-bit words -> the fp16 numbers w / 256 (sign kept at bit 15, the rest shifted
+ * down one bit to bits 7-13). */
+QARL_AVX2 static inline __m256i e4m3_words(__m256i hi_bytes) {
+    return _mm256_and_si256(_mm256_srai_epi16(hi_bytes, 1), _mm256_set1_epi16((short)0xBF80));
 }
 
-/* m (1-3, a constant where inlined) activation rows against one weight row. */
+/* 16 weight codes -> fp16 w / 256, lanes 0-15 in order. */
+QARL_AVX2 static inline __m256i e4m3_halfs(const uint8_t *w) {
+    return e4m3_words(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w)), 8));
+}
+
+/* m (1 or 2, a constant where inlined) activation rows against one weight row. Chunks go in pairs (even into
+ * e, odd into o) so that no branch picks the accumulator, and 2 rows keep all 8 accumulators in registers. */
 QARL_AVX2 static inline __attribute__((always_inline)) void tile_avx2(const float *X, const float *SX, int64_t K,
                                                                        int64_t B, const uint8_t *w, const float *sw,
                                                                        const int m, float *y, int64_t ys) {
-    float acc[3] = {0.0f, 0.0f, 0.0f};
+    float acc[2] = {0.0f, 0.0f};
     for (int64_t b = 0; b < K / B; b++) {
-        __m256 e[3][2], o[3][2]; /* [token][lanes 0-7 / 8-15]: chunks of even / odd index */
+        __m256 e[2][2], o[2][2]; /* [token][lanes 0-7 / 8-15] */
         for (int j = 0; j < m; j++) e[j][0] = e[j][1] = o[j][0] = o[j][1] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < B / 16; c++) {
+        int64_t c = 0;
+        for (; c + 2 <= B / 16; c += 2) { /* 32 codes: unpacking with zero bytes interleaves the 128-bit halves */
             const int64_t k = b * B + c * 16;
-            const __m256i h = e4m3_halfs(w + k);
-            const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + k)), z = _mm256_setzero_si256();
+            const __m256i l = e4m3_words(_mm256_unpacklo_epi8(z, v)), h = e4m3_words(_mm256_unpackhi_epi8(z, v));
+            const __m256 c0 = _mm256_cvtph_ps(_mm256_castsi256_si128(l));      /* codes 0-7: chunk c, lanes 0-7 */
+            const __m256 c1 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));      /* codes 8-15: lanes 8-15 */
+            const __m256 c2 = _mm256_cvtph_ps(_mm256_extracti128_si256(l, 1)); /* codes 16-23: chunk c + 1 */
+            const __m256 c3 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)); /* codes 24-31 */
             for (int j = 0; j < m; j++) {
                 const float *xk = X + j * K + k;
-                if (c & 1) {
-                    o[j][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xk), o[j][0]);
-                    o[j][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xk + 8), o[j][1]);
-                } else {
-                    e[j][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xk), e[j][0]);
-                    e[j][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xk + 8), e[j][1]);
-                }
+                e[j][0] = _mm256_fmadd_ps(c0, _mm256_loadu_ps(xk), e[j][0]);
+                e[j][1] = _mm256_fmadd_ps(c1, _mm256_loadu_ps(xk + 8), e[j][1]);
+                o[j][0] = _mm256_fmadd_ps(c2, _mm256_loadu_ps(xk + 16), o[j][0]);
+                o[j][1] = _mm256_fmadd_ps(c3, _mm256_loadu_ps(xk + 24), o[j][1]);
+            }
+        }
+        if (c < B / 16) { /* an odd count of chunks: the last one is even */
+            const int64_t k = b * B + c * 16;
+            const __m256i h0 = e4m3_halfs(w + k);
+            const __m256 lo0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h0));
+            const __m256 hi0 = _mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1));
+            for (int j = 0; j < m; j++) {
+                e[j][0] = _mm256_fmadd_ps(lo0, _mm256_loadu_ps(X + j * K + k), e[j][0]);
+                e[j][1] = _mm256_fmadd_ps(hi0, _mm256_loadu_ps(X + j * K + k + 8), e[j][1]);
             }
         }
         for (int j = 0; j < m; j++) {
@@ -167,14 +185,12 @@ QARL_AVX2 static void block_avx2(const float *X, const float *SX, int64_t nt, in
     for (int64_t i = 0; i < rows; i++) {
         const uint8_t *wi = w + i * K;
         const float *swi = sw + ((row0 + i) / B) * (K / B);
-        for (int64_t t = 0; t < nt; t += 3) {
+        for (int64_t t = 0; t < nt; t += 2) {
             const float *xt = X + t * K, *st = SX + t * (K / B);
-            float *yt = y + i * nt + t;
-            switch (nt - t < 3 ? nt - t : 3) {
-            case 1: tile_avx2(xt, st, K, B, wi, swi, 1, yt, 1); break;
-            case 2: tile_avx2(xt, st, K, B, wi, swi, 2, yt, 1); break;
-            default: tile_avx2(xt, st, K, B, wi, swi, 3, yt, 1); break;
-            }
+            if (nt - t >= 2)
+                tile_avx2(xt, st, K, B, wi, swi, 2, y + i * nt + t, 1);
+            else
+                tile_avx2(xt, st, K, B, wi, swi, 1, y + i * nt + t, 1);
         }
     }
 }
@@ -188,15 +204,19 @@ QARL_AVX512 static inline __attribute__((always_inline)) void tile_avx512(const 
     for (int64_t b = 0; b < K / B; b++) {
         __m512 e[4], o[4];
         for (int j = 0; j < m; j++) e[j] = o[j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < B / 16; c++) {
+        int64_t c = 0;
+        for (; c + 2 <= B / 16; c += 2) {
             const int64_t k = b * B + c * 16;
-            const __m512 v = _mm512_cvtph_ps(e4m3_halfs(w + k));
+            const __m512 v0 = _mm512_cvtph_ps(e4m3_halfs(w + k)), v1 = _mm512_cvtph_ps(e4m3_halfs(w + k + 16));
             for (int j = 0; j < m; j++) {
-                if (c & 1)
-                    o[j] = _mm512_fmadd_ps(v, _mm512_loadu_ps(X + j * K + k), o[j]);
-                else
-                    e[j] = _mm512_fmadd_ps(v, _mm512_loadu_ps(X + j * K + k), e[j]);
+                e[j] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(X + j * K + k), e[j]);
+                o[j] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(X + j * K + k + 16), o[j]);
             }
+        }
+        if (c < B / 16) {
+            const int64_t k = b * B + c * 16;
+            const __m512 v0 = _mm512_cvtph_ps(e4m3_halfs(w + k));
+            for (int j = 0; j < m; j++) e[j] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(X + j * K + k), e[j]);
         }
         for (int j = 0; j < m; j++)
             acc[j] = add_block(acc[j], hsum16_avx512(_mm512_add_ps(e[j], o[j])), SX[j * (K / B) + b], sw[b]);

@@ -95,61 +95,72 @@ QARL_AVX512BF16 static void block_bf16(const void *X, int64_t nt, int64_t K, int
         }
 }
 
-/* A chunk's 16 words as fp32 (u - 8) in 8 vectors: lanes 0, 2, .., 14 (word 2j of the 32 bytes is the low half
- * of dword j: set E) and lanes 1, 3, .., 15 (set O), for each of the four values e of a lane. A word's nibble
- * e sits at bits 4e..4e+3; with the exponent field all ones next to it (P = the word | 0x7f800000), one AND
- * with ((150 - 4e) << 23) | (15 << 4e) makes the fp32 number 2^(23 - 4e) + u, and one subtraction of
- * 2^(23 - 4e) + 8 leaves u - 8, exactly: no shift, no int -> float conversion. (Set O is made with a blend, not
- * an OR: GCC rewrites (x | c) & m as (x & m) | (c & m), one more instruction per value; measured 1.3x slower.) */
-#define INT4_AVX2_VALUES(wc)                                                                                    \
-    const __m256i V = _mm256_loadu_si256((const __m256i *)(wc));                                                \
-    const __m256i PE = _mm256_blend_epi16(V, ones_exp, 0xAA);                                                  \
-    const __m256i PO = _mm256_blend_epi16(_mm256_srli_epi32(V, 16), ones_exp, 0xAA); /* not OR: see below */  \
-    __m256 fE[4], fO[4];                                                                                         \
-    for (int e = 0; e < 4; e++) {                                                                                \
-        fE[e] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(PE, mask[e])), bias[e]);                      \
-        fO[e] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(PO, mask[e])), bias[e]);                      \
-    }
+/* A chunk's 16 words hold lanes 0, 2, .., 14 (word 2j is the low half of dword j: set E) and 1, 3, .., 15 (set
+ * O). A word's nibble e sits at bits 4e..4e+3; with the exponent field all ones next to it (P = the word |
+ * 0x7f800000), one AND with ((150 - 4e) << 23) | (15 << 4e) makes the fp32 number 2^(23 - 4e) + u, and one
+ * subtraction of 2^(23 - 4e) + 8 leaves u - 8, exactly: no shift, no int -> float conversion. (Set O is made
+ * with a blend, not an OR: GCC rewrites (x | c) & m as (x & m) | (c & m), one more instruction per value;
+ * measured 1.3x slower.) Each value is used as soon as it is made: with 2 rows the 8 accumulators stay in
+ * registers. X per row and chunk: the classes e = 2, 0, 3, 1 in slots 0-3, each set E's 8 lanes then set O's
+ * (arrange_lanes with by_sets). */
+#define INT4_AVX2_CLASS(e, slot, acc)                                                                           \
+    do {                                                                                                         \
+        const __m256i mask = _mm256_set1_epi32((int)(((150u - 4u * (e)) << 23) | (15u << (4 * (e)))));          \
+        const __m256 bias = _mm256_set1_ps((float)(1 << (23 - 4 * (e))) + 8.0f);                                \
+        const __m256 fE = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(PE, mask)), bias);                 \
+        const __m256 fO = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(PO, mask)), bias);                 \
+        for (int j = 0; j < m; j++) {                                                                            \
+            acc[j][0] = _mm256_fmadd_ps(fE, _mm256_loadu_ps(X + j * K + c * 64 + 16 * (slot)), acc[j][0]);       \
+            acc[j][1] = _mm256_fmadd_ps(fO, _mm256_loadu_ps(X + j * K + c * 64 + 16 * (slot) + 8), acc[j][1]);   \
+        }                                                                                                        \
+    } while (0)
 
-/* m (1 or 2, a constant where inlined) activation rows against one weight row. X per row and chunk: for the
- * classes e = 2, 0, 3, 1, set E's 8 lanes then set O's (arrange_lanes with interleave 1). */
+/* The sum a0 + a1 of one group for m (1 or 2, a constant where inlined) activation rows, sets E and O:
+ * out[j][set]. a0 takes e = 2 then e = 0, a1 e = 3 then e = 1, chunk after chunk. */
+QARL_AVX2 static inline __attribute__((always_inline)) void group_avx2(const float *X, int64_t K, const uint8_t *w,
+                                                                        int64_t c0, int64_t c1, const int m,
+                                                                        __m256 out[2][2]) {
+    const __m256i ones_exp = _mm256_set1_epi32(0x7f800000);
+    __m256 a0[2][2], a1[2][2]; /* [token][set] */
+    for (int j = 0; j < m; j++) a0[j][0] = a0[j][1] = a1[j][0] = a1[j][1] = _mm256_setzero_ps();
+    for (int64_t c = c0; c < c1; c++) {
+        const __m256i V = _mm256_loadu_si256((const __m256i *)(w + c * 32));
+        const __m256i PE = _mm256_blend_epi16(V, ones_exp, 0xAA);
+        const __m256i PO = _mm256_blend_epi16(_mm256_srli_epi32(V, 16), ones_exp, 0xAA);
+        INT4_AVX2_CLASS(2u, 0, a0);
+        INT4_AVX2_CLASS(0u, 1, a0);
+        INT4_AVX2_CLASS(3u, 2, a1);
+        INT4_AVX2_CLASS(1u, 3, a1);
+    }
+    for (int j = 0; j < m; j++) {
+        out[j][0] = _mm256_add_ps(a0[j][0], a1[j][0]);
+        out[j][1] = _mm256_add_ps(a0[j][1], a1[j][1]);
+    }
+}
+
+/* m (1 or 2, a constant where inlined) activation rows against one weight row. Groups go in pairs, so that t0
+ * (even groups) and t1 (odd) stay in registers. */
 QARL_AVX2 static inline __attribute__((always_inline)) void tile_avx2(const float *X, int64_t K, int64_t G,
                                                                        const uint8_t *w, const uint16_t *s,
                                                                        const int m, float *y, int64_t ys) {
-    const __m256i ones_exp = _mm256_set1_epi32(0x7f800000);
-    __m256i mask[4];
-    __m256 bias[4];
-    for (int e = 0; e < 4; e++) {
-        mask[e] = _mm256_set1_epi32((int)(((150u - 4u * (unsigned)e) << 23) | (15u << (4 * e))));
-        bias[e] = _mm256_set1_ps((float)(1 << (23 - 4 * e)) + 8.0f);
-    }
-    __m256 t0[2][2], t1[2][2]; /* [token][set E / O]: the sums of the even / odd groups */
+    __m256 t0[2][2], t1[2][2], g[2][2]; /* [token][set E / O] */
     for (int j = 0; j < m; j++) t0[j][0] = t0[j][1] = t1[j][0] = t1[j][1] = _mm256_setzero_ps();
-    for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, gi++) {
-        __m256 a0[2][2], a1[2][2]; /* [token][set] */
-        for (int j = 0; j < m; j++) a0[j][0] = a0[j][1] = a1[j][0] = a1[j][1] = _mm256_setzero_ps();
-        for (int64_t c = g0 / 64; c < (g0 + G) / 64; c++) {
-            INT4_AVX2_VALUES(w + c * 32);
+    const int64_t groups = K / G, per = G / 64;
+    for (int64_t gi = 0; gi < groups; gi += 2) {
+        group_avx2(X, K, w, gi * per, (gi + 1) * per, m, g);
+        const __m256 s0 = _mm256_set1_ps(bf16_to_f32(s[gi]));
+        for (int j = 0; j < m; j++) {
+            t0[j][0] = _mm256_fmadd_ps(g[j][0], s0, t0[j][0]);
+            t0[j][1] = _mm256_fmadd_ps(g[j][1], s0, t0[j][1]);
+        }
+        if (gi + 1 < groups) {
+            group_avx2(X, K, w, (gi + 1) * per, (gi + 2) * per, m, g);
+            const __m256 s1 = _mm256_set1_ps(bf16_to_f32(s[gi + 1]));
             for (int j = 0; j < m; j++) {
-                const float *xc = X + j * K + c * 64;
-                a0[j][0] = _mm256_fmadd_ps(fE[2], _mm256_loadu_ps(xc), a0[j][0]);
-                a0[j][1] = _mm256_fmadd_ps(fO[2], _mm256_loadu_ps(xc + 8), a0[j][1]);
-                a0[j][0] = _mm256_fmadd_ps(fE[0], _mm256_loadu_ps(xc + 16), a0[j][0]);
-                a0[j][1] = _mm256_fmadd_ps(fO[0], _mm256_loadu_ps(xc + 24), a0[j][1]);
-                a1[j][0] = _mm256_fmadd_ps(fE[3], _mm256_loadu_ps(xc + 32), a1[j][0]);
-                a1[j][1] = _mm256_fmadd_ps(fO[3], _mm256_loadu_ps(xc + 40), a1[j][1]);
-                a1[j][0] = _mm256_fmadd_ps(fE[1], _mm256_loadu_ps(xc + 48), a1[j][0]);
-                a1[j][1] = _mm256_fmadd_ps(fO[1], _mm256_loadu_ps(xc + 56), a1[j][1]);
+                t1[j][0] = _mm256_fmadd_ps(g[j][0], s1, t1[j][0]);
+                t1[j][1] = _mm256_fmadd_ps(g[j][1], s1, t1[j][1]);
             }
         }
-        const __m256 sc = _mm256_set1_ps(bf16_to_f32(s[gi]));
-        for (int j = 0; j < m; j++)
-            for (int h = 0; h < 2; h++) { /* no index by gi & 1: it would keep t in memory */
-                if (gi & 1)
-                    t1[j][h] = _mm256_fmadd_ps(_mm256_add_ps(a0[j][h], a1[j][h]), sc, t1[j][h]);
-                else
-                    t0[j][h] = _mm256_fmadd_ps(_mm256_add_ps(a0[j][h], a1[j][h]), sc, t0[j][h]);
-            }
     }
     for (int j = 0; j < m; j++) { /* sets E, O -> lanes 0-7, 8-15 */
         const __m256 e = _mm256_add_ps(t0[j][0], t1[j][0]), o = _mm256_add_ps(t0[j][1], t1[j][1]);

@@ -286,6 +286,8 @@ class Int8Linear(Linear):
 
     def refresh(self) -> None:
         self.w_scale_N = self.scale_N1.view(-1)
+        if self.gemv is not None:
+            self.plan = self.gemv.gemm("int8", [self.codes_NK], [self.w_scale_N], self.dtype, isa=self.isa)
         if self.use_onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(self.codes_NK, None)
             self.w_zero_N = torch.zeros(self.w_scale_N.shape, dtype=torch.int64)
@@ -299,7 +301,7 @@ class Int8Linear(Linear):
 
     def mm(self, x: Tensor | QuantAct) -> Tensor:
         if isinstance(x, QuantAct) and self.gemv is not None and (x.shape[0] == 1 or self.native_rows):
-            return self.gemv.int8(x.x_TK, [self.codes_NK], [self.w_scale_N], self.dtype, isa=self.isa)
+            return self.plan(x.x_TK)
         if not isinstance(x, QuantAct) or not self.use_onednn:
             x_TK = x if not isinstance(x, QuantAct) else dequant_act_int8_per_token(x.q_TK, x.s_T1, self.dtype)
             return torch.ops.aten._weight_int8pack_mm(x_TK, self.codes_NK, self.scale_N)
@@ -360,6 +362,7 @@ class Fp8Linear(Linear):
             codes, scales = self._parts()
             if all(t.is_contiguous() for t in codes + scales):
                 self.native_parts = codes, scales
+                self.plan = self.gemv.gemm("fp8", codes, scales, self.dtype, isa=self.isa, block=self.block)
                 return
             self.gemv, self.isa = None, None
             self.kernel = {"1 row": "dequantized", "rows": "dequantized", "why": "non-contiguous checkpoint tensors"}
@@ -381,8 +384,7 @@ class Fp8Linear(Linear):
 
     def mm(self, x: Tensor | RowsAct) -> Tensor:
         if self.gemv is not None:
-            x_TK = x.x_TK if isinstance(x, RowsAct) else x
-            return self.gemv.fp8(x_TK, *self.native_parts, self.block, self.dtype, isa=self.isa)
+            return self.plan(x.x_TK if isinstance(x, RowsAct) else x)
         return self.gemm(x)  # type: ignore[arg-type]
 
     @classmethod
@@ -514,6 +516,8 @@ class Int4Linear(Linear):
             return None
         self.kernels, self.isa = kernels, isa
         self.native_rows = isa != "avx512"  # AVX2: torch's int4 kernel is the slower one at every row count
+        self.plan = kernels.gemm("int4", [w for w, _ in parts], [s for _, s in parts], self.dtype, isa=isa,
+                                 block=self.group)
         name = f"native int4 {isa}"
         self.kernel = {"1 row": name, "rows": name if self.native_rows else torch_name,
                        "why": "AVX512-BF16" if isa == "avx512" else "AVX2 without AVX512-BF16"}
@@ -521,7 +525,7 @@ class Int4Linear(Linear):
 
     def mm(self, x_TK: Tensor) -> Tensor:
         if self.native_parts is not None and (x_TK.shape[0] == 1 or self.native_rows):  # [T, N]: gate | up
-            return self._native([self], x_TK, diag=False)
+            return self.plan(x_TK)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x_TK.contiguous(), self.packed, self.group,
                                                           self.scale_zeros)
 

@@ -88,65 +88,30 @@ class Kernels:
         fast = {"int8": self.vnni, "int4": self.int4_ok, "fp8": self.avx512}[fmt]
         return ["avx512"] * fast + ["avx2"] * self.avx2 + ["plain"]
 
-    def _run(self, fn, args) -> int:
-        if torch.autograd._profiler_enabled():  # visible to torch.profiler as one op (benchmarks/decode.py)
-            with torch.profiler.record_function("native low-bit GEMV"):
-                return fn(*args)
-        return fn(*args)
-
-    def _gemm(self, name: str, fmt: str, head: tuple, x_TK: Tensor, weights: list[Tensor], scales: list[Tensor],
-              diag: bool, out_dtype: torch.dtype, isa: str | None) -> Tensor:
-        """Shared by the three kernels: checks, output layout, the call. Out: diag, [R, N] (row r of ``x_TK``
-        through linear r); else [T, sum of N] (every row through every linear, side by side)."""
-        isa = isa or self.isas(fmt)[0]
-        if isa not in self.isas(fmt):
-            raise RuntimeError(f"{name}: this CPU does not run the {isa} kernel (it runs {self.isas(fmt)})")
-        t, r = x_TK.shape[0], len(weights)
-        ns = [w.shape[0] for w in weights]
-        if diag and (t != r or len(set(ns)) != 1):
-            raise ValueError(f"{name}: {t} activation rows for {r} linears of N {sorted(set(ns))} (diag wants one "
-                             "row per linear, all of one N)")
-        out = torch.empty((r, ns[0]) if diag else (t, sum(ns)), dtype=out_dtype)
-        cols = [0] * r if diag else [sum(ns[:i]) for i in range(r)]
-        args = (ISA_CODES[isa], *head, _ptrs(weights), _ptrs(scales), (_I64 * r)(*ns), (_I64 * r)(*cols),
-                r, int(diag), out.data_ptr(), out.shape[1], int(out_dtype == torch.bfloat16), torch.get_num_threads())
-        rc = self._run(getattr(self.lib, name), args)
-        if rc == -1:
-            raise ValueError(f"{name}: unsupported shape (activation {list(x_TK.shape)}, {r} linears of N {ns})")
-        if rc:
-            cls, why = ERRORS.get(rc, (RuntimeError, f"error {rc}"))
-            raise cls(f"{name}: {why}")
-        return out
+    def gemm(self, fmt: str, weights: list[Tensor], scales: list[Tensor], out_dtype: torch.dtype, diag: bool = False,
+             isa: str | None = None, block: int = 0) -> Gemm:
+        """A GEMM of ``fmt`` over these linears, set up once (see ``Gemm``); ``block``: int4's group, fp8's block."""
+        return Gemm(self, fmt, weights, scales, out_dtype, diag, isa, block)
 
     def int8(self, x_TK: Tensor, codes: list[Tensor], scales: list[Tensor], out_dtype: torch.dtype,
              diag: bool = False, isa: str | None = None) -> Tensor:
         """W8A8-INT8 (int8_gemv.c) in ``out_dtype`` (fp32 or bf16): the activation ``x_TK`` (fp32 or bf16),
         quantized per token as the learner does, through the linears of int8 codes [N, K] ``codes[r]`` and fp32
-        scales [N] ``scales[r]``. Operands must be contiguous CPU tensors; the weights' are checked where they
-        are made (Int8Linear), not per call."""
-        x_TK = x_TK.contiguous()
-        return self._gemm("qarl_int8_gemm", "int8", (x_TK.data_ptr(), _is_bf16(x_TK, "int8"), *x_TK.shape),
-                          x_TK, codes, scales, diag, out_dtype, isa)
+        scales [N] ``scales[r]``."""
+        return Gemm(self, "int8", codes, scales, out_dtype, diag, isa)(x_TK)
 
     def int4(self, x_TK: Tensor, packed: list[Tensor], scales: list[Tensor], group: int, out_dtype: torch.dtype,
              diag: bool = False, isa: str | None = None) -> Tensor:
         """W4A16 (int4_gemv.c): the bf16 activation through the linears of 4-bit fields ``packed[r]`` (uint8
-        [N, K/2], the int32 words' bytes) and bf16 scales [N, K/group] ``scales[r]``. Operands must be
-        contiguous CPU tensors, checked where they are made (Int4Linear)."""
-        x_TK = x_TK.contiguous()
-        if x_TK.dtype != torch.bfloat16 or x_TK.dim() != 2:
-            raise ValueError(f"int4 GEMV: activation must be a 2-D bf16 tensor, got {x_TK.dtype} {list(x_TK.shape)}")
-        return self._gemm("qarl_int4_gemm", "int4", (x_TK.data_ptr(), *x_TK.shape, group), x_TK, packed, scales,
-                          diag, out_dtype, isa)
+        [N, K/2], the int32 words' bytes) and bf16 scales [N, K/group] ``scales[r]``."""
+        return Gemm(self, "int4", packed, scales, out_dtype, diag, isa, group)(x_TK)
 
     def fp8(self, x_TK: Tensor, codes: list[Tensor], scales: list[Tensor], block: int, out_dtype: torch.dtype,
             diag: bool = False, isa: str | None = None) -> Tensor:
         """W8A8-FP8 (fp8_gemv.c): the activation (fp32 or bf16), quantized per token and group of ``block`` as
-        the learner does, through the linears of float8_e4m3fn codes [N, K] ``codes[r]`` and fp32 block scales
-        [ceil(N/block), K/block] ``scales[r]`` (weight_scale_inv)."""
-        x_TK = x_TK.contiguous()
-        return self._gemm("qarl_fp8_gemm", "fp8", (x_TK.data_ptr(), _is_bf16(x_TK, "fp8"), *x_TK.shape, block),
-                          x_TK, codes, scales, diag, out_dtype, isa)
+        the learner does, through the linears of float8_e4m3fn codes [N, K] ``codes[r]`` (as uint8) and fp32
+        block scales [ceil(N/block), K/block] ``scales[r]`` (weight_scale_inv)."""
+        return Gemm(self, "fp8", codes, scales, out_dtype, diag, isa, block)(x_TK)
 
     def int8_quant(self, x_TK: Tensor, isa: str = "plain") -> tuple[Tensor, Tensor]:
         """The int8 kernel's own per-token quantization: (int8 codes [T, K], fp32 scales [T, 1])."""
@@ -180,6 +145,59 @@ class Kernels:
                                                _ptrs(scales), (_I64 * r)(*ns), (_I64 * r)(*cols), r, int(diag),
                                                out.data_ptr(), out.shape[1]):
             raise ValueError(f"int8 plain: {t} activation rows for {r} linears")
+        return out
+
+
+class Gemm:
+    """One native GEMM over fixed linears, set up once: the kernel and instruction set, the C arrays of the
+    weights' and scales' pointers, N and output columns per linear (a layer keeps one between weight updates:
+    ~4 us a call instead of ~8). ``gemm(x_TK)``: diag, [R, N] (row r of ``x_TK`` through linear r); else
+    [T, sum of N] (every row through every linear, side by side). Operands must be contiguous CPU tensors,
+    checked where they are made (kernels.py), not per call; they are kept alive here."""
+
+    def __init__(self, kernels: Kernels, fmt: str, weights: list[Tensor], scales: list[Tensor],
+                 out_dtype: torch.dtype, diag: bool = False, isa: str | None = None, block: int = 0):
+        isa = isa or kernels.isas(fmt)[0]
+        if isa not in kernels.isas(fmt):
+            raise RuntimeError(f"{fmt} GEMV: this CPU does not run the {isa} kernel (it runs {kernels.isas(fmt)})")
+        ns = [w.shape[0] for w in weights]
+        if diag and len(set(ns)) != 1:
+            raise ValueError(f"{fmt} GEMV: diag wants linears of one N, got {ns}")
+        r = len(weights)
+        self.fmt, self.diag, self.out_dtype, self.ns, self.block = fmt, diag, out_dtype, ns, block
+        self.keep = weights, scales
+        self.fn = getattr(kernels.lib, f"qarl_{fmt}_gemm")
+        self.isa = ISA_CODES[isa]
+        self.tail = (_ptrs(weights), _ptrs(scales), (_I64 * r)(*ns),
+                     (_I64 * r)(*([0] * r if diag else [sum(ns[:i]) for i in range(r)])), r, int(diag))
+        self.out_bf16 = int(out_dtype == torch.bfloat16)
+
+    def __call__(self, x_TK: Tensor) -> Tensor:
+        x_TK = x_TK.contiguous()
+        t, k = x_TK.shape if x_TK.dim() == 2 else (0, 0)
+        if self.fmt == "int4":
+            if x_TK.dtype != torch.bfloat16 or x_TK.dim() != 2:
+                raise ValueError(f"int4 GEMV: activation must be a 2-D bf16 tensor, got {x_TK.dtype} "
+                                 f"{list(x_TK.shape)}")
+            head: tuple = (x_TK.data_ptr(), t, k, self.block)
+        else:
+            head = (x_TK.data_ptr(), _is_bf16(x_TK, self.fmt), t, k) + ((self.block,) if self.fmt == "fp8" else ())
+        r = len(self.ns)
+        if self.diag and t != r:
+            raise ValueError(f"{self.fmt} GEMV: {t} activation rows for {r} linears (diag wants one row per linear)")
+        out = torch.empty((r, self.ns[0]) if self.diag else (t, sum(self.ns)), dtype=self.out_dtype)
+        args = (self.isa, *head, *self.tail, out.data_ptr(), out.shape[1], self.out_bf16, torch.get_num_threads())
+        if torch.autograd._profiler_enabled():  # visible to torch.profiler as one op (benchmarks/decode.py)
+            with torch.profiler.record_function("native low-bit GEMV"):
+                rc = self.fn(*args)
+        else:
+            rc = self.fn(*args)
+        if rc == -1:
+            raise ValueError(f"{self.fmt} GEMV: unsupported shape (activation {list(x_TK.shape)}, {r} linears of "
+                             f"N {self.ns}, block {self.block})")
+        if rc:
+            cls, why = ERRORS.get(rc, (RuntimeError, f"error {rc}"))
+            raise cls(f"{self.fmt} GEMV: {why}")
         return out
 
 
