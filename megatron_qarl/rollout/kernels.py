@@ -13,10 +13,10 @@ store followed by ``refresh()`` of the layers whose derived operands are not vie
                  In bf16 the GEMM runs on a oneDNN-prepacked copy of it (see ``PackedDense``).
     Int4Linear   W4A16 (compressed-tensors pack-quantized): the store holds weight_packed / weight_scale /
                  weight_shape as loaded. bf16 mode: the native kernel (``native.py``, int4_gemv.c) reads the
-                 int32 words' bytes in place; torch's kernel (``_weight_int4pack_mm_for_cpu`` on its own
-                 uint8 [N, K/2] layout, made on first use, with qScaleAndZeros [K/G, N, 2]: w = (u - 8) * scale)
-                 runs where the native one does not (fp32 mode, zero points, other group sizes) and, on
-                 AVX512-BF16 machines, for several rows. No bf16/fp32 copy of the weight exists at any time.
+                 int32 words' bytes in place for 1 row (AVX512-BF16) or up to 2 (AVX2); torch's kernel
+                 (``_weight_int4pack_mm_for_cpu`` on its own uint8 [N, K/2] layout with qScaleAndZeros
+                 [K/G, N, 2]: w = (u - 8) * scale) for more rows and where the native one does not apply (fp32
+                 mode, zero points, other group sizes). No bf16/fp32 copy of the weight exists at any time.
     Int8Linear   W8A8-INT8: codes int8 [N, K] (store views), per-channel scales; activations quantized per
                  token with the learner's formula (``quant_act_int8_per_token``, or the native kernel's
                  copy of it, bit for bit); the exact integer GEMM runs on the native kernel over the codes in
@@ -433,10 +433,11 @@ class Int4Linear(Linear):
     """W4A16: y = x @ ((u - 8) * s).T per group of G along K (zero points: (u - 8) * s - z * s).
 
     bf16 mode: the native kernel (int4_gemv.c) on the checkpoint's words in place, a token's k experts in one
-    call: AVX512-BF16 for one row (several: torch's kernel), or AVX2 for every row count (torch's int4 kernel
-    streams at ~55% of the bf16 kernel's rate). fp32 mode, zero points, a group that is not a multiple of 64:
-    torch's ``_weight_int4pack_mm_for_cpu``, whose operands (``packed``, ``scale_zeros``) are made at load
-    where that kernel runs, on first use elsewhere."""
+    call, for up to ``native_rows`` activation rows: 1 with AVX512-BF16, 2 with AVX2 (torch's int4 kernel
+    streams at ~40-55% of the native one's rate at one row; from 3 rows its 4-row GEMM tiles win, measured on
+    1536x2048, 2048x768 and 5120x2048 weights). Above that, in fp32 mode, with zero points or a group that is not
+    a multiple of 64: torch's ``_weight_int4pack_mm_for_cpu`` on its own layout (``packed``, ``scale_zeros``,
+    made at load)."""
 
     def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype):
         self.prefixes, self.store, self.dtype = prefixes, store, dtype
@@ -449,7 +450,7 @@ class Int4Linear(Linear):
         self.refresh()
 
     def refresh(self) -> None:
-        self.splits, group = [], None
+        self.splits, group = [], None  # (each part's n; the group size, checked to be shared)
         for p in self.prefixes:
             n, k = (int(v) for v in self.store[f"{p}.weight_shape"].tolist())
             g = k // self.store[f"{p}.weight_scale"].shape[1]
@@ -460,8 +461,7 @@ class Int4Linear(Linear):
         self.k, self.group = k, group
         self._torch: tuple[Tensor, Tensor] | None = None
         self.native_parts = self._native_parts()
-        if self.native_parts is None or not self.native_rows:
-            self._torch_operands()  # at load: torch's kernel runs here
+        self._torch_operands()  # at load: torch's kernel runs for more rows
 
     def _torch_operands(self) -> tuple[Tensor, Tensor]:
         """torch's int4 layout of the weights (uint8 [N, K/2]) and qScaleAndZeros [K/G, N, 2], made once per
@@ -492,7 +492,7 @@ class Int4Linear(Linear):
     def _native_parts(self) -> list[tuple[Tensor, Tensor]] | None:
         """(4-bit fields as uint8 [n, K/2], bf16 scales [n, K/G]) per fused linear, views of the store, for the
         native kernel; None where it does not apply, and torch's kernel runs instead (``kernel`` says why)."""
-        self.native_rows = False
+        self.native_rows = 0
         kernels, isa = _native_for("int4", self.dtype)
         torch_name = "aten._weight_int4pack_mm_for_cpu"
         self.kernel = {"1 row": torch_name, "rows": torch_name, "why": isa}
@@ -515,16 +515,16 @@ class Int4Linear(Linear):
             self.kernel["why"] = why
             return None
         self.kernels, self.isa = kernels, isa
-        self.native_rows = isa != "avx512"  # AVX2: torch's int4 kernel is the slower one at every row count
+        self.native_rows = 1 if isa == "avx512" else 2
         self.plan = kernels.gemm("int4", [w for w, _ in parts], [s for _, s in parts], self.dtype, isa=isa,
                                  block=self.group)
         name = f"native int4 {isa}"
-        self.kernel = {"1 row": name, "rows": name if self.native_rows else torch_name,
-                       "why": "AVX512-BF16" if isa == "avx512" else "AVX2 without AVX512-BF16"}
+        self.kernel = {"1 row": name, "rows": f"{name} up to 2 rows, {torch_name} above" if self.native_rows > 1
+                       else torch_name, "why": "AVX512-BF16" if isa == "avx512" else "AVX2 without AVX512-BF16"}
         return parts
 
     def mm(self, x_TK: Tensor) -> Tensor:
-        if self.native_parts is not None and (x_TK.shape[0] == 1 or self.native_rows):  # [T, N]: gate | up
+        if self.native_parts is not None and x_TK.shape[0] <= self.native_rows:  # [T, N]: gate | up
             return self.plan(x_TK)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x_TK.contiguous(), self.packed, self.group,
                                                           self.scale_zeros)
