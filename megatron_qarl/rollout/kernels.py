@@ -141,13 +141,17 @@ class PackedDense:
     uses) and calling ``mkldnn._linear_pointwise`` gives bit-identical outputs (the same oneDNN kernel)
     at 2-2.5x the speed. The packed copy is an opaque oneDNN tensor: the plain weight stays in the store
     (checksums, in-place updates), so dense bf16 weights are held twice; ``refresh()`` re-packs.
-    fp32 (the exactness mode) keeps ``F.linear`` (MKL), which is what transformers runs.
+    fp32 (the exactness mode) keeps ``F.linear`` (MKL), which is what transformers runs. ``keep_plain=False``
+    (a weight derived for this GEMM alone, as FP8's dequantization): once packed, the plain copy is dropped.
     """
 
-    def __init__(self, w_NK: Tensor):
-        self.w_NK = w_NK
+    def __init__(self, w_NK: Tensor, keep_plain: bool = True):
+        self.w_NK: Tensor | None = w_NK
+        self.dtype = w_NK.dtype
         self.use_packed = w_NK.dtype == torch.bfloat16 and _mkldnn_bf16()
         self.refresh()
+        if self.packed is not None and not keep_plain:
+            self.w_NK = None
 
     def refresh(self) -> None:
         self.packed = None
@@ -160,7 +164,7 @@ class PackedDense:
 
     @property
     def name(self) -> str:
-        return "bf16 oneDNN prepacked" if self.packed is not None else f"{_dtype_name(self.w_NK.dtype)} F.linear"
+        return "bf16 oneDNN prepacked" if self.packed is not None else f"{_dtype_name(self.dtype)} F.linear"
 
     def __call__(self, x_TK: Tensor) -> Tensor:
         if self.packed is None or x_TK.dtype != torch.bfloat16 or x_TK.dim() != 2:
@@ -217,7 +221,7 @@ class QuantAct(RowsAct):
 
     def _quantized(self) -> tuple[Tensor, Tensor, Tensor]:
         if self._q is None:
-            q_TK, s_T1 = quant_act_int8_per_token(self.x_TK)
+            q_TK, s_T1 = _quant_act_int8(self.x_TK)
             self._q = q_TK, s_T1, torch.bitwise_xor(q_TK.view(torch.uint8), 128)  # = q + 128 as uint8
         return self._q
 
@@ -230,6 +234,26 @@ class QuantAct(RowsAct):
         if self.share:
             part._q = tuple(t[rows] for t in self._quantized())  # type: ignore[assignment]
         return part
+
+
+def _quant_act_int8(x_TK: Tensor) -> tuple[Tensor, Tensor]:
+    """``quant_act_int8_per_token`` of a 2-D activation; by the native kernels' AVX2 quantizer where it runs
+    (the same codes and scales, tested; one call instead of ~25 us of small torch ops at decode)."""
+    lib = native.load()
+    if lib is not None and lib.avx2 and x_TK.dim() == 2 and x_TK.dtype in (torch.float32, torch.bfloat16):
+        return lib.int8_quant(x_TK, "avx2")
+    return quant_act_int8_per_token(x_TK)
+
+
+def _fake_quant_act_fp8(x_TK: Tensor, block: int, dtype: torch.dtype) -> Tensor:
+    """The FP8 activation as the dequantized path takes it: quantized per token group of ``block`` with the
+    learner's formula and dequantized in fp32 to ``dtype`` (the native quantizer where it runs: same codes)."""
+    lib = native.load()
+    if (lib is not None and lib.avx2 and x_TK.dim() == 2 and x_TK.dtype in (torch.float32, torch.bfloat16)
+            and x_TK.shape[1] % block == 0):
+        q_TK, s_TG = lib.fp8_quant(x_TK, block, "avx2")  # the codes' values, fp32
+        return (q_TK.view(x_TK.shape[0], -1, block) * s_TG[..., None]).view(x_TK.shape).to(dtype)
+    return dequant_act_fp8_per_token_group(*quant_act_fp8_per_token_group(x_TK, block), dtype)
 
 
 def _onednn_int8() -> bool:
@@ -330,10 +354,13 @@ class Fp8Linear(Linear):
 
     Native kernel (fp8_gemv.c; AVX2 or AVX-512): SGLang's block-FP8 GEMM over the checkpoint's codes in place,
     1 byte per weight: y = sum over K blocks b of ((sum_k qx * qw) * sx[b]) * sw[b] in fp32, the activation
-    quantized inside with the learner's formula (bit for bit), a token's k experts in one call, any row
-    count. Without it: the codes dequantized per block at load (and after each update) into the compute dtype
-    (2 bytes per weight in bf16: no faster than BF16, the exception documented in docs/rollout.md) on
-    ``PackedDense``, activations quantized and dequantized with the learner's function.
+    quantized inside with the learner's formula (bit for bit), a token's k experts in one call. It takes every
+    row count, except on CPUs with oneDNN's bf16 kernels (AVX512-BF16 / AMX), where oneDNN's bf16 GEMM on the
+    dequantized weight is faster from 2 rows (measured: 5-8x at 16 rows; at one row the native kernel reads
+    half the bytes): there the codes are also dequantized per block into a oneDNN-prepacked bf16 copy (no
+    plain one). Without the native kernel: that dequantization on ``PackedDense`` for every row count (2 bytes
+    per weight in bf16: no faster than BF16, the exception documented in docs/rollout.md), activations
+    quantized and dequantized with the learner's function.
     """
 
     def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype, block: int):
@@ -348,44 +375,44 @@ class Fp8Linear(Linear):
         if self.gemv is not None and (block % 16 or k % block):
             self.gemv, isa = None, f"block {block} with K {k} (the kernel wants K a multiple of B, B of 16)"
         self.isa = isa if self.gemv is not None else None
-        name = f"native fp8 {isa}" if self.gemv is not None else None
-        self.kernel = {"1 row": name or "dequantized", "rows": name or "dequantized", "why": isa}
+        self.native_rows = 0 if self.gemv is None else 1 if dtype == torch.bfloat16 and _mkldnn_bf16() else 1 << 62
         self.refresh()
 
-    def _parts(self) -> tuple[list[Tensor], list[Tensor]]:
-        codes = [self.store[f"{p}.weight"] for p in self.prefixes]
-        scales = [self.store[f"{p}.weight_scale_inv"] for p in self.prefixes]
-        return [c.view(torch.uint8) for c in codes], scales
-
     def refresh(self) -> None:
+        codes = [self.store[f"{p}.weight"].view(torch.uint8) for p in self.prefixes]
+        scales = [self.store[f"{p}.weight_scale_inv"] for p in self.prefixes]
+        if self.gemv is not None and not all(t.is_contiguous() for t in codes + scales):
+            self.gemv, self.isa, self.native_rows = None, "non-contiguous checkpoint tensors", 0
         if self.gemv is not None:
-            codes, scales = self._parts()
-            if all(t.is_contiguous() for t in codes + scales):
-                self.native_parts = codes, scales
-                self.plan = self.gemv.gemm("fp8", codes, scales, self.dtype, isa=self.isa, block=self.block)
-                return
-            self.gemv, self.isa = None, None
-            self.kernel = {"1 row": "dequantized", "rows": "dequantized", "why": "non-contiguous checkpoint tensors"}
-        parts = []
-        for p in self.prefixes:
-            codes = self.store[f"{p}.weight"]
-            qw = QuantizedWeight(codes, self.store[f"{p}.weight_scale_inv"], None, tuple(codes.shape),
-                                 "w8a8_fp8", self.block)
-            parts.append(dequantize_fp8_block(qw, self.dtype))
-        self.w_NK = torch.cat(parts) if len(parts) > 1 else parts[0]
-        self.gemm = PackedDense(self.w_NK)
-        self.kernel["1 row"] = self.kernel["rows"] = f"dequantized, {self.gemm.name}"
+            self.native_parts = codes, scales
+            self.plan = self.gemv.gemm("fp8", codes, scales, self.dtype, isa=self.isa, block=self.block)
+        self.gemm = None
+        if self.native_rows < 1 << 62:  # the dequantized weight, for more rows (or every row count)
+            parts = []
+            for p in self.prefixes:
+                c = self.store[f"{p}.weight"]
+                qw = QuantizedWeight(c, self.store[f"{p}.weight_scale_inv"], None, tuple(c.shape), "w8a8_fp8",
+                                     self.block)
+                parts.append(dequantize_fp8_block(qw, self.dtype))
+            self.gemm = PackedDense(torch.cat(parts) if len(parts) > 1 else parts[0], keep_plain=self.gemv is None)
+        native = f"native fp8 {self.isa}" if self.gemv is not None else None
+        dense = f"dequantized, {self.gemm.name}" if self.gemm is not None else None
+        self.kernel = {"1 row": native or dense, "rows": dense or native,  # type: ignore[dict-item]
+                       "why": self.isa if self.gemv is None else
+                       f"{self.isa}{'; oneDNN bf16 from 2 rows' if self.gemm is not None else ''}"}
 
     def prepare(self, x_TK: Tensor) -> Tensor | RowsAct:
         if self.gemv is not None:
             return RowsAct(x_TK)
-        codes_TK, s_TG = quant_act_fp8_per_token_group(x_TK, self.block)
-        return dequant_act_fp8_per_token_group(codes_TK, s_TG, self.dtype)
+        return _fake_quant_act_fp8(x_TK, self.block, self.dtype)
 
     def mm(self, x: Tensor | RowsAct) -> Tensor:
-        if self.gemv is not None:
-            return self.plan(x.x_TK if isinstance(x, RowsAct) else x)
-        return self.gemm(x)  # type: ignore[arg-type]
+        x_TK = x.x_TK if isinstance(x, RowsAct) else x
+        if self.gemv is not None and x_TK.shape[0] <= self.native_rows:
+            return self.plan(x_TK)
+        if self.gemv is not None:  # the activation as the dense path takes it: quantized, dequantized
+            x_TK = _fake_quant_act_fp8(x_TK, self.block, self.dtype)
+        return self.gemm(x_TK)  # type: ignore[misc]
 
     @classmethod
     def rows_mm(cls, linears: list[Linear], x) -> Tensor:
@@ -576,8 +603,8 @@ def make_linear(prefixes: list[str], raw: Store, store: Store, dtype: torch.dtyp
         _LOGGED.add((fmt, k["1 row"], k["rows"], k["why"]))
         log.info("kernels: %s", line)
     if fmt != "dense":
-        speed_check.check(fmt, lin, sum(lin.splits), _in_features(lin, store), dtype,
-                          lambda w_NK: PackedDense(w_NK))
+        rows = speed_check.EXPERT_ROWS if ".experts." in prefixes[0] else speed_check.ROWS
+        speed_check.check(fmt, lin, sum(lin.splits), _in_features(lin, store), dtype, PackedDense, rows)
     return lin
 
 

@@ -5,14 +5,18 @@ Why: the kernel a scheme gets depends on the CPU (``kernels.py``, ``native.py``)
 (INT8 on oneDNN's u8s8 GEMM without VNNI took ~280x the BF16 time per step on an AVX2 EPYC), a user who picked
 the scheme for speed would otherwise find out from a benchmark, or never.
 
-``check`` runs once per process for each (format, kernels, N, K, compute dtype): the layer's own forward
-(activation quantization included) on 1 and 16 activation rows (batch-1 decode and a batch of 16; cache-warm,
-one torch thread so that OpenMP wake-ups and other processes' load weigh less, best of up to 10 calls)
-against the dense GEMM the unquantized scheme runs for a random weight of the same [N, K] in the same compute
-dtype. A layer of at least ``LARGE`` weights that is slower at either, or a smaller one that takes more than
-twice the dense time (there per-call costs, not the kernel, decide), gets a WARNING naming the scheme, the
-kernels, the figures and the layer shape; every result stays in ``RESULTS`` (benchmarks/decode.py prints them).
-The check adds a few milliseconds per weight shape at load (seconds where a kernel is that slow).
+``check`` runs once per process for each (format, kernels, N, K, compute dtype, row counts): the layer's own
+forward (activation quantization included) against the dense GEMM the unquantized scheme runs for a random
+weight of the same [N, K] in the same compute dtype, on the row counts a decode step gives the layer: 1 and 16
+(batch-1 decode and a batch of 16) for attention, 1 and 2 for a routed expert (a batch of 16 spreads 16 x top-k
+rows over the experts: 1-2 each for Qwen3-30B-A3B's 128 experts, top-8). One torch thread, so that OpenMP
+wake-ups and other processes' load weigh less; best of up to 10 calls; a layer of at least ``LARGE`` weights
+is timed with its weights out of the caches (a 64 MiB buffer read before each call), as decode streams them.
+A layer of at least ``LARGE`` weights that is slower at either row count, or a smaller one that takes more
+than twice the dense time (there per-call costs, not the kernel, decide), gets a WARNING naming the scheme,
+the kernels, the figures and the layer shape; every result stays in ``RESULTS`` (benchmarks/decode.py prints
+them). The check adds a few milliseconds per small weight shape at load, ~0.1 s per large one (seconds
+where a kernel is that slow).
 """
 
 from __future__ import annotations
@@ -25,43 +29,50 @@ import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
-ROWS = (1, 16)
+ROWS = (1, 16)  # attention and other linears every token goes through
+EXPERT_ROWS = (1, 2)  # a routed expert
 CALLS = 10
 CLIFF = 20.0  # a one-row time this many times the dense one: the 16-row measurement is skipped
 LARGE = 1 << 20  # weights per layer from which the kernel, not the per-call cost, decides
 RESULTS: dict[tuple, dict[int, tuple[float, float]]] = {}
 
 
-def _best(fn: Callable[[], object], calls: int = CALLS, budget_s: float = 0.05) -> float:
-    """Seconds of the fastest of up to ``calls`` calls after a warm-up call (fewer if they are slow)."""
-    t0 = time.perf_counter()
+def _best(fn: Callable[[], object], evict: Tensor | None, calls: int = CALLS, budget_s: float = 0.05) -> float:
+    """Seconds of the fastest of up to ``calls`` calls after a warm-up call (fewer if they are slow); with
+    ``evict``, that buffer is read before each timed call (the weights leave the caches)."""
     fn()
-    best = first = time.perf_counter() - t0
-    for _ in range(calls - 1 if first < budget_s else 0):
+    best = float("inf")
+    for i in range(calls):
+        if evict is not None:
+            evict.sum()
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
+        if best > budget_s and i >= 1:
+            break
     return best
 
 
 def check(fmt: str, layer: Callable[[Tensor], Tensor], n: int, k: int, dtype: torch.dtype,
-          dense_gemm: Callable[[Tensor], Callable[[Tensor], Tensor]]) -> dict[int, tuple[float, float]]:
+          dense_gemm: Callable[[Tensor], Callable[[Tensor], Tensor]],
+          row_counts: tuple[int, ...] = ROWS) -> dict[int, tuple[float, float]]:
     """Measure ``layer`` ([T, k] -> [T, n], its ``kernel`` dict naming what runs) against ``dense_gemm(w)`` for
-    a dense [n, k] weight; warn if it is slower. Returns {rows: (low-bit s, dense s)}."""
+    a dense [n, k] weight at ``row_counts``; warn if it is slower. Returns {rows: (low-bit s, dense s)}."""
     kernel = getattr(layer, "kernel", {})
-    key = (fmt, kernel.get("1 row"), kernel.get("rows"), n, k, dtype)
+    key = (fmt, kernel.get("1 row"), kernel.get("rows"), n, k, dtype, row_counts)
     if key in RESULTS:
         return RESULTS[key]
     g = torch.Generator().manual_seed(0)
     dense = dense_gemm((torch.randn(n, k, generator=g) * 0.02).to(dtype))
+    evict = torch.ones(16 << 20) if n * k >= LARGE else None  # 64 MiB
     res: dict[int, tuple[float, float]] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            for rows in ROWS:
+            for rows in row_counts:
                 x = torch.randn(rows, k, generator=g).to(dtype)
-                low, ref = _best(lambda x=x: layer(x)), _best(lambda x=x: dense(x))
+                low, ref = _best(lambda x=x: layer(x), evict), _best(lambda x=x: dense(x), evict)
                 res[rows] = (low, ref)
                 if low > CLIFF * ref:
                     break
