@@ -17,7 +17,8 @@ of shared machines: the check is for cliffs), or a smaller one that takes more t
 (there per-call costs, not the kernel, decide), gets a WARNING naming the scheme,
 the kernels, the figures and the layer shape; every result stays in ``RESULTS`` (benchmarks/decode.py prints
 them). The check adds a few milliseconds per small weight shape at load, ~0.1 s per large one (seconds
-where a kernel is that slow).
+where a kernel is that slow). It sets torch's thread count (process-wide) to 1 while it runs: it runs when a
+model loads, before the engine serves.
 """
 
 from __future__ import annotations
