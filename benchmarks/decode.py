@@ -20,14 +20,22 @@ for a CPU) as a fraction of its wall time: ~0% means the machine was ours alone 
 OpenMP's static scheduling makes 2-thread runs collapse (10-100x) when another process takes a core, so
 a high stall figure next to a slow 2-thread point explains it.
 
-Three tables: (1) the GEMM kernels in isolation at one activation row (the decode case) streaming a weight
-set larger than the caches: what each kernel can do on this machine; (2) where the time of a batch-1
-decode step goes (torch profiler: kernel calls vs everything else); (3) decode tokens/s of the engine per
-scheme at batch 1, 4, 16 and of transformers' generate.
+Four tables: (1) the GEMM kernels in isolation at one activation row (the decode case) streaming a weight
+set larger than the caches: what each kernel this CPU runs can do (a kernel slower than 5 ms a call is timed
+on a few calls only); (2) where the time of a batch-1 decode step goes (torch profiler: kernel calls vs
+everything else); (3) decode tokens/s of the engine per scheme (BF16, W4A16, W8A8-INT8, W8A8-FP8) at batch 1,
+4, 16 and of transformers' generate; (4) the engine's own check at load of each low-bit layer shape against
+BF16 (rollout/speed_check.py).
 
-    .venv/bin/python benchmarks/decode.py [--threads 1] [--steps 32] [--repeats 3] [--out FILE]
+``--emulate-avx2`` reruns the benchmark with every library capped at AVX2 (torch: ATEN_CPU_CAPABILITY=avx2,
+oneDNN: ONEDNN_MAX_CPU_ISA=AVX2, the engine's kernels: QARL_NATIVE_ISA=avx2): on an AVX-512 machine, what
+an AVX2-only CPU (e.g. AMD EPYC Zen 2/3) runs, at this machine's speed per instruction.
 
-Prints the markdown and writes it to benchmarks/results/decode_t{threads}.md (or --out).
+    .venv/bin/python benchmarks/decode.py [--threads 1] [--steps 32] [--repeats 3] [--emulate-avx2] [--out FILE]
+
+Prints the markdown and writes it to benchmarks/results/decode_t{threads}[_avx2].md (or --out). Memory: ~15 GB
+at the peak on an AVX-512 machine (oneDNN's prepacked copies of the BF16, INT8 and FP8 weights), ~12 GB on an
+AVX2 one; a machine with less free memory kills it (seen on the shared development VM).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import argparse
 import gc
 import os
 import platform
+import subprocess
 import sys
 import threading
 import time
@@ -49,9 +58,9 @@ import torch.nn.functional as F
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import export_state_dict
-from megatron_qarl.rollout import native
+from megatron_qarl.rollout import native, speed_check
 from megatron_qarl.rollout.engine import Engine, EngineConfig
-from megatron_qarl.rollout.kernels import INT4_INNER_K_TILES
+from megatron_qarl.rollout.kernels import INT4_INNER_K_TILES, PackedDense, _mkldnn_bf16, _onednn_int8
 from megatron_qarl.rollout.model import Qwen3MoeEngineModel
 from megatron_qarl.rollout.request import SamplingParams
 from megatron_qarl.rollout.weight_loading import in_fresh_thread
@@ -63,7 +72,9 @@ CONFIG = {
     "rope_theta": 1_000_000.0, "max_position_embeddings": 256, "norm_topk_prob": True,
     "tie_word_embeddings": False, "attention_bias": False,
 }
-SCHEMES = ("bf16", "w4a16", "w8a8_int8")
+SCHEMES = ("bf16", "w4a16", "w8a8_int8", "w8a8_fp8")
+EMULATE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "QARL_NATIVE_ISA": "avx2"}
+SLOW_CALL_S = 5e-3  # a kernel slower than this per call is timed on a few calls, one pass (a cliff, not a figure)
 BATCHES = (1, 4, 16)
 PROMPT_LEN = 16
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -141,8 +152,8 @@ def bytes_per_token(arch: Qwen3MoeArch, scheme: str, context: int) -> float:
     h, d, i, g = arch.hidden_size, arch.head_dim, arch.moe_intermediate_size, 128
     attn = (2 * arch.num_attention_heads + 2 * arch.num_key_value_heads) * d * h
     expert = arch.num_experts_per_tok * 3 * i * h
-    per_param = {"bf16": 2.0, "w4a16": 0.5 + 2.0 / g, "w8a8_int8": 1.0}[scheme]
-    attn_b = attn * (1.0 if scheme == "w8a8_int8" else 2.0)
+    per_param = {"bf16": 2.0, "w4a16": 0.5 + 2.0 / g, "w8a8_int8": 1.0, "w8a8_fp8": 1.0 + 4.0 / g / g}[scheme]
+    attn_b = attn * (per_param if scheme.startswith("w8a8") else 2.0)  # W8A8 quantizes attention too
     router = arch.num_experts * h * 2
     norms = (2 * h + 2 * d) * 2
     kv = 2 * arch.num_key_value_heads * d * context * 2
@@ -162,51 +173,70 @@ def kernel_table(bw: float) -> list[str]:
     return rows
 
 
-def _kernel_rows(label: str, n: int, k: int, bw: float) -> list[str]:
-    copies = max(8, int(320e6 // (n * k * 2)))  # > 300 MB of bf16 weights: no cache reuse across calls
-    w = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+def _kernel_set(n: int, k: int, copies: int) -> dict[str, tuple[Callable[[int], object], float]]:
+    """name -> (call on weight copy j, weight bytes) for every kernel this CPU runs at one activation row."""
+    g = torch.Generator().manual_seed(n + k)
+    w = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for _ in range(copies)]
     x = torch.randn(1, k, dtype=torch.bfloat16)
-    packed = [torch.ops.mkldnn._reorder_linear_weight(t, None) for t in w]
+    sz = torch.stack([torch.rand(k // 128, n) * 0.01, torch.zeros(k // 128, n)], -1).to(torch.bfloat16)
+    codes8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g) for _ in range(copies)]
+    s8 = torch.rand(n, dtype=torch.bfloat16) * 0.01
+    kernels: dict[str, tuple[Callable[[int], object], float]] = {
+        "bf16 F.linear (what transformers runs)": (lambda j: F.linear(x, w[j]), n * k * 2)}
+    if _mkldnn_bf16():  # oneDNN's bf16 kernels need AVX512-BF16 / AVX-NE-CONVERT
+        packed = [PackedDense(t) for t in w]
+        kernels["bf16 oneDNN prepacked (engine bf16)"] = (lambda j: packed[j](x), n * k * 2)
     int4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32),
                                                                 INT4_INNER_K_TILES) for _ in range(copies)]
-    sz = torch.stack([torch.rand(k // 128, n) * 0.01, torch.zeros(k // 128, n)], -1).to(torch.bfloat16)
-    codes8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(copies)]
-    s8 = torch.rand(n, dtype=torch.bfloat16) * 0.01
-    q8 = [torch.ops.onednn.qlinear_prepack(c, None) for c in codes8]
-    u8 = torch.randint(0, 256, (1, k), dtype=torch.uint8)
-    s8f, z8 = s8.float(), torch.zeros(n, dtype=torch.int64)
-    kernels: dict[str, tuple[Callable[[int], object], float]] = {
-        "bf16 F.linear (what transformers runs)": (lambda j: F.linear(x, w[j]), n * k * 2),
-        "bf16 oneDNN prepacked (engine bf16)": (
-            lambda j: torch.ops.mkldnn._linear_pointwise(x, packed[j], None, "none", [], ""), n * k * 2),
-        "int4 _weight_int4pack_mm_for_cpu (engine w4a16)": (
-            lambda j: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4[j], 128, sz), n * k * 0.5 + sz.numel() * 2),
-        "int8 weight-only _weight_int8pack_mm": (lambda j: torch.ops.aten._weight_int8pack_mm(x, codes8[j], s8), n * k),
-        "int8 oneDNN u8s8 qlinear (engine w8a8_int8, > 1 row)": (
-            lambda j: torch.ops.onednn.qlinear_pointwise(u8, 0.01, 128, q8[j], s8f, z8, None, 1.0, 0, torch.bfloat16,
-                                                         "none", [], ""), n * k),
-    }
+    kernels["int4 torch _weight_int4pack_mm_for_cpu"] = (
+        lambda j: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4[j], 128, sz), n * k * 0.5 + sz.numel() * 2)
+    kernels["int8 weight-only _weight_int8pack_mm"] = (lambda j: torch.ops.aten._weight_int8pack_mm(x, codes8[j], s8),
+                                                       n * k)
+    if _onednn_int8():
+        q8 = [torch.ops.onednn.qlinear_prepack(c, None) for c in codes8]
+        u8, s8f, z8 = torch.randint(0, 256, (1, k), dtype=torch.uint8), s8.float(), torch.zeros(n, dtype=torch.int64)
+        kernels["int8 oneDNN u8s8 qlinear"] = (lambda j: torch.ops.onednn.qlinear_pointwise(
+            u8, 0.01, 128, q8[j], s8f, z8, None, 1.0, 0, torch.bfloat16, "none", [], ""), n * k)
     lib = native.load()
-    if lib is not None and lib.int4_ok:  # in the engine one call takes all k experts of a token
-        words = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8) for _ in range(copies)]
-        s4 = sz[..., 0].t().contiguous()  # bf16 [N, K/G]
-        kernels["int4 native GEMV (engine w4a16, 1 row)"] = (
-            lambda j: lib.int4(x, [words[j]], [s4], 128, torch.bfloat16), n * k * 0.5 + s4.numel() * 2)
-    if lib is not None:  # quantizes the bf16 activation itself
-        kernels["int8 native GEMV (engine w8a8_int8, 1 row)"] = (
-            lambda j: lib.int8(x, [codes8[j]], [s8f], torch.bfloat16), n * k)
+    if lib is None:
+        return kernels
+    words = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g) for _ in range(copies)]
+    s4 = sz[..., 0].t().contiguous()  # bf16 [N, K/G]
+    f8 = [c.view(torch.uint8) for c in codes8]  # int8 bytes read as e4m3 codes: their values do not matter
+    s_fp8 = torch.rand(-(-n // 128), k // 128, generator=g) * 0.01
+    for isa in lib.isas("int4")[:-1]:  # in the engine one call takes all k experts of a token
+        kernels[f"int4 native {isa}"] = (lambda j, isa=isa: lib.int4(x, [words[j]], [s4], 128, torch.bfloat16, isa=isa),
+                                         n * k * 0.5 + s4.numel() * 2)
+    for isa in lib.isas("int8")[:-1]:  # quantizes the bf16 activation itself
+        kernels[f"int8 native {isa}"] = (lambda j, isa=isa: lib.int8(x, [codes8[j]], [s8.float()], torch.bfloat16,
+                                                                       isa=isa), n * k)
+    for isa in lib.isas("fp8")[:-1]:
+        kernels[f"fp8 native {isa}"] = (lambda j, isa=isa: lib.fp8(x, [f8[j]], [s_fp8], 128, torch.bfloat16, isa=isa),
+                                        n * k)
+    return kernels
+
+
+def _kernel_rows(label: str, n: int, k: int, bw: float) -> list[str]:
+    copies = max(8, int(320e6 // (n * k * 2)))  # > 300 MB of bf16 weights: no cache reuse across calls
+    kernels = _kernel_set(n, k, copies)
     best = {name: (float("inf"), 0.0) for name in kernels}
-    for _ in range(KERNEL_PASSES):  # interleaved passes, best of them: a load change hits every kernel alike
+    probe = {name: timed(lambda call=call: call(0))[0] for name, (call, _) in kernels.items()}
+    for p in range(KERNEL_PASSES):  # interleaved passes, best of them: a load change hits every kernel alike
         for name, (call, _) in kernels.items():
+            slow = probe[name] > SLOW_CALL_S
+            if slow and p:
+                continue
+            calls = 3 if slow else copies
             call(0)
-            dt, st = timed(lambda call=call: [call(j) for j in range(copies)])
-            if dt / copies < best[name][0]:
-                best[name] = (dt / copies, st or 0.0)
+            dt, st = timed(lambda call=call, calls=calls: [call(j) for j in range(calls)])
+            if dt / calls < best[name][0]:
+                best[name] = (dt / calls, st or 0.0)
     rows = []
     for name, (_, nbytes) in kernels.items():
         per_call, stall = best[name]
         gbs = nbytes / per_call / 1e9
-        rows.append(f"| {label} | {name} | {per_call * 1e6:.0f} | {gbs:.1f} | {100 * gbs / bw:.0f}% | "
+        note = " (3 calls)" if probe[name] > SLOW_CALL_S else ""
+        rows.append(f"| {label} | {name}{note} | {per_call * 1e6:.0f} | {gbs:.1f} | {100 * gbs / bw:.0f}% | "
                     f"{100 * stall:.0f}% |")
         print(rows[-1], flush=True)
     return rows
@@ -336,16 +366,20 @@ def return_freed_memory() -> None:
 
 
 def build_runners(arch: Qwen3MoeArch) -> dict:
-    """transformers' model and one engine model per scheme, all from the same random weights."""
+    """transformers' model and one engine model per scheme, all from the same random weights. transformers'
+    model is filled from the BF16 engine's store (the same tensors by HF name) after the random weights are
+    dropped: 2.4 GB less at the peak (~15 GB on an AVX-512 machine, where oneDNN holds prepacked copies)."""
     sd = random_state_dict(arch)
-    runners = {"transformers": (hf_model(sd), hf_decode)}
-    for scheme in SCHEMES:
+    runners = {}
+    for scheme in (*SCHEMES[1:], SCHEMES[0]):  # bf16 last: its model takes the random weights' place
         tensors, qcfg = (sd, None) if scheme == "bf16" else export_state_dict(sd, QuantConfig(scheme=scheme))
         model = Qwen3MoeEngineModel(arch, tensors, qcfg, torch.bfloat16, slots=16,
                                     max_seq_len=CONFIG["max_position_embeddings"])
         runners[scheme] = (model, engine_decode)
         del tensors
-    return runners
+    del sd
+    gc.collect()
+    return {"transformers": (hf_model(runners["bf16"][0].store), hf_decode), **{s: runners[s] for s in SCHEMES}}
 
 
 def main() -> None:
@@ -357,9 +391,14 @@ def main() -> None:
                     help="interleaved runs per point (tokens/s: the best; ratios: the median)")
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/decode_t{threads}.md")
     ap.add_argument("--skip-kernels", action="store_true", help="leave out table (1)")
+    ap.add_argument("--emulate-avx2", action="store_true",
+                    help="cap torch, oneDNN and the engine's kernels at AVX2 (" +
+                         " ".join(f"{k}={v}" for k, v in EMULATE_AVX2.items()) + ")")
     args = ap.parse_args()
+    if args.emulate_avx2 and any(os.environ.get(k) != v for k, v in EMULATE_AVX2.items()):
+        sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, **EMULATE_AVX2}))
     torch.set_num_threads(args.threads)
-    out = args.out or RESULTS / f"decode_t{args.threads}.md"
+    out = args.out or RESULTS / f"decode_t{args.threads}{'_avx2' if args.emulate_avx2 else ''}.md"
     arch = Qwen3MoeArch.from_hf_config(CONFIG)
     context = PROMPT_LEN + args.steps // 2
     start = time.perf_counter()
@@ -397,6 +436,26 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+def isa_line() -> str:
+    """Which instruction sets each library runs here (and what capped them)."""
+    lib = native.load()
+    kern = ", ".join(f"{f} {lib.isas(f)[0]}" for f in ("int8", "int4", "fp8")) if lib else "none (not built)"
+    caps = " ".join(f"{k}={os.environ[k]}" for k in EMULATE_AVX2 if k in os.environ)
+    return (f"Instruction sets: torch CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 kernels "
+            f"{'yes' if _mkldnn_bf16() else 'no'}, engine native kernels: {kern}" +
+            (f" (capped: `{caps}`)." if caps else "."))
+
+
+def speed_check_rows() -> list[str]:
+    """Table (4): the engine's load-time check of each low-bit layer shape against BF16."""
+    rows = []
+    for (fmt, one, many, n, k, _, counts), res in speed_check.RESULTS.items():
+        cells = " | ".join(f"{r}: {res[r][0] * 1e6:.0f} / {res[r][1] * 1e6:.0f} ({res[r][0] / res[r][1]:.2f}x)"
+                           if r in res else f"{r}: -" for r in counts)
+        rows.append(f"| {fmt} | {n}x{k} | {one} | {many} | {cells} |")
+    return rows
+
+
 def render(arch, runs, bws, kernel_rows, profile_rows, args, seconds) -> str:
     context = PROMPT_LEN + args.steps // 2
     base = bytes_per_token(arch, "bf16", context)
@@ -416,7 +475,7 @@ def render(arch, runs, bws, kernel_rows, profile_rows, args, seconds) -> str:
         f"measured {len(bws)} times in this run, once before every batch-1 run: {min(bws):.1f}-{max(bws):.1f} GB/s "
         f"(median {median(bws):.1f}); it moves with the host's load, which the VM does not see. CPU stall (PSI: "
         f"share of wall time some task of this VM waited for a CPU) over all decode runs: median "
-        f"{100 * median(stalls):.0f}%, max {100 * max(stalls):.0f}%.", "",
+        f"{100 * median(stalls):.0f}%, max {100 * max(stalls):.0f}%.", "", isa_line(), "",
         "Model: Qwen3-30B-A3B-shaped slice, hidden 2048, 32/4 heads x 128, 128 experts x FFN 768, top-8, "
         f"2 layers, vocab 4096, random weights; prompt {PROMPT_LEN}, {args.steps} greedy decode steps; "
         f"{args.repeats} interleaved repeats; compute dtype bf16.", "",
@@ -462,6 +521,12 @@ def render(arch, runs, bws, kernel_rows, profile_rows, args, seconds) -> str:
 
     ratios = ", ".join(f"b={b}: {vs_hf(b):.2f}x" for b in BATCHES)
     lines += ["", f"Engine bf16 / transformers generate (median of within-repeat ratios): {ratios}", ""]
+    lines += ["## (4) The engine's check at load: each low-bit layer shape against BF16 (rollout/speed_check.py)", "",
+              "The layer's forward (activation quantization included) vs the dense GEMM of a bf16 weight of the same "
+              "shape, at the row counts decode gives it (attention 1 and 16, a routed expert 1 and 2); one thread, "
+              "weights out of the caches, best of up to 10 calls; rows: us low-bit / us dense (ratio).", "",
+              "| scheme | N x K | kernel, 1 row | kernel, rows | 1 row | more rows |", "|---|---|---|---|---|---|",
+              *speed_check_rows(), ""]
     return "\n".join(lines)
 
 

@@ -21,7 +21,6 @@ pre_mlp_layernorm  # moe/model.py layer_spec: a field of Megatron's layer spec
 q_layernorm  # moe/model.py layer_spec: a field of Megatron's attention spec
 k_layernorm  # moe/model.py layer_spec: a field of Megatron's attention spec
 prompt_text  # data/prompts.py PromptSample: the rendered prompt beside its ids (tests check the rendering)
-int8_quant  # rollout/native.py Kernels: binding of the C library's quantizer, the SIMD GEMV's reference in tests
 int8_plain  # rollout/native.py Kernels: binding of the C library's plain loop, the SIMD GEMV's reference in tests
 selector  # rollout/weight_receiver.py: a field of SGLang's weight-update request bodies, accepted so they validate
 torch_empty_cache  # rollout/weight_receiver.py: a field of SGLang's UpdateWeightsFromDistributedReqInput

@@ -1,40 +1,41 @@
-/* W8A8-INT8 GEMV for the embedded engine's one-token decode: megatron_qarl/rollout/native.py builds and
- * loads this file (cc -O3 -march=native -ffp-contract=off -fopenmp -shared) and documents why it exists.
+/* W8A8-INT8 GEMM for the embedded engine's decode (one token or a few): megatron_qarl/rollout/native.py builds
+ * and loads this file with the other kernels and documents why they exist.
  *
- * For r in [0, R):  y[r, n] = (float)(sum_k xq[r', k] * W_r[n, k]) * sw_r[n] * sx[r']     (n in [0, N))
- * where r' = r if x_rows == R, else 0 (one token through R linears: the top-k experts' gate_up).
+ *   y[t, col_r + n] = (float)(sum_k xq[t, k] * W_r[n, k]) * sw_r[n] * sx[t]        (n in [0, N_r))
+ *
+ * for every activation row t through every linear r (diag = 0: a layer's fused linears, or one token through
+ * its top-k experts), or row t = r through linear r alone (diag = 1: the k rows of a token's experts' down).
  * xq, sx: the activation rows x quantized per token (int8 codes, fp32 scales) by quant_row, the learner's
- * formula; W_r: int8 weight codes [N, K] (row-major, the checkpoint's own tensor); sw_r: fp32 per-channel
- * scales [N]. The integer sum is exact (int32), as in oneDNN's u8s8 GEMM and SGLang's kernel; the two
- * float products are done in that order (the order torch._int_mm's caller and oneDNN use).
+ * formula; W_r: int8 weight codes [N_r, K] (row-major, the checkpoint's own tensor); sw_r: fp32 per-channel
+ * scales [N_r]. The integer sum is exact (int32), as in SGLang's kernel, so every instruction set gives the
+ * same bits whatever its order of additions; the two float products are done in that order (the order
+ * torch._int_mm's caller and oneDNN use). out is fp32 or bf16 (round to nearest even, as torch's
+ * .to(torch.bfloat16)), row t at out + t * ld.
  *
- * AVX512-VNNI path: vpdpbusd multiplies unsigned by signed bytes, so the activation goes in shifted,
- * u = q + 128, and the kernel accumulates sum(u * w) and sum(128 * w) side by side (the weight row is read
- * once): sum(q * w) = sum(u * w) - sum(128 * w). Elsewhere a plain loop (same result, slower).
- * out is fp32 or bf16 (round to nearest even, as torch's .to(torch.bfloat16)).
+ * Instruction sets (qarl_simd.h; the caller picks):
+ * - AVX512-VNNI: vpdpbusd multiplies unsigned by signed bytes, so the activation goes in shifted,
+ *   u = q + 128, and the kernel accumulates sum(u * w) and sum(128 * w) side by side (the weight row is read
+ *   once): sum(q * w) = sum(u * w) - sum(128 * w).
+ * - AVX2: vpmaddubsw (unsigned x signed bytes, pairs added in saturating int16) on |w| and q * sign(w). Codes
+ *   are |q| <= 127 (quant_row: |t| < 127.5) and |w| <= 128, so a pair is at most 2 * 128 * 127 = 32512 < 2^15:
+ *   no saturation (oneDNN's u8s8 GEMM on the unsigned activation can saturate on CPUs without VNNI).
+ *   vpmaddwd by ones widens the pairs to int32. Up to 4 activation rows share each load of a weight row.
+ * - plain C: the same sums, one product at a time (the tests' reference, and non-x86 machines).
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "qarl_bf16.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define QARL_VNNI 1
-#else
-#define QARL_VNNI 0
-#endif
+#include "qarl_simd.h"
 
-int qarl_int8_gemv_has_vnni(void) { return QARL_VNNI; }
+#define TOKENS 64 /* activation rows per pass over a block of weight rows (bounds the accumulators) */
 
-#define ROWS 16 /* output rows per OpenMP work item */
-
-#if QARL_VNNI
-/* One weight row, read as one sequential stream (measured: interleaving 2-8 rows per block is 1.1-2x slower
- * at one thread, the hardware prefetcher follows one stream per thread best), 4 independent accumulator
- * pairs so that vpdpbusd's latency is hidden. */
-static inline int32_t row_vnni(const uint8_t *u, const int8_t *w, int64_t K) {
+#if QARL_X86
+/* One weight row against one shifted activation row: one sequential stream (measured: interleaving 2-8 rows
+ * per block is 1.1-2x slower at one thread, the hardware prefetcher follows one stream per thread best), 4
+ * independent accumulator pairs so that vpdpbusd's latency is hidden. */
+QARL_AVX512VNNI static inline int32_t row_vnni(const uint8_t *u, const int8_t *w, int64_t K) {
     const __m512i k128 = _mm512_set1_epi8((char)0x80);
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
     int64_t k = 0;
@@ -66,19 +67,73 @@ static inline int32_t row_vnni(const uint8_t *u, const int8_t *w, int64_t K) {
     __m512i c = _mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3));
     return _mm512_reduce_add_epi32(_mm512_sub_epi32(a, c));
 }
+
+QARL_AVX512VNNI static void block_vnni(const uint8_t *u, int64_t nt, int64_t K, const int8_t *w, int64_t rows,
+                                       int32_t *acc) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t t = 0; t < nt; t++) acc[i * nt + t] = row_vnni(u + t * K, w + i * K, K);
+}
+
+QARL_AVX2 static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* 32 products of x and w added into acc (8 int32 lanes), exact: see the header comment. */
+QARL_AVX2 static inline __m256i dot32_avx2(__m256i acc, __m256i aw, __m256i w, const int8_t *x) {
+    __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+}
+
+/* m (1-4, a constant where it is inlined) activation rows x[j * K ...] against one weight row w. */
+QARL_AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int8_t *x, int64_t K, const int8_t *w,
+                                                                       const int m, int32_t *out, int64_t stride) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k)), aw = _mm256_abs_epi8(wv);
+        a0 = dot32_avx2(a0, aw, wv, x + k);
+        if (m > 1) a1 = dot32_avx2(a1, aw, wv, x + K + k);
+        if (m > 2) a2 = dot32_avx2(a2, aw, wv, x + 2 * K + k);
+        if (m > 3) a3 = dot32_avx2(a3, aw, wv, x + 3 * K + k);
+    }
+    int32_t s[4] = {hsum8_epi32(a0), hsum8_epi32(a1), hsum8_epi32(a2), hsum8_epi32(a3)};
+    for (; k < K; k++)
+        for (int j = 0; j < m; j++) s[j] += (int32_t)x[j * K + k] * (int32_t)w[k];
+    for (int j = 0; j < m; j++) out[j * stride] = s[j];
+}
+
+QARL_AVX2 static void block_avx2(const int8_t *x, int64_t nt, int64_t K, const int8_t *w, int64_t rows,
+                                 int32_t *acc) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t t = 0; t < nt; t += 4) {
+            const int8_t *xt = x + t * K, *wi = w + i * K;
+            int32_t *o = acc + i * nt + t;
+            switch (nt - t < 4 ? nt - t : 4) {
+            case 1: tile_avx2(xt, K, wi, 1, o, 1); break;
+            case 2: tile_avx2(xt, K, wi, 2, o, 1); break;
+            case 3: tile_avx2(xt, K, wi, 3, o, 1); break;
+            default: tile_avx2(xt, K, wi, 4, o, 1); break;
+            }
+        }
+}
 #endif
 
-static void block_plain(const int8_t *q, const int8_t *w, int64_t K, int64_t rows, int32_t *acc) {
-    for (int i = 0; i < rows; i++) {
-        int32_t s = 0;
-        for (int64_t k = 0; k < K; k++) s += (int32_t)q[k] * (int32_t)w[i * K + k];
-        acc[i] = s;
-    }
+static void block_plain(const int8_t *x, int64_t nt, int64_t K, const int8_t *w, int64_t rows, int32_t *acc) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t t = 0; t < nt; t++) {
+            int32_t s = 0;
+            for (int64_t k = 0; k < K; k++) s += (int32_t)x[t * K + k] * (int32_t)w[i * K + k];
+            acc[i * nt + t] = s;
+        }
 }
 
 /* The learner's quant_act_int8_per_token (megatron_qarl/qat/quantizer.py), op for op in fp32:
  *   a = max(max_k |x_k|, 1e-10);  t_k = x_k * (127 / a);  q_k = round_half_away(t_k) = trunc(2 t_k) - trunc(t_k);
- *   s = a / 127.  x is fp32 (x_bf16 = 0) or bf16 (x_bf16 = 1, widened exactly). Built with -ffp-contract=off. */
+ *   s = a / 127.  x is fp32 (x_bf16 = 0) or bf16 (x_bf16 = 1, widened exactly). Built with -ffp-contract=off.
+ * trunc by conversion to int (exact: |2 t| <= 255); a NaN gives code 0, as x86's conversion of torch's NaN. */
 static void quant_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *s) {
     float a = 0.0f;
     for (int64_t k = 0; k < K; k++) {
@@ -91,74 +146,115 @@ static void quant_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *s)
     for (int64_t k = 0; k < K; k++) {
         float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
         float t = v * mult;
-        q[k] = (int8_t)(truncf(2.0f * t) - truncf(t));
+        q[k] = t != t ? 0 : (int8_t)((int32_t)(2.0f * t) - (int32_t)t);
     }
     *s = a / 127.0f;
 }
 
-int qarl_quant_int8(const void *x, int x_bf16, int64_t rows, int64_t K, int8_t *q, float *s) {
+#if QARL_X86
+/* quant_row, 8 values at a time (K a multiple of 8; the same operations, so the same codes and scale). */
+QARL_AVX2 static void quant_row_avx2(const void *x, int x_bf16, int64_t K, int8_t *q, float *s) {
+    float a = amax_avx2(x, x_bf16, K);
+    a = a < 1e-10f ? 1e-10f : a;
+    const __m256 mult = _mm256_set1_ps(127.0f / a), two = _mm256_set1_ps(2.0f);
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 t = _mm256_mul_ps(load8_f32(x, x_bf16, k), mult);
+        __m256i c = _mm256_sub_epi32(_mm256_cvttps_epi32(_mm256_mul_ps(two, t)), _mm256_cvttps_epi32(t));
+        __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)); /* |c| <= 127 */
+        _mm_storel_epi64((__m128i *)(q + k), _mm_packs_epi16(c16, c16));
+    }
+    *s = a / 127.0f;
+}
+#endif
+
+/* isa: QARL_ISA_PLAIN for the C loop, else the AVX2 one where K allows (the same results). */
+int qarl_quant_int8(int isa, const void *x, int x_bf16, int64_t rows, int64_t K, int8_t *q, float *s) {
     if (rows <= 0 || K <= 0) return -1;
-    for (int64_t r = 0; r < rows; r++)
-        quant_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, q + r * K, s + r);
+    for (int64_t r = 0; r < rows; r++) {
+        const void *xr = (const char *)x + r * K * (x_bf16 ? 2 : 4);
+#if QARL_X86
+        if (isa != QARL_ISA_PLAIN && K % 8 == 0) {
+            quant_row_avx2(xr, x_bf16, K, q + r * K, s + r);
+            continue;
+        }
+#endif
+        (void)isa;
+        quant_row(xr, x_bf16, K, q + r * K, s + r);
+    }
     return 0;
 }
 
-/* y[r, :] for the activation rows x [x_rows, K] (fp32 or bf16), quantized here per token exactly as the
- * learner does, through linears r = 0..R-1. Returns 0, -1 on a shape the caller should not have passed,
- * -2 if out of memory. */
-int qarl_int8_gemv(const void *x, int x_bf16, int64_t x_rows, int64_t K, const int8_t *const *w,
-                   const float *const *sw, int64_t R, int64_t N, void *out, int out_bf16, int threads) {
-    if (R <= 0 || N <= 0 || K <= 0 || (x_rows != 1 && x_rows != R)) return -1;
-    int8_t *xq = (int8_t *)malloc((size_t)(x_rows * K));
-    if (xq == NULL) return -2;
-    float *sx = (float *)malloc(sizeof(float) * (size_t)x_rows);
-    if (sx == NULL) {
-        free(xq);
-        return -2;
+static void block(int isa, const int8_t *xq, int64_t nt, int64_t K, const int8_t *w, int64_t rows, int32_t *acc) {
+#if QARL_X86
+    if (isa == QARL_ISA_AVX512) {
+        block_vnni((const uint8_t *)xq, nt, K, w, rows, acc);
+        return;
     }
-    qarl_quant_int8(x, x_bf16, x_rows, K, xq, sx);
-#if QARL_VNNI
-    uint8_t *u = (uint8_t *)xq; /* in place: u = q + 128 = q ^ 0x80 as a byte */
-    for (int64_t k = 0; k < x_rows * K; k++) u[k] ^= 0x80u;
+    if (isa == QARL_ISA_AVX2) {
+        block_avx2(xq, nt, K, w, rows, acc);
+        return;
+    }
 #endif
-    const int64_t blocks = (N + ROWS - 1) / ROWS;
-    const int64_t total = R * blocks;
+    (void)isa;
+    block_plain(xq, nt, K, w, rows, acc);
+}
+
+/* The product of the codes xq [T, K] (scales sx [T]) by the linears, in parallel over blocks of weight rows;
+ * xq as the ISA wants it (VNNI: shifted to u = q + 128). */
+static void gemm_codes(int isa, const int8_t *xq, const float *sx, int64_t T, int64_t K, const int8_t *const *w,
+                       const float *const *sw, const int64_t *n, const int64_t *col, int64_t R, int diag, void *out,
+                       int64_t ld, int out_bf16, int threads) {
+    const int64_t total = qarl_items(n, R);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < total; t++) {
-        const int64_t r = t / blocks, n0 = (t % blocks) * ROWS;
-        const int64_t rows = N - n0 < ROWS ? N - n0 : ROWS;
-        const int64_t xr = x_rows == 1 ? 0 : r;
-        int32_t acc[ROWS];
-        const int8_t *wr = w[r] + n0 * K;
-#if QARL_VNNI
-        for (int i = 0; i < rows; i++) acc[i] = row_vnni(u + xr * K, wr + i * K, K);
-#else
-        block_plain(xq + xr * K, wr, K, rows, acc);
-#endif
-        for (int i = 0; i < rows; i++) {
-            float y = (float)acc[i] * sw[r][n0 + i] * sx[xr];
-            if (out_bf16)
-                ((uint16_t *)out)[r * N + n0 + i] = f32_to_bf16(y);
-            else
-                ((float *)out)[r * N + n0 + i] = y;
+    for (int64_t item = 0; item < total; item++) {
+        int64_t r, row0, rows, t0, t1;
+        qarl_item(n, R, item, &r, &row0, &rows);
+        qarl_tokens(diag, r, T, &t0, &t1);
+        int32_t acc[QARL_ROWS * TOKENS];
+        for (int64_t tb = t0; tb < t1; tb += TOKENS) {
+            const int64_t nt = t1 - tb < TOKENS ? t1 - tb : TOKENS;
+            block(isa, xq + tb * K, nt, K, w[r] + row0 * K, rows, acc);
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t t = 0; t < nt; t++) {
+                    float y = (float)acc[i * nt + t] * sw[r][row0 + i] * sx[tb + t];
+                    int64_t at = (tb + t) * ld + col[r] + row0 + i;
+                    if (out_bf16)
+                        ((uint16_t *)out)[at] = f32_to_bf16(y);
+                    else
+                        ((float *)out)[at] = y;
+                }
         }
     }
+}
+
+/* y for the activation rows x [T, K] (fp32 or bf16), quantized here per token exactly as the learner does,
+ * through the R linears (see the top of the file). Returns 0, -1 on a shape the caller should not have
+ * passed, -2 if out of memory. */
+int qarl_int8_gemm(int isa, const void *x, int x_bf16, int64_t T, int64_t K, const int8_t *const *w,
+                   const float *const *sw, const int64_t *n, const int64_t *col, int64_t R, int diag, void *out,
+                   int64_t ld, int out_bf16, int threads) {
+    if (qarl_check(T, K, n, R, diag)) return -1;
+    int8_t *xq = (int8_t *)malloc((size_t)(T * K));
+    float *sx = (float *)malloc(sizeof(float) * (size_t)T);
+    if (xq == NULL || sx == NULL) {
+        free(xq);
+        free(sx);
+        return -2;
+    }
+    qarl_quant_int8(isa, x, x_bf16, T, K, xq, sx);
+    if (isa == QARL_ISA_AVX512) /* in place: u = q + 128 = q ^ 0x80 as a byte */
+        for (int64_t k = 0; k < T * K; k++) ((uint8_t *)xq)[k] ^= 0x80u;
+    gemm_codes(isa, xq, sx, T, K, w, sw, n, col, R, diag, out, ld, out_bf16, threads);
     free(xq);
     free(sx);
     return 0;
 }
 
-/* The plain loop, callable on any build: the tests check the VNNI path against it. */
-int qarl_int8_gemv_plain(const int8_t *xq, const float *sx, int64_t x_rows, int64_t K, const int8_t *const *w,
-                         const float *const *sw, int64_t R, int64_t N, float *out) {
-    if (R <= 0 || N <= 0 || K <= 0 || (x_rows != 1 && x_rows != R)) return -1;
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
-            const int64_t rows = N - n0 < ROWS ? N - n0 : ROWS;
-            const int64_t xr = x_rows == 1 ? 0 : r;
-            int32_t acc[ROWS];
-            block_plain(xq + xr * K, w[r] + n0 * K, K, rows, acc);
-            for (int i = 0; i < rows; i++) out[r * N + n0 + i] = (float)acc[i] * sw[r][n0 + i] * sx[xr];
-        }
+/* The product of given codes (no quantization) by the plain loop, fp32 out: the tests' reference. */
+int qarl_int8_gemm_codes_plain(const int8_t *xq, const float *sx, int64_t T, int64_t K, const int8_t *const *w,
+                               const float *const *sw, const int64_t *n, const int64_t *col, int64_t R, int diag,
+                               float *out, int64_t ld) {
+    if (qarl_check(T, K, n, R, diag)) return -1;
+    gemm_codes(QARL_ISA_PLAIN, xq, sx, T, K, w, sw, n, col, R, diag, out, ld, 0, 1);
     return 0;
 }

@@ -12,22 +12,29 @@ store followed by ``refresh()`` of the layers whose derived operands are not vie
     DenseLinear  w [N, K] in the compute dtype; the store entries are row views of the fused weight.
                  In bf16 the GEMM runs on a oneDNN-prepacked copy of it (see ``PackedDense``).
     Int4Linear   W4A16 (compressed-tensors pack-quantized): the store holds weight_packed / weight_scale /
-                 weight_shape as loaded; the kernel operand is torch's CPU int4 layout
-                 (``_convert_weight_to_int4pack_for_cpu``, uint8 [N, K/2]) with qScaleAndZeros [K/G, N, 2]
-                 (scale, zero = 0: w = (u - 8) * scale), run by ``_weight_int4pack_mm_for_cpu``.
-                 No bf16/fp32 copy of the weight exists at any time.
+                 weight_shape as loaded. bf16 mode: the native kernel (``native.py``, int4_gemv.c) reads the
+                 int32 words' bytes in place for 1 row (AVX512-BF16) or up to 2 (AVX2); torch's kernel
+                 (``_weight_int4pack_mm_for_cpu`` on its own uint8 [N, K/2] layout with qScaleAndZeros
+                 [K/G, N, 2]: w = (u - 8) * scale) for more rows and where the native one does not apply (fp32
+                 mode, zero points, other group sizes). No bf16/fp32 copy of the weight exists at any time.
     Int8Linear   W8A8-INT8: codes int8 [N, K] (store views), per-channel scales; activations quantized per
-                 token by ``qat.quantizer.quant_act_int8_per_token``; the integer GEMM runs on oneDNN's
-                 u8s8 kernel over a prepacked copy of the codes, or (one token) on the native kernel
-                 (``native.py``) over the codes in place (fallback: ``_weight_int8pack_mm``).
-    Fp8Linear    W8A8-FP8: the store holds the e4m3 codes and weight_scale_inv; the operand is their
-                 per-block dequantization in the compute dtype (the exception documented in
-                 docs/rollout.md: torch's CPU fp8 GEMM is a ~50x slower reference path). Operands equal the
-                 GPU kernel's; activations are quantized per token group with the learner's function.
+                 token with the learner's formula (``quant_act_int8_per_token``, or the native kernel's
+                 copy of it, bit for bit); the exact integer GEMM runs on the native kernel over the codes in
+                 place (one row on AVX512-VNNI machines; every row count on AVX2 ones), or on oneDNN's u8s8
+                 kernel over a prepacked copy (several rows with VNNI; fallback: ``_weight_int8pack_mm``).
+    Fp8Linear    W8A8-FP8: the store holds the e4m3 codes and weight_scale_inv; the native kernel
+                 (fp8_gemv.c) reads the codes in place and computes SGLang's block-FP8 GEMM, activations
+                 quantized per token group with the learner's formula. Without it (no compiler, no AVX2):
+                 the per-block dequantization of the codes in the compute dtype on oneDNN / ``F.linear``,
+                 activations quantized and dequantized with the learner's function.
+
+Which kernel a layer runs is chosen per machine at load (the instruction sets the CPU has: ``native.py``);
+``make_linear`` logs it (INFO once per choice, DEBUG per layer) and ``speed_check`` measures it against BF16.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import MutableMapping
 
@@ -44,8 +51,9 @@ from megatron_qarl.qat.quantizer import (
     quant_act_fp8_per_token_group,
     quant_act_int8_per_token,
 )
-from megatron_qarl.rollout import native
+from megatron_qarl.rollout import native, speed_check
 
+log = logging.getLogger(__name__)
 Store = MutableMapping[str, Tensor]
 INT4_INNER_K_TILES = 2  # torch's CPU int4 packing ignores the tiling beyond validating it
 
@@ -71,10 +79,12 @@ def _take(raw: Store, name: str) -> Tensor:
 
 
 class Linear:
-    """Base: ``names`` are the store entries this layer reads; ``splits`` the N of each fused linear."""
+    """Base: ``names`` are the store entries this layer reads; ``splits`` the N of each fused linear;
+    ``kernel``: what runs it on this machine for one activation row and for several, and why (logged)."""
 
     names: list[str]
     splits: list[int]
+    kernel: dict[str, str]
 
     def __call__(self, x_TK: Tensor) -> Tensor:
         return self.mm(self.prepare(x_TK))
@@ -131,16 +141,30 @@ class PackedDense:
     uses) and calling ``mkldnn._linear_pointwise`` gives bit-identical outputs (the same oneDNN kernel)
     at 2-2.5x the speed. The packed copy is an opaque oneDNN tensor: the plain weight stays in the store
     (checksums, in-place updates), so dense bf16 weights are held twice; ``refresh()`` re-packs.
-    fp32 (the exactness mode) keeps ``F.linear`` (MKL), which is what transformers runs.
+    fp32 (the exactness mode) keeps ``F.linear`` (MKL), which is what transformers runs. ``keep_plain=False``
+    (a weight derived for this GEMM alone, as FP8's dequantization): once packed, the plain copy is dropped.
     """
 
-    def __init__(self, w_NK: Tensor):
-        self.w_NK = w_NK
+    def __init__(self, w_NK: Tensor, keep_plain: bool = True):
+        self.w_NK: Tensor | None = w_NK
+        self.dtype = w_NK.dtype
         self.use_packed = w_NK.dtype == torch.bfloat16 and _mkldnn_bf16()
         self.refresh()
+        if self.packed is not None and not keep_plain:
+            self.w_NK = None
 
     def refresh(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w_NK, None) if self.use_packed else None
+        self.packed = None
+        if self.use_packed:
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w_NK, None)
+            except RuntimeError as err:  # oneDNN capped below its bf16 ISA (ONEDNN_MAX_CPU_ISA): F.linear
+                log.warning("bf16 GEMMs on F.linear: oneDNN cannot prepack here (%s)", str(err).splitlines()[0])
+                self.use_packed = False
+
+    @property
+    def name(self) -> str:
+        return "bf16 oneDNN prepacked" if self.packed is not None else f"{_dtype_name(self.dtype)} F.linear"
 
     def __call__(self, x_TK: Tensor) -> Tensor:
         if self.packed is None or x_TK.dtype != torch.bfloat16 or x_TK.dim() != 2:
@@ -155,6 +179,7 @@ class DenseLinear(Linear):
         self.w_NK = _fuse_rows(prefixes, "weight", parts, store)
         self.names = [f"{p}.weight" for p in prefixes]
         self.gemm = PackedDense(self.w_NK)
+        self.kernel = {"1 row": self.gemm.name, "rows": self.gemm.name, "why": "dense weights"}
 
     def refresh(self) -> None:
         self.gemm.refresh()
@@ -163,24 +188,40 @@ class DenseLinear(Linear):
         return self.gemm(x_TK)
 
 
-class QuantAct:
-    """A W8A8-INT8 activation, quantized per token when first needed (``quant_act_int8_per_token``):
-    int8 codes ``q_TK``, fp32 scales ``s_T1``, and the codes shifted to uint8, ``u8_TK = q + 128``, which
-    oneDNN's u8s8 GEMM takes with zero point 128 (so it computes with q exactly). The native kernel
-    takes ``x_TK`` and quantizes it itself, the same way. Taking rows (``x[rows]``, ``x[a:b]``, as the
-    batched MoE does per expert) quantizes all rows first, once."""
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class RowsAct:
+    """An activation a native kernel quantizes itself (the W8A8 formats): ``x_TK`` as given. Taking rows
+    (``x[rows]``, ``x[a:b]``, as the batched MoE does per expert) takes them from ``x_TK``."""
 
     def __init__(self, x_TK: Tensor):
         self.x_TK = x_TK
-        self._q: tuple[Tensor, Tensor, Tensor] | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.x_TK.shape
 
+    def __getitem__(self, rows) -> RowsAct:
+        return type(self)(self.x_TK[rows])
+
+
+class QuantAct(RowsAct):
+    """A W8A8-INT8 activation, quantized per token when first needed (``quant_act_int8_per_token``):
+    int8 codes ``q_TK``, fp32 scales ``s_T1``, and the codes shifted to uint8, ``u8_TK = q + 128``, which
+    oneDNN's u8s8 GEMM takes with zero point 128 (so it computes with q exactly). The native kernel
+    takes ``x_TK`` and quantizes it itself, the same way. With ``share`` (oneDNN will run the rows), taking
+    rows quantizes all rows first, once, and the parts share the codes."""
+
+    def __init__(self, x_TK: Tensor, share: bool = True):
+        super().__init__(x_TK)
+        self.share = share
+        self._q: tuple[Tensor, Tensor, Tensor] | None = None
+
     def _quantized(self) -> tuple[Tensor, Tensor, Tensor]:
         if self._q is None:
-            q_TK, s_T1 = quant_act_int8_per_token(self.x_TK)
+            q_TK, s_T1 = _quant_act_int8(self.x_TK)
             self._q = q_TK, s_T1, torch.bitwise_xor(q_TK.view(torch.uint8), 128)  # = q + 128 as uint8
         return self._q
 
@@ -189,28 +230,63 @@ class QuantAct:
     u8_TK = property(lambda self: self._quantized()[2])
 
     def __getitem__(self, rows) -> QuantAct:
-        part = QuantAct(self.x_TK[rows])
-        part._q = tuple(t[rows] for t in self._quantized())  # type: ignore[assignment]
+        part = QuantAct(self.x_TK[rows], self.share)
+        if self.share:
+            part._q = tuple(t[rows] for t in self._quantized())  # type: ignore[assignment]
         return part
+
+
+def _quant_act_int8(x_TK: Tensor) -> tuple[Tensor, Tensor]:
+    """``quant_act_int8_per_token`` of a 2-D activation; by the native kernels' AVX2 quantizer where it runs
+    (the same codes and scales, tested; one call instead of ~25 us of small torch ops at decode)."""
+    lib = native.load()
+    if lib is not None and lib.avx2 and x_TK.dim() == 2 and x_TK.dtype in (torch.float32, torch.bfloat16):
+        return lib.int8_quant(x_TK, "avx2")
+    return quant_act_int8_per_token(x_TK)
+
+
+def _fake_quant_act_fp8(x_TK: Tensor, block: int, dtype: torch.dtype) -> Tensor:
+    """The FP8 activation as the dequantized path takes it: quantized per token group of ``block`` with the
+    learner's formula and dequantized in fp32 to ``dtype`` (the native quantizer where it runs: same codes)."""
+    lib = native.load()
+    if (lib is not None and lib.avx2 and x_TK.dim() == 2 and x_TK.dtype in (torch.float32, torch.bfloat16)
+            and x_TK.shape[1] % block == 0):
+        q_TK, s_TG = lib.fp8_quant(x_TK, block, "avx2")  # the codes' values, fp32
+        return (q_TK.view(x_TK.shape[0], -1, block) * s_TG[..., None]).view(x_TK.shape).to(dtype)
+    return dequant_act_fp8_per_token_group(*quant_act_fp8_per_token_group(x_TK, block), dtype)
 
 
 def _onednn_int8() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
+def _native_for(fmt: str, dtype: torch.dtype) -> tuple[native.Kernels | None, str]:
+    """The native kernels and the best instruction set this CPU runs for ``fmt``, or (None, why not)."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return None, f"compute dtype {_dtype_name(dtype)}"
+    lib = native.load()
+    if lib is None:
+        return None, "native kernels unavailable (see the log of megatron_qarl.rollout.native)"
+    isa = lib.isas(fmt)[0]
+    if isa == "plain":
+        return None, "no AVX2 (the plain C loop is slower than torch's kernel)"
+    return lib, isa
+
+
 class Int8Linear(Linear):
     """W8A8-INT8: y = (q_x @ q_w.T) * s_x[t] * s_w[n], the integer GEMM exact in int32 (as SGLang's GPU kernel).
 
-    Two integer kernels (benchmarks/decode.py measures both):
-    - one token (batch-1 decode): the native kernel of ``native.py`` over the codes in place. It quantizes
-      the activation itself (the learner's formula, bit for bit) and runs a token's k experts in one call
-      (``rows_mm``): torch's integer kernels cost ~15 us a call beyond the GEMM, plus ~25 us of small ops
-      to quantize, against 40-90 us of weight streaming per expert GEMM.
-    - more rows, or no native kernel: oneDNN's u8s8 GEMM (VNNI) over a prepacked copy of the codes. The
-      store keeps the checkpoint's codes (checksums, updates; ``refresh()`` re-packs), so int8 weights are
-      held twice.
-    Without oneDNN the fallback is ``aten._weight_int8pack_mm`` (a weight-only kernel that converts
-    every code to float) on the activation dequantized to the compute dtype, as the learner's fake quant.
+    Kernels (benchmarks/decode.py measures them):
+    - native (``native.py``, int8_gemv.c) over the codes in place: it quantizes the activation itself (the
+      learner's formula, bit for bit) and runs a token's k experts in one call (``rows_mm``). With
+      AVX512-VNNI it takes one activation row (batch-1 decode: torch's integer kernels cost ~15 us a call
+      beyond the GEMM, plus ~25 us of small ops to quantize); on AVX2 machines every row count, because
+      oneDNN's u8s8 GEMM without VNNI is ~280x slower than BF16 there and adds pairs of products in
+      saturating int16 (its results then differ from the exact product).
+    - several rows with VNNI: oneDNN's u8s8 GEMM over a prepacked copy of the codes. The store keeps the
+      checkpoint's codes (checksums, updates; ``refresh()`` re-packs), so int8 weights are held twice there.
+    Without either, ``aten._weight_int8pack_mm`` (a weight-only kernel that converts every code to float)
+    on the activation dequantized to the compute dtype, as the learner's fake quant.
     """
 
     def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype):
@@ -221,15 +297,21 @@ class Int8Linear(Linear):
         self.scale_N1 = _fuse_rows(prefixes, "weight_scale", scales, store)  # fp32 as exported
         self.names = [f"{p}.{s}" for p in prefixes for s in ("weight", "weight_scale")]
         self.dtype = dtype
-        self.use_onednn = _onednn_int8()
-        # the native one-token kernel (native.py) reads the codes and scales in place: contiguous, as made here.
-        # Only with VNNI: its plain C loop (other CPUs) is a test reference, slower than oneDNN.
-        lib = native.load() if dtype in (torch.bfloat16, torch.float32) else None
-        self.gemv = lib if lib is not None and lib.vnni else None
+        # the native kernel reads the codes and scales in place: contiguous, as made here
+        self.gemv, isa = _native_for("int8", dtype)
+        self.isa = isa if self.gemv is not None else None
+        self.native_rows = self.gemv is not None and isa != "avx512"  # AVX2: no VNNI for oneDNN either
+        self.use_onednn = _onednn_int8() and not self.native_rows
+        one = f"native int8 {isa}" if self.gemv is not None else None
+        many = "oneDNN u8s8 qlinear" if self.use_onednn else "aten._weight_int8pack_mm"
+        self.kernel = {"1 row": one or many, "rows": one if self.native_rows else many,
+                       "why": {"avx512": "AVX512-VNNI", "avx2": "AVX2 without AVX512-VNNI"}.get(isa, isa)}
         self.refresh()
 
     def refresh(self) -> None:
         self.w_scale_N = self.scale_N1.view(-1)
+        if self.gemv is not None:
+            self.plan = self.gemv.gemm("int8", [self.codes_NK], [self.w_scale_N], self.dtype, isa=self.isa)
         if self.use_onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(self.codes_NK, None)
             self.w_zero_N = torch.zeros(self.w_scale_N.shape, dtype=torch.int64)
@@ -238,12 +320,12 @@ class Int8Linear(Linear):
 
     def prepare(self, x_TK: Tensor) -> Tensor | QuantAct:
         if self.use_onednn or self.gemv is not None:
-            return QuantAct(x_TK)
+            return QuantAct(x_TK, share=self.use_onednn)
         return dequant_act_int8_per_token(*quant_act_int8_per_token(x_TK), self.dtype)
 
     def mm(self, x: Tensor | QuantAct) -> Tensor:
-        if isinstance(x, QuantAct) and x.shape[0] == 1 and self.gemv is not None:
-            return self.gemv.int8(x.x_TK, [self.codes_NK], [self.w_scale_N], self.dtype)
+        if isinstance(x, QuantAct) and self.gemv is not None and (x.shape[0] == 1 or self.native_rows):
+            return self.plan(x.x_TK)
         if not isinstance(x, QuantAct) or not self.use_onednn:
             x_TK = x if not isinstance(x, QuantAct) else dequant_act_int8_per_token(x.q_TK, x.s_T1, self.dtype)
             return torch.ops.aten._weight_int8pack_mm(x_TK, self.codes_NK, self.scale_N)
@@ -260,11 +342,27 @@ class Int8Linear(Linear):
         first: Int8Linear = linears[0]  # type: ignore[assignment]
         if not isinstance(x, QuantAct) or first.gemv is None:
             return super().rows_mm(linears, x)
-        return first.gemv.int8(x.x_TK, [lin.codes_NK for lin in linears],  # type: ignore[attr-defined]
-                          [lin.w_scale_N for lin in linears], first.dtype)  # type: ignore[attr-defined]
+        y = first.gemv.int8(x.x_TK, [lin.codes_NK for lin in linears],  # type: ignore[attr-defined]
+                            [lin.w_scale_N for lin in linears], first.dtype,  # type: ignore[attr-defined]
+                            diag=x.shape[0] != 1, isa=first.isa)
+        return y.view(len(linears), -1)
 
 
 class Fp8Linear(Linear):
+    """W8A8-FP8, block-quantized weights (B x B blocks of e4m3 codes, fp32 weight_scale_inv per block) and
+    activations quantized per token and group of B.
+
+    Native kernel (fp8_gemv.c; AVX2 or AVX-512): SGLang's block-FP8 GEMM over the checkpoint's codes in place,
+    1 byte per weight: y = sum over K blocks b of ((sum_k qx * qw) * sx[b]) * sw[b] in fp32, the activation
+    quantized inside with the learner's formula (bit for bit), a token's k experts in one call. It takes every
+    row count, except on CPUs with oneDNN's bf16 kernels (AVX512-BF16 / AMX), where oneDNN's bf16 GEMM on the
+    dequantized weight is faster from 2 rows (measured: 5-8x at 16 rows; at one row the native kernel reads
+    half the bytes): there the codes are also dequantized per block into a oneDNN-prepacked bf16 copy (no
+    plain one). Without the native kernel: that dequantization on ``PackedDense`` for every row count (2 bytes
+    per weight in bf16: no faster than BF16, the exception documented in docs/rollout.md), activations
+    quantized and dequantized with the learner's function.
+    """
+
     def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype, block: int):
         self.prefixes, self.store, self.dtype, self.block = prefixes, store, dtype, block
         for p in prefixes:  # per linear, as loaded: a scale block may straddle two fused linears
@@ -272,24 +370,60 @@ class Fp8Linear(Linear):
             store[f"{p}.weight_scale_inv"] = _take(raw, f"{p}.weight_scale_inv").float()
         self.splits = [store[f"{p}.weight"].shape[0] for p in prefixes]
         self.names = [f"{p}.{s}" for p in prefixes for s in ("weight", "weight_scale_inv")]
+        self.gemv, isa = _native_for("fp8", dtype)
+        k = store[f"{prefixes[0]}.weight"].shape[1]
+        if self.gemv is not None and (block % 16 or k % block):
+            self.gemv, isa = None, f"block {block} with K {k} (the kernel wants K a multiple of B, B of 16)"
+        self.isa = isa if self.gemv is not None else None
+        self.native_rows = 0 if self.gemv is None else 1 if dtype == torch.bfloat16 and _mkldnn_bf16() else 1 << 62
         self.refresh()
 
     def refresh(self) -> None:
-        parts = []
-        for p in self.prefixes:
-            codes = self.store[f"{p}.weight"]
-            qw = QuantizedWeight(codes, self.store[f"{p}.weight_scale_inv"], None, tuple(codes.shape),
-                                 "w8a8_fp8", self.block)
-            parts.append(dequantize_fp8_block(qw, self.dtype))
-        self.w_NK = torch.cat(parts) if len(parts) > 1 else parts[0]
-        self.gemm = PackedDense(self.w_NK)
+        codes = [self.store[f"{p}.weight"].view(torch.uint8) for p in self.prefixes]
+        scales = [self.store[f"{p}.weight_scale_inv"] for p in self.prefixes]
+        if self.gemv is not None and not all(t.is_contiguous() for t in codes + scales):
+            self.gemv, self.isa, self.native_rows = None, "non-contiguous checkpoint tensors", 0
+        if self.gemv is not None:
+            self.native_parts = codes, scales
+            self.plan = self.gemv.gemm("fp8", codes, scales, self.dtype, isa=self.isa, block=self.block)
+        self.gemm = None
+        if self.native_rows < 1 << 62:  # the dequantized weight, for more rows (or every row count)
+            parts = []
+            for p in self.prefixes:
+                c = self.store[f"{p}.weight"]
+                qw = QuantizedWeight(c, self.store[f"{p}.weight_scale_inv"], None, tuple(c.shape), "w8a8_fp8",
+                                     self.block)
+                parts.append(dequantize_fp8_block(qw, self.dtype))
+            self.gemm = PackedDense(torch.cat(parts) if len(parts) > 1 else parts[0], keep_plain=self.gemv is None)
+        native = f"native fp8 {self.isa}" if self.gemv is not None else None
+        dense = f"dequantized, {self.gemm.name}" if self.gemm is not None else None
+        self.kernel = {"1 row": native or dense, "rows": dense or native,  # type: ignore[dict-item]
+                       "why": self.isa if self.gemv is None else
+                       f"{self.isa}{'; oneDNN bf16 from 2 rows' if self.gemm is not None else ''}"}
 
-    def prepare(self, x_TK: Tensor) -> Tensor:
-        codes_TK, s_TG = quant_act_fp8_per_token_group(x_TK, self.block)
-        return dequant_act_fp8_per_token_group(codes_TK, s_TG, self.dtype)
+    def prepare(self, x_TK: Tensor) -> Tensor | RowsAct:
+        if self.gemv is not None:
+            return RowsAct(x_TK)
+        return _fake_quant_act_fp8(x_TK, self.block, self.dtype)
 
-    def mm(self, x_TK: Tensor) -> Tensor:
-        return self.gemm(x_TK)
+    def mm(self, x: Tensor | RowsAct) -> Tensor:
+        x_TK = x.x_TK if isinstance(x, RowsAct) else x
+        if self.gemv is not None and x_TK.shape[0] <= self.native_rows:
+            return self.plan(x_TK)
+        if self.gemv is not None:  # the activation as the dense path takes it: quantized, dequantized
+            x_TK = _fake_quant_act_fp8(x_TK, self.block, self.dtype)
+        return self.gemm(x_TK)  # type: ignore[misc]
+
+    @classmethod
+    def rows_mm(cls, linears: list[Linear], x) -> Tensor:
+        first: Fp8Linear = linears[0]  # type: ignore[assignment]
+        diag = x.shape[0] != 1  # row i through linear i: one fused part each (the experts' down)
+        if not isinstance(x, RowsAct) or (diag and any(len(lin.splits) != 1 for lin in linears)):
+            return super().rows_mm(linears, x)
+        parts = [lin.native_parts for lin in linears]  # type: ignore[attr-defined]
+        y = first.gemv.fp8(x.x_TK, [c for p in parts for c in p[0]], [s for p in parts for s in p[1]],  # type: ignore[union-attr]
+                           first.block, first.dtype, diag=diag, isa=first.isa)
+        return y.view(len(linears), -1)
 
 
 def _nibbles(packed_RW: Tensor, k: int) -> Tensor:
@@ -323,6 +457,15 @@ _FAST_INT4PACK: bool | None = None
 
 
 class Int4Linear(Linear):
+    """W4A16: y = x @ ((u - 8) * s).T per group of G along K (zero points: (u - 8) * s - z * s).
+
+    bf16 mode: the native kernel (int4_gemv.c) on the checkpoint's words in place, a token's k experts in one
+    call, for up to ``native_rows`` activation rows: 1 with AVX512-BF16, 2 with AVX2 (torch's int4 kernel
+    streams at ~40-55% of the native one's rate at one row; from 3 rows its 4-row GEMM tiles win, measured on
+    1536x2048, 2048x768 and 5120x2048 weights). Above that, in fp32 mode, with zero points or a group that is not
+    a multiple of 64: torch's ``_weight_int4pack_mm_for_cpu`` on its own layout (``packed``, ``scale_zeros``,
+    made at load)."""
+
     def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype):
         self.prefixes, self.store, self.dtype = prefixes, store, dtype
         self.names = []
@@ -334,61 +477,89 @@ class Int4Linear(Linear):
         self.refresh()
 
     def refresh(self) -> None:
-        u_parts, sz_parts, self.splits = [], [], []
-        group = None
+        self.splits, group = [], None  # (each part's n; the group size, checked to be shared)
         for p in self.prefixes:
             n, k = (int(v) for v in self.store[f"{p}.weight_shape"].tolist())
-            scale_NG = self.store[f"{p}.weight_scale"]
-            g = k // scale_NG.shape[1]
+            g = k // self.store[f"{p}.weight_scale"].shape[1]
             if group not in (None, g):
                 raise ValueError(f"{p}: group size {g} differs from the fused linears' {group}")
             group = g
-            u_parts.append(_nibbles(self.store[f"{p}.weight_packed"], k))  # u = q + 8, uint8 in [0, 16)
+            self.splits.append(n)
+        self.k, self.group = k, group
+        self._torch: tuple[Tensor, Tensor] | None = None
+        self.native_parts = self._native_parts()
+        self._torch_operands()  # at load: torch's kernel runs for more rows
+
+    def _torch_operands(self) -> tuple[Tensor, Tensor]:
+        """torch's int4 layout of the weights (uint8 [N, K/2]) and qScaleAndZeros [K/G, N, 2], made once per
+        refresh."""
+        if self._torch is not None:
+            return self._torch
+        u_parts, sz_parts = [], []
+        for p, n in zip(self.prefixes, self.splits, strict=True):
+            scale_NG = self.store[f"{p}.weight_scale"]
+            u_parts.append(_nibbles(self.store[f"{p}.weight_packed"], self.k))  # u = q + 8, uint8 in [0, 16)
             zp = self.store.get(f"{p}.weight_zero_point")
             if zp is None:
                 zero_NG = torch.zeros_like(scale_NG, dtype=self.dtype)
             else:  # w = (q - z) * s = (u - 8) * s + (-z * s)
                 zero_NG = -(unpack_int4(zp, n, packed_dim=0).float() * scale_NG.float()).to(self.dtype)
             sz_parts.append(torch.stack([scale_NG.to(self.dtype), zero_NG], dim=-1))  # [n, K/G, 2]
-            self.splits.append(n)
         u_NK = torch.cat(u_parts) if len(u_parts) > 1 else u_parts[0]
-        self.k, self.group = u_NK.shape[1], group
         if u_NK.shape[0] % 64 == 0 and self.k % 2 == 0 and _fast_int4pack_ok():
-            self.packed = _cpu_int4pack(u_NK)  # uint8 [N, K/2], torch's CPU int4 layout
+            packed = _cpu_int4pack(u_NK)  # uint8 [N, K/2], torch's CPU int4 layout
         else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u_NK.to(torch.int32), INT4_INNER_K_TILES)
-        self.scale_zeros = torch.cat(sz_parts).transpose(0, 1).contiguous()  # [K/G, N, 2]
-        self.native_parts = self._native_parts()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u_NK.to(torch.int32), INT4_INNER_K_TILES)
+        self._torch = packed, torch.cat(sz_parts).transpose(0, 1).contiguous()  # [K/G, N, 2]
+        return self._torch
+
+    packed = property(lambda self: self._torch_operands()[0])
+    scale_zeros = property(lambda self: self._torch_operands()[1])
 
     def _native_parts(self) -> list[tuple[Tensor, Tensor]] | None:
         """(4-bit fields as uint8 [n, K/2], bf16 scales [n, K/G]) per fused linear, views of the store, for the
-        native one-token kernel; None where it does not apply (fp32 mode, zero points, a group that is not
-        a multiple of 64, fused linears of different n, no AVX512-BF16), and torch's kernel runs instead."""
-        kernels = native.load()
-        if kernels is None or not kernels.int4_ok or self.dtype != torch.bfloat16 or sys.byteorder != "little":
+        native kernel; None where it does not apply, and torch's kernel runs instead (``kernel`` says why)."""
+        self.native_rows = 0
+        kernels, isa = _native_for("int4", self.dtype)
+        torch_name = "aten._weight_int4pack_mm_for_cpu"
+        self.kernel = {"1 row": torch_name, "rows": torch_name, "why": isa}
+        if kernels is None:
             return None
-        if self.group % 64 or self.k % self.group or len(set(self.splits)) != 1:
-            return None
+        why = None
+        if self.dtype != torch.bfloat16 or sys.byteorder != "little":
+            why = "fp32 mode (the native kernel takes bf16 activations)"
+        elif self.group % 64 or self.k % self.group:
+            why = f"group {self.group} (the native kernel wants a multiple of 64)"
         parts = []
         for p in self.prefixes:
             words, scale = self.store[f"{p}.weight_packed"], self.store[f"{p}.weight_scale"]
             if f"{p}.weight_zero_point" in self.store or scale.dtype != torch.bfloat16:
-                return None
-            if not (words.is_contiguous() and scale.is_contiguous()) or words.shape[1] * 8 != self.k:
-                return None
+                why = why or "zero points or non-bf16 scales"
+            elif not (words.is_contiguous() and scale.is_contiguous()) or words.shape[1] * 8 != self.k:
+                why = why or "non-contiguous or padded checkpoint tensors"
             parts.append((words.view(torch.uint8), scale))  # little-endian: byte j = u[2j] | u[2j + 1] << 4
-        self.kernels = kernels
+        if why is not None:
+            self.kernel["why"] = why
+            return None
+        self.kernels, self.isa = kernels, isa
+        self.native_rows = 1 if isa == "avx512" else 2
+        self.plan = kernels.gemm("int4", [w for w, _ in parts], [s for _, s in parts], self.dtype, isa=isa,
+                                 block=self.group)
+        name = f"native int4 {isa}"
+        self.kernel = {"1 row": name, "rows": f"{name} up to 2 rows, {torch_name} above" if self.native_rows > 1
+                       else torch_name, "why": "AVX512-BF16" if isa == "avx512" else "AVX2 without AVX512-BF16"}
         return parts
 
     def mm(self, x_TK: Tensor) -> Tensor:
-        if self.native_parts is not None and x_TK.shape[0] == 1:  # [parts, n] -> [1, N]: gate | up
-            return self._native([self], x_TK).view(1, -1)
+        if self.native_parts is not None and x_TK.shape[0] <= self.native_rows:  # [T, N]: gate | up
+            return self.plan(x_TK)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x_TK.contiguous(), self.packed, self.group,
                                                           self.scale_zeros)
 
-    def _native(self, linears: list[Int4Linear], x_TK: Tensor) -> Tensor:
+    def _native(self, linears: list[Int4Linear], x_TK: Tensor, diag: bool) -> Tensor:
         parts = [part for lin in linears for part in lin.native_parts]  # type: ignore[union-attr]
-        return self.kernels.int4(x_TK, [w for w, _ in parts], [s for _, s in parts], self.group, self.dtype)
+        return self.kernels.int4(x_TK, [w for w, _ in parts], [s for _, s in parts], self.group, self.dtype,
+                                 diag=diag, isa=self.isa)
 
     @classmethod
     def rows_mm(cls, linears: list[Linear], x) -> Tensor:
@@ -399,21 +570,46 @@ class Int4Linear(Linear):
                    and lin.k == first.k and lin.group == first.group for lin in linears)
         if not same or (x.shape[0] != 1 and len(first.splits) != 1):
             return super().rows_mm(linears, x)
-        return first._native(linears, x).view(len(linears), -1)  # type: ignore[arg-type]
+        return first._native(linears, x, diag=x.shape[0] != 1).view(len(linears), -1)  # type: ignore[arg-type]
+
+
+_LOGGED: set[tuple[str, ...]] = set()  # (format, kernels, why) already logged at INFO
 
 
 def make_linear(prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype, fp8_block: int | None) -> Linear:
-    """The layer for HF linears ``prefixes`` (fused along N), moving their tensors from ``raw`` to ``store``."""
+    """The layer for HF linears ``prefixes`` (fused along N), moving their tensors from ``raw`` to ``store``.
+    Logs the kernel it runs on (INFO the first time a format gets a kernel in this process, DEBUG for every
+    layer) and, the first time a low-bit format meets a weight shape, checks it against BF16
+    (``speed_check``)."""
     formats = {detect_format(p, raw) for p in prefixes}
     if len(formats) != 1:
         raise ValueError(f"{prefixes}: cannot fuse linears stored in different formats {sorted(formats)}")
     fmt = formats.pop()
     if fmt == "w4a16":
-        return Int4Linear(prefixes, raw, store, dtype)
-    if fmt == "w8a8_int8":
-        return Int8Linear(prefixes, raw, store, dtype)
-    if fmt == "w8a8_fp8":
+        lin: Linear = Int4Linear(prefixes, raw, store, dtype)
+    elif fmt == "w8a8_int8":
+        lin = Int8Linear(prefixes, raw, store, dtype)
+    elif fmt == "w8a8_fp8":
         if fp8_block is None:
             raise ValueError(f"{prefixes[0]}: fp8 weights but no weight_block_size in quantization_config")
-        return Fp8Linear(prefixes, raw, store, dtype, fp8_block)
-    return DenseLinear(prefixes, raw, store, dtype)
+        lin = Fp8Linear(prefixes, raw, store, dtype, fp8_block)
+    else:
+        lin = DenseLinear(prefixes, raw, store, dtype)
+    k = lin.kernel
+    line = (f"{fmt} {'+'.join(p.rsplit('.', 1)[-1] for p in prefixes)}: 1 row on {k['1 row']}, several rows on "
+            f"{k['rows']} ({k['why']})")
+    log.debug("%s: %s", prefixes[0].rsplit(".", 1)[0], line)
+    if (fmt, k["1 row"], k["rows"], k["why"]) not in _LOGGED:
+        _LOGGED.add((fmt, k["1 row"], k["rows"], k["why"]))
+        log.info("kernels: %s", line)
+    if fmt != "dense":
+        rows = speed_check.EXPERT_ROWS if ".experts." in prefixes[0] else speed_check.ROWS
+        speed_check.check(fmt, lin, sum(lin.splits), _in_features(lin, store), dtype, PackedDense, rows)
+    return lin
+
+
+def _in_features(lin: Linear, store: Store) -> int:
+    """K of a low-bit layer (from its first store entry of weight codes)."""
+    if isinstance(lin, Int4Linear):
+        return lin.k
+    return store[lin.names[0]].shape[1]

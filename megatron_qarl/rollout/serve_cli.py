@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from megatron_qarl.errors import ConfigError, UserError
@@ -28,9 +29,18 @@ def register(subparsers) -> None:
     p.set_defaults(func=_serve)
 
 
+def _configure_logging() -> None:
+    """The server log (stderr): warnings of any module, and which kernel each low-bit layer runs and why
+    (rollout/kernels.py, native.py at INFO; rollout/speed_check.py warns when a scheme is slower than BF16)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    for name in ("megatron_qarl.rollout.kernels", "megatron_qarl.rollout.native"):
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
 def _serve(args) -> int:
     import uvicorn
 
+    _configure_logging()
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key)
     if not server_cfg.loopback and not server_cfg.api_key:
         raise UserError(f"--host {args.host} is not loopback: --api-key is required")
