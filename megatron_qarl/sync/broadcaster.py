@@ -17,9 +17,10 @@ destroying the group on every side, so no collective stays pending; the next syn
 (sync/transport.py). Generation is continued on every server the sync paused before the error is raised: a
 request retracted there (bounded staleness), or sent there meanwhile, would otherwise wait until its client's
 timeout (rollout.timeout_s x retries), and the trainer's shutdown with it; the run stops on the error, so what
-those requests sample after it (possibly on partly updated weights) is never trained on. All learner ranks call `sync` (the payload is gathered collectively); only rank 0
-talks to the servers. ``verify``: every server's /weights_checker checksums (SGLang's definition,
-sync/checksum.py) must equal those of what was sent -- the embedded server only (docs/rollout.md).
+those requests sample after it (possibly on partly updated weights) is never trained on.
+All learner ranks call `sync` (the payload is gathered collectively); only rank 0 talks to the servers.
+``verify``: every server's /weights_checker checksums (SGLang's definition, sync/checksum.py) must equal those
+of what was sent -- the embedded server only (docs/rollout.md).
 
 ``delta`` (embedded servers only): after a full sync, a sync sends only the changed blocks of each
 tensor (sync/delta.py, ``load_format="delta"``) over the same sessions and buckets. Rank 0 keeps a CPU
