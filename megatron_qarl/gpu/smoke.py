@@ -219,15 +219,19 @@ def learner_checks(model_dir: str, impl: str, scheme: str, workdir: str, *, simu
     the aligned forward, which must give the same log-probs, then by ``train_step``), ``delta`` (the delta encoder
     between the payloads before and after the two steps, applied back bit for bit), ``checkpoint`` (a
     dist-checkpoint save). A check whose prerequisite failed is skipped, saying so."""
-    assert tuple(_NEEDS) == LEARNER_CHECKS
     key = f"[{impl},{scheme}]"
     run = _LearnerCheck(model_dir, impl, scheme, workdir, simulated)
+    steps = {"build": run.build, "forward": run.forward, "sync_payload": run.sync_payload,
+             "train_step": run.train_step, "r3_train_step": run.r3_train_step, "delta": run.delta,
+             "checkpoint": run.checkpoint}
+    assert tuple(steps) == tuple(_NEEDS) == LEARNER_CHECKS
     checks: dict[str, str] = {}
-    for name, needs in _NEEDS.items():
+    for name, fn in steps.items():
+        needs = _NEEDS[name]
         if needs is not None and not checks.get(needs + key, "").startswith("ok"):
             checks[name + key] = f"skipped: {needs} failed"
         else:
-            checks[name + key] = _timed(getattr(run, name))
+            checks[name + key] = _timed(fn)
     return checks  # the learner goes with ``run``, before the next one is built
 
 

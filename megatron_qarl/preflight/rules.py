@@ -79,10 +79,32 @@ def check_vllm(cfg: QarlConfig) -> None:
     if cfg.train.async_mode == "bounded":
         raise ConfigError("train.async: bounded with rollout.backend=vllm: requests stay in flight across a sync and "
                           "need SGLang's retract pause and per-token weight versions in meta_info, which vLLM 0.32's "
-                          "API does not return; use train.async: one_step (or off)")
+                          "API does not return; use train.async: one_step (each rollout between two syncs: the "
+                          "trainer knows its version) or off")
     if r.dp_size != 1 or r.ep_size != 1:
         raise ConfigError("rollout.ep_size: vLLM servers here run one data-parallel replica each with "
                           "--tensor-parallel-size only (rollout.dp_size and ep_size stay 1)")
+    sampling = r.sampling
+    if sampling.top_p < 1.0 or sampling.top_k != -1:
+        key, value = ("top_p", sampling.top_p) if sampling.top_p < 1.0 else ("top_k", sampling.top_k)
+        raise ConfigError(f"rollout.sampling.{key}: {value} with rollout.backend=vllm: vLLM 0.32 returns the "
+                          "log-probs of its top-k / top-p filtered, renormalized distribution (--logprobs-mode "
+                          "processed_logprobs; vllm/v1/sample/ops/topk_topp_sampler.py), SGLang, the embedded server "
+                          "and the learner those before the filter, so the two would differ by the log of the kept "
+                          "mass on every token; with vLLM use top_p 1.0 and top_k -1")
+
+
+def check_loss(cfg: QarlConfig) -> None:
+    """The policy loss against ``train.async``: stale samples need a behaviour-policy correction."""
+    loss, mode = cfg.algo.loss, cfg.train.async_mode
+    if mode != "off" and loss.mode != "tbpo" and loss.mismatch == "none":
+        fixes = "tis_seq or mis_seq" if loss.mode == "gspo" else "tis_token, mis_token, tis_seq or mis_seq"
+        raise ConfigError(f"algo.loss.mismatch: 'none' with algo.loss.mode={loss.mode!r} and train.async={mode!r}: "
+                          f"the samples were drawn by weights up to {cfg.train.staleness_bound} version(s) older than "
+                          "the learner's, and this loss corrects for the behaviour policy only through "
+                          f"algo.loss.mismatch (its ratio is to the learner's own log-probs); set it to {fixes}, or "
+                          "use algo.loss.mode=tbpo (its mismatch band and weight are that correction), or "
+                          "train.async=off")
 
 
 BACKEND_RULES = {"embedded": None, "sglang": check_sglang, "vllm": check_vllm}
@@ -90,6 +112,7 @@ BACKEND_RULES = {"embedded": None, "sglang": check_sglang, "vllm": check_vllm}
 
 def check_run(cfg: QarlConfig) -> QarlConfig:
     """Every rule between components on a schema-valid config; ConfigError naming the key, else ``cfg``."""
+    check_loss(cfg)
     rule = BACKEND_RULES[cfg.rollout.backend]
     if rule is not None:
         rule(cfg)
