@@ -295,6 +295,35 @@ def install_te_package() -> None:
     sys.modules.update(_te_modules())
 
 
+# the modules to import before TE's stand-in package: what they bind where TE is absent (the stand-ins then replace
+# their TE classes, ``install``)
+MEGATRON_FIRST = ("megatron.core.extensions.transformer_engine",
+                  "megatron.core.extensions.transformer_engine_spec_provider", "megatron.core.models.gpt",
+                  "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.fp8_utils",
+                  "megatron.core.transformer.transformer_block", "megatron.core.tensor_parallel.inference_layers",
+                  "megatron.core.distributed", "megatron.core.optimizer", "megatron_qarl.learner.rank",
+                  "megatron_qarl.moe.megatron_cpu")
+
+
+def install_in_fresh_process():
+    """In a fresh child process: Megatron first, without TE, then TE's stand-in package, then the stand-ins bound
+    where Megatron looks them up (``install``), and the TE spec without Megatron's CUDA fusions (their kernels come
+    with TE or apex; they change no GEMM operand). Returns the MonkeyPatch that undoes the bindings."""
+    import importlib
+
+    import pytest
+
+    for name in MEGATRON_FIRST:
+        importlib.import_module(name)
+    install_te_package()
+    mp = pytest.MonkeyPatch()
+    install(mp)
+    from megatron_qarl.moe import te as moe_te
+
+    mp.setattr(moe_te, "CUDA_FUSIONS", {"moe_grouped_gemm": True})  # the TE spec's grouped experts; no CUDA kernels
+    return mp
+
+
 FP8_ALIGN = 16  # TE's Fp8Padding alignment (module/fp8_padding.py: 16 rows for the FP8 recipes but MXFP8)
 
 

@@ -32,12 +32,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "checkpoints" / "tiny-qwen3-moe"
 SEQ = 24
-MEGATRON_FIRST = ("megatron.core.extensions.transformer_engine",
-                  "megatron.core.extensions.transformer_engine_spec_provider", "megatron.core.models.gpt",
-                  "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.fp8_utils",
-                  "megatron.core.transformer.transformer_block", "megatron.core.tensor_parallel.inference_layers",
-                  "megatron.core.distributed", "megatron.core.optimizer", "megatron_qarl.learner.rank",
-                  "megatron_qarl.moe.megatron_cpu")
 
 
 def _child_env() -> None:
@@ -60,25 +54,16 @@ def _learner(arch, scheme: str, impl: str, dtype, **kwargs):
 def te_learners_under_modelopts_te_plugin() -> dict:
     """In a fresh process: the w8a8_fp8 TE learner's forward (GEMM operands recorded), sync payload and train step;
     the local learner's forward; the bf16 TE learner with model.te_fp8. Returns plain data (tensors torch.save'd)."""
-    import importlib
-
     import te_standins
 
-    # Megatron first, without TE (what these modules bind where TE is absent; the stand-ins replace its TE classes),
-    # then TE's stand-in package, then ModelOpt's quantization plugins
-    for name in MEGATRON_FIRST:
-        importlib.import_module(name)
-    te_standins.install_te_package()
-    mp = pytest.MonkeyPatch()
-    te_standins.install(mp)
+    # Megatron first, without TE, then TE's stand-in package, then ModelOpt's quantization plugins
+    mp = te_standins.install_in_fresh_process()
     from megatron_qarl.learner.rank import Batch, token_mean_nll
-    from megatron_qarl.moe import te as moe_te
     from megatron_qarl.moe.convert import param_maps, shards_to_hf
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.moe.parallelize import init_parallel
     from megatron_qarl.sync.payload import iter_sync_tensors
 
-    mp.setattr(moe_te, "CUDA_FUSIONS", {"moe_grouped_gemm": True})  # the TE spec's grouped experts; no CUDA kernels
     _child_env()
     init_parallel()
     arch = Qwen3MoeArch.from_model_dir(TINY)
