@@ -459,7 +459,14 @@ class _GroupedLinearStandIn(GroupedLinear):
         super().__init__()
         if bias:
             raise ValueError("the stand-in covers bias=False only (Qwen3-MoE)")
-        etp = pg_collection.expt_tp.size() if pg_collection is not None else 1
+        from megatron.core import parallel_state as ps
+
+        self._ep_group = pg_collection.ep if pg_collection is not None else ps.get_expert_model_parallel_group()
+        self._etp_group = pg_collection.expt_tp if pg_collection is not None else \
+            ps.get_expert_tensor_parallel_group()
+        self._edp_group = pg_collection.expt_dp if pg_collection is not None else \
+            ps.get_expert_data_parallel_group()
+        etp = self._etp_group.size()
         if self.parallel_mode == "column":
             output_size //= etp
         else:
@@ -477,6 +484,33 @@ class _GroupedLinearStandIn(GroupedLinear):
             out = _apply(_module("grouped_linear")._GroupedLinear, x, list(m_splits), (), *weights,
                          *([None] * self.num_gemms))
         return out, None
+
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's TE{Column,Row}ParallelGroupedLinear checkpoint sharding (``_sharded_state_dict_grouped``,
+        megatron/core/extensions/transformer_engine.py), without TE's FP8 ``_extra_state``: ``weight<i>`` is global
+        expert ``ep_rank * num_gemms + i`` (an extra leading axis, or with ``singleton_local_shards`` a
+        ``<expert>.`` key prefix), split over expert-TP along the parallel dimension, replicated over expert-DP."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+        from megatron.core.utils import get_pg_rank, get_pg_size
+
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        axis = 0 if self.parallel_mode == "column" else 1
+        num_global = get_pg_size(self._ep_group) * self.num_gemms
+        offset = get_pg_rank(self._ep_group) * self.num_gemms
+        out = {}
+        for i in range(self.num_gemms):
+            expert = offset + i
+            offsets = sharded_offsets if singleton else (*sharded_offsets, (len(sharded_offsets), expert, num_global))
+            sub = make_sharded_tensors_for_checkpoint({f"{i}.weight": getattr(self, f"weight{i}")}, "",
+                                                      {f"{i}.weight": axis}, offsets, tp_group=self._etp_group,
+                                                      dp_cp_group=(metadata or {}).get("dp_cp_group"))
+            replace_prefix_for_sharding(sub, f"{i}.", f"{expert}.{prefix}" if singleton else prefix)
+            tensor = sub[f"{i}.weight"]
+            tensor.replica_id = (*tensor.replica_id[:2], get_pg_rank(self._edp_group))
+            out[f"{prefix}weight{i}"] = tensor
+        return out
 
 
 class TEColumnParallelGroupedLinearStandIn(_GroupedLinearStandIn):

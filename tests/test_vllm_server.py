@@ -178,6 +178,26 @@ def test_with_an_api_key_every_route_but_health_asks_for_it(vllm_server):
 
 
 @needs_vllm
+def test_every_accepted_vllm_combination_runs_two_correct_steps(vllm_server, tmp_path):
+    """Issue 29: the pairwise plan of the accepted rollout.backend=vllm combinations (tests/combination_space.py),
+    each run two training steps against this module's float32 server (tests/combination_runs.py; launch ray: the
+    learner rank as a Ray actor, the server shared). On CPUs without AMX vLLM serves bf16 only: the pairs of w4a16
+    and w8a8_int8 are left to machines with AMX (tests/test_vllm_train.py runs those there)."""
+    import collections
+
+    import combination_space as cs
+    from combination_runs import check_runs, run_groups, unrunnable_here
+
+    runs, left = cs.plan("vllm", cs.census("vllm"), unrunnable_here)
+    t0 = time.perf_counter()
+    results = run_groups(runs, {"bf16": vllm_server[1].urls}, tmp_path, ray_shared=True,
+                         extra=(f"rollout.api_key={KEY}",))
+    print(f"\n{len(runs)} vLLM runs of 2 steps in {time.perf_counter() - t0:.0f} s; pairs left to other machines: "
+          f"{dict(collections.Counter(left.values()))}")
+    check_runs(runs, results)
+
+
+@needs_vllm
 def test_a_vllm_server_killed_mid_rollout_loses_no_prompt(vllm_server, tmp_path):
     """Runs last in the module (it kills the shared server). Two servers: the vLLM one and an embedded one; vLLM
     gets SIGKILL once its requests are in flight; they are re-sent to the other and every sample comes back."""

@@ -1,10 +1,12 @@
 """The rules between keys of different components, and ``load_config``, the one way a run's config is loaded.
 
 config.py is the schema: each section's types and the checks that need only the config and the model's
-config.json. What a backend can serve, what the planner says a server layout can hold, and which async modes a
-backend supports span components, so they live here, where the config, the planner and every backend are known;
-the config module imports none of them (tests/test_import_cycles.py). ``qarl preflight`` (this package) adds the
-checks of the environments a run executes in.
+config.json. What a backend can serve, what the planner says a server layout can hold, which async modes and
+sampling settings a backend's answers support, and which losses stale samples need span components, so they live
+here, where the config, the planner and every backend are known; the config module imports none of them
+(tests/test_import_cycles.py). ``qarl preflight`` (this package) adds the checks of the environments a run executes
+in. tests/test_combinations.py loads every combination of the run's main keys through ``validate_run`` and runs
+the accepted ones (docs/training.md, "Which combinations of keys run").
 
     cfg = load_config("configs/cpu_default.yaml", ["parallel.tp=2", "optim.lr=1e-5"])
 
