@@ -69,8 +69,10 @@ class ModelConfig(_Section):
         ``auto`` TE where transformer_engine imports on the learner's machine. The quantized schemes (w8a8_fp8
         too) run TE's GEMMs in BF16 on ModelOpt's fake-quant operands, the exported codes x scales.
     te_fp8: TE's blockwise FP8 GEMMs for the learner (Megatron fp8="e4m3", fp8_recipe="blockwise"): a speed option
-        for bf16 runs with model.impl te only (``moe.te.check_te_fp8``: ModelOpt's quantizers, which every
-        quantized scheme inserts, refuse TE's fp8 autocast).
+        with model.impl te, for quant.scheme bf16 and w4a16 (``moe.te.check_te_fp8``): with w4a16 the experts'
+        fake-quant GEMMs run with fp8 autocast off inside (ModelOpt's TE plugin refuses it) and attention in FP8,
+        which the rollout computes in BF16 (docs/quantization.md, "FP8 on the TE spec"); the W8A8 schemes quantize
+        every TE linear, leaving nothing to FP8.
     """
 
     path: str
@@ -189,7 +191,7 @@ class RolloutConfig(_Section):
     """The rollout servers and how they sample. They serve ``quant.scheme``'s weights (bf16: full precision).
 
     backend: ``embedded`` (``qarl serve``, CPU kernels), ``sglang`` (``python -m sglang.launch_server``, GPUs) or
-        ``vllm`` (``python -m vllm.entrypoints.openai.api_server``: vLLM 0.32 on CPUs or GPUs, in its own
+        ``vllm`` (``python -m vllm.entrypoints.launchers.api_server.entry``: vLLM 0.32 on CPUs or GPUs, in its own
         environment, rollout/vllm_launcher.py; docs/rollout.md "vLLM").
     servers: how many; gpus_per_server is SGLang's --tp-size, vLLM's --tensor-parallel-size (0 on CPU).
 

@@ -35,10 +35,10 @@ parallelize.RANK_PRELOAD.append("modelopt.torch.quantization")
 # xdist hands out whole files (--dist loadfile) in collection order, so these start first and the run does not end
 # waiting on one of them (longest-processing-time-first scheduling). Every other file keeps its place after them.
 LONGEST_FIRST = [
-    "test_train_e2e.py", "test_slurm.py", "test_train_faults.py", "test_megatron_cpu.py", "test_qat_megatron.py",
-    "test_learner.py",
+    "test_combinations.py", "test_vllm_server.py", "test_train_e2e.py", "test_slurm.py", "test_train_faults.py",
+    "test_megatron_cpu.py", "test_qat_megatron.py", "test_learner.py",
     "test_sync_delta_server.py", "test_vllm_train.py", "test_repro_mini.py", "test_sync_server.py",
-    "test_vllm_server.py", "test_sync_payload.py", "test_simulated_device.py",
+    "test_sync_payload.py", "test_simulated_device.py",
 ]
 
 

@@ -37,6 +37,7 @@ start_weight_update  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's worker calls it
 receive_weights  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's WeightTransferEngine.update_weights calls it
 finish_weight_update  # rollout/vllm_ext/qarl_vllm_ext.py: vLLM's worker calls it (/finish_weight_update)
 QarlWorkerExtension  # rollout/vllm_ext/qarl_vllm_ext.py: named by the vLLM server's --worker-extension-cls
+RequireApiKey  # rollout/vllm_ext/qarl_vllm_auth.py: named by the vLLM server's --middleware (vLLM adds it to its app)
 VLLM_VERSION  # rollout/vllm_launcher.py: the pinned vLLM; tests/test_vllm_contract.py checks the env and requirements
 graphsafe_get_state  # simulated_device.py _Generator: torch.cuda's generator API (Megatron's RNG tracker)
 graphsafe_set_state  # simulated_device.py _Generator: torch.cuda's generator API (Megatron's RNG tracker, CUDA graphs)

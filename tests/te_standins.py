@@ -295,6 +295,35 @@ def install_te_package() -> None:
     sys.modules.update(_te_modules())
 
 
+# the modules to import before TE's stand-in package: what they bind where TE is absent (the stand-ins then replace
+# their TE classes, ``install``)
+MEGATRON_FIRST = ("megatron.core.extensions.transformer_engine",
+                  "megatron.core.extensions.transformer_engine_spec_provider", "megatron.core.models.gpt",
+                  "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.fp8_utils",
+                  "megatron.core.transformer.transformer_block", "megatron.core.tensor_parallel.inference_layers",
+                  "megatron.core.distributed", "megatron.core.optimizer", "megatron_qarl.learner.rank",
+                  "megatron_qarl.moe.megatron_cpu")
+
+
+def install_in_fresh_process():
+    """In a fresh child process: Megatron first, without TE, then TE's stand-in package, then the stand-ins bound
+    where Megatron looks them up (``install``), and the TE spec without Megatron's CUDA fusions (their kernels come
+    with TE or apex; they change no GEMM operand). Returns the MonkeyPatch that undoes the bindings."""
+    import importlib
+
+    import pytest
+
+    for name in MEGATRON_FIRST:
+        importlib.import_module(name)
+    install_te_package()
+    mp = pytest.MonkeyPatch()
+    install(mp)
+    from megatron_qarl.moe import te as moe_te
+
+    mp.setattr(moe_te, "CUDA_FUSIONS", {"moe_grouped_gemm": True})  # the TE spec's grouped experts; no CUDA kernels
+    return mp
+
+
 FP8_ALIGN = 16  # TE's Fp8Padding alignment (module/fp8_padding.py: 16 rows for the FP8 recipes but MXFP8)
 
 
@@ -430,7 +459,14 @@ class _GroupedLinearStandIn(GroupedLinear):
         super().__init__()
         if bias:
             raise ValueError("the stand-in covers bias=False only (Qwen3-MoE)")
-        etp = pg_collection.expt_tp.size() if pg_collection is not None else 1
+        from megatron.core import parallel_state as ps
+
+        self._ep_group = pg_collection.ep if pg_collection is not None else ps.get_expert_model_parallel_group()
+        self._etp_group = pg_collection.expt_tp if pg_collection is not None else \
+            ps.get_expert_tensor_parallel_group()
+        self._edp_group = pg_collection.expt_dp if pg_collection is not None else \
+            ps.get_expert_data_parallel_group()
+        etp = self._etp_group.size()
         if self.parallel_mode == "column":
             output_size //= etp
         else:
@@ -448,6 +484,33 @@ class _GroupedLinearStandIn(GroupedLinear):
             out = _apply(_module("grouped_linear")._GroupedLinear, x, list(m_splits), (), *weights,
                          *([None] * self.num_gemms))
         return out, None
+
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's TE{Column,Row}ParallelGroupedLinear checkpoint sharding (``_sharded_state_dict_grouped``,
+        megatron/core/extensions/transformer_engine.py), without TE's FP8 ``_extra_state``: ``weight<i>`` is global
+        expert ``ep_rank * num_gemms + i`` (an extra leading axis, or with ``singleton_local_shards`` a
+        ``<expert>.`` key prefix), split over expert-TP along the parallel dimension, replicated over expert-DP."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+        from megatron.core.utils import get_pg_rank, get_pg_size
+
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        axis = 0 if self.parallel_mode == "column" else 1
+        num_global = get_pg_size(self._ep_group) * self.num_gemms
+        offset = get_pg_rank(self._ep_group) * self.num_gemms
+        out = {}
+        for i in range(self.num_gemms):
+            expert = offset + i
+            offsets = sharded_offsets if singleton else (*sharded_offsets, (len(sharded_offsets), expert, num_global))
+            sub = make_sharded_tensors_for_checkpoint({f"{i}.weight": getattr(self, f"weight{i}")}, "",
+                                                      {f"{i}.weight": axis}, offsets, tp_group=self._etp_group,
+                                                      dp_cp_group=(metadata or {}).get("dp_cp_group"))
+            replace_prefix_for_sharding(sub, f"{i}.", f"{expert}.{prefix}" if singleton else prefix)
+            tensor = sub[f"{i}.weight"]
+            tensor.replica_id = (*tensor.replica_id[:2], get_pg_rank(self._edp_group))
+            out[f"{prefix}weight{i}"] = tensor
+        return out
 
 
 class TEColumnParallelGroupedLinearStandIn(_GroupedLinearStandIn):

@@ -218,3 +218,19 @@ def test_ranks_see_the_callers_environment_and_directory(tmp_path, monkeypatch):
     got = parallelize.run_ranks(2, _rank_sees)
     assert [g[:3] for g in got] == [("set-after-the-forkserver-started", str(tmp_path), str(r)) for r in range(2)]
     assert parallelize.rank_context().get_start_method() == ("spawn" if torch.cuda.is_available() else "forkserver")
+
+
+def _float8_broadcast() -> bool:
+    """Rank 0 broadcasts FP8 codes over the default (gloo) group; rank 1 receives them into a float8 buffer."""
+    dist.init_process_group("gloo")
+    codes = torch.linspace(-448, 448, 64).to(torch.float8_e4m3fn)
+    buffer = to_group_device(codes) if dist.get_rank() == 0 else group_empty([64], torch.float8_e4m3fn)
+    broadcast(buffer, 0, name="model.layers.0.self_attn.q_proj.weight")
+    return buffer.dtype == torch.float8_e4m3fn and torch.equal(buffer.view(torch.uint8), codes.view(torch.uint8))
+
+
+@pytest.mark.multiproc
+def test_float8_codes_cross_a_gloo_group_bit_for_bit():
+    """gloo has no float8 type: main before issue 29 raised "Invalid scalar type" at the first weight sync of every
+    w8a8_fp8 run with the embedded server (found by tests/test_combinations.py's runs)."""
+    assert parallelize.run_ranks(2, _float8_broadcast) == [True, True]

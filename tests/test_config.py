@@ -153,21 +153,24 @@ def test_wrong_learner_memory_keys_name_the_key(overrides, message, tiny_model_d
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.te_fp8=true", "model.impl=te", "quant.scheme=w8a8_fp8"],
-     r"^model\.te_fp8: TE's FP8 autocast cannot run with quant\.scheme='w8a8_fp8': .*ModelOpt"),
-    (["model.te_fp8=true", "model.impl=te", "quant.scheme=w4a16", "learner.aligned=false"],
-     r"^model\.te_fp8: .*quant\.scheme='w4a16'.*aligned or not"),
+     r"^model\.te_fp8: quant\.scheme='w8a8_fp8' quantizes every Transformer Engine linear .*ModelOpt"),
+    (["model.te_fp8=true", "model.impl=te", "quant.scheme=w8a8_int8", "algo.loss.mode=tbpo"],
+     r"^model\.te_fp8: quant\.scheme='w8a8_int8' .*no GEMM would be left to run in FP8"),
     (["model.te_fp8=true", "model.impl=auto", "quant.scheme=bf16"],
      r"^model\.te_fp8: .*model\.impl='te' \(got model\.impl='auto'\)"),
 ])
-def test_te_fp8_with_modelopt_quantizers_or_without_the_te_spec_is_refused(overrides, message, tiny_model_dir):
-    """TE's fp8 autocast and ModelOpt's quant modules (every quantized scheme) cannot run together
-    (moe.te.check_te_fp8): refused at load, naming the keys."""
+def test_te_fp8_without_a_gemm_left_in_fp8_or_without_the_te_spec_is_refused(overrides, message, tiny_model_dir):
+    """The W8A8 schemes fake-quantize every TE linear, each outside TE's fp8 autocast (ModelOpt's TE plugin refuses
+    it): nothing left to FP8 (moe.te.check_te_fp8); refused at load, naming the keys."""
     with pytest.raises(ConfigError, match=message):
         load_config(REPO / "configs" / "cpu_default.yaml", overrides)
 
 
-def test_te_fp8_loads_for_bf16_on_the_te_spec(tiny_model_dir):
-    cfg = load_config(REPO / "configs" / "cpu_default.yaml", ["model.te_fp8=true", "model.impl=te",
-                                                                 "quant.scheme=bf16"])
-    assert cfg.model.te_fp8 and cfg.quant.scheme == "bf16"
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16"])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_te_fp8_loads_for_bf16_and_w4a16_on_the_te_spec(scheme, aligned, tiny_model_dir):
+    """w4a16 was refused before issue 29: its experts now run outside fp8 autocast, attention in FP8."""
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml",
+                      ["model.te_fp8=true", "model.impl=te", f"quant.scheme={scheme}", f"learner.aligned={aligned}"])
+    assert cfg.model.te_fp8 and cfg.quant.scheme == scheme
     assert load_config(REPO / "configs" / "cpu_default.yaml").model.te_fp8 is False

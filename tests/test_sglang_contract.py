@@ -375,6 +375,7 @@ WEIGHT_UPDATE_CALLS = {
     "pause_generation": lambda a: (a.pause_generation(), a.pause_generation("retract")),  # sync; bounded async
     "flush_cache": lambda a: a.flush_cache(),
     "continue_generation": lambda a: a.continue_generation(),
+    "quietly_continue": lambda a: a.quietly_continue(),  # after a failed sync
     "init_weights_update_group": lambda a: a.init_weights_update_group(
         master_address="10.0.0.1", master_port=29600, rank_offset=1, world_size=3, group_name="weight_update_group",
         backend="nccl"),

@@ -161,3 +161,49 @@ def test_sync_follows_sglang_session_order_and_a_client_without_session_fails_as
     assert url in refused and OUTSIDE_SESSION in refused and "HTTP 400" in refused
     assert took < 30  # the abandoned broadcast ended with the group, not at gloo's 300 s timeout
     assert "/destroy_weights_update_group" in after
+
+
+def test_a_bounded_sync_that_fails_continues_generation_so_no_request_waits_on_a_paused_server(tiny_model_dir,
+                                                                                                  w4a16_server):
+    """train.async=bounded pauses the servers with mode retract: running requests stay there, parked, and so do
+    requests sent during the sync. A sync that fails after the pause must continue generation before it raises;
+    without that (main before issue 29) they waited until their client's timeout (rollout.timeout_s x retries),
+    and the trainer's shutdown waited on them."""
+    import threading
+    import time
+
+    from megatron_qarl.sync import broadcaster as broadcaster_mod
+
+    url = w4a16_server.url
+
+    def body():
+        answer: dict = {}
+        request = threading.Thread(target=lambda: answer.update(httpx.post(url + "/generate", json={
+            "input_ids": [2, 19, 20, 6, 15], "return_logprob": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 3}},
+            timeout=120).json()),
+            daemon=True)
+        sync = DistributedBroadcaster([Engine(url)], dtype=torch.float32, pause_mode="retract")
+
+        def failing_session(*_args, **_kwargs):  # the servers are paused: a request arrives, then a bucket fails
+            request.start()
+            time.sleep(2.0)
+            raise SyncError(f"{url}/update_weights_from_distributed: refused (the test's failure)")
+
+        sync.transport.session = failing_session
+        real_payload = broadcaster_mod.iter_sync_tensors
+        broadcaster_mod.iter_sync_tensors = lambda _learner, _dtype: iter(())
+        try:
+            with pytest.raises(SyncError, match="the test's failure"):
+                sync.sync(learner=None)
+        finally:
+            broadcaster_mod.iter_sync_tensors = real_payload
+        failed_at = time.monotonic()
+        request.join(timeout=60)
+        sync.close()
+        return not request.is_alive(), time.monotonic() - failed_at, answer
+
+    done, waited, answer = run_ranks(1, body)[0]
+    print(f"\nthe parked request finished {waited:.2f} s after the failed sync")
+    assert done, "a request parked on the paused server was still waiting 60 s after the failed sync"
+    assert len(answer["meta_info"]["output_token_logprobs"]) == 8

@@ -32,12 +32,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "checkpoints" / "tiny-qwen3-moe"
 SEQ = 24
-MEGATRON_FIRST = ("megatron.core.extensions.transformer_engine",
-                  "megatron.core.extensions.transformer_engine_spec_provider", "megatron.core.models.gpt",
-                  "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.fp8_utils",
-                  "megatron.core.transformer.transformer_block", "megatron.core.tensor_parallel.inference_layers",
-                  "megatron.core.distributed", "megatron.core.optimizer", "megatron_qarl.learner.rank",
-                  "megatron_qarl.moe.megatron_cpu")
 
 
 def _child_env() -> None:
@@ -60,25 +54,16 @@ def _learner(arch, scheme: str, impl: str, dtype, **kwargs):
 def te_learners_under_modelopts_te_plugin() -> dict:
     """In a fresh process: the w8a8_fp8 TE learner's forward (GEMM operands recorded), sync payload and train step;
     the local learner's forward; the bf16 TE learner with model.te_fp8. Returns plain data (tensors torch.save'd)."""
-    import importlib
-
     import te_standins
 
-    # Megatron first, without TE (what these modules bind where TE is absent; the stand-ins replace its TE classes),
-    # then TE's stand-in package, then ModelOpt's quantization plugins
-    for name in MEGATRON_FIRST:
-        importlib.import_module(name)
-    te_standins.install_te_package()
-    mp = pytest.MonkeyPatch()
-    te_standins.install(mp)
+    # Megatron first, without TE, then TE's stand-in package, then ModelOpt's quantization plugins
+    mp = te_standins.install_in_fresh_process()
     from megatron_qarl.learner.rank import Batch, token_mean_nll
-    from megatron_qarl.moe import te as moe_te
     from megatron_qarl.moe.convert import param_maps, shards_to_hf
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.moe.parallelize import init_parallel
     from megatron_qarl.sync.payload import iter_sync_tensors
 
-    mp.setattr(moe_te, "CUDA_FUSIONS", {"moe_grouped_gemm": True})  # the TE spec's grouped experts; no CUDA kernels
     _child_env()
     init_parallel()
     arch = Qwen3MoeArch.from_model_dir(TINY)
@@ -123,6 +108,7 @@ def te_learners_under_modelopts_te_plugin() -> dict:
     del local
 
     out["te_fp8"] = _te_fp8_bf16(arch, tokens)
+    out["te_fp8_w4a16"] = _te_fp8_w4a16(arch, tokens)
     mp.undo()
     return out
 
@@ -131,9 +117,6 @@ def _te_fp8_bf16(arch, tokens) -> dict:
     """model.te_fp8 with quant.scheme bf16: Megatron config and fp8 autocast around every TE GEMM."""
     import te_standins
 
-    from megatron_qarl.qat.config import QuantConfig
-    from megatron_qarl.qat.modules import apply_fake_quant
-
     try:
         learner = _learner(arch, "bf16", "te", torch.bfloat16, te_fp8=True)
     except TypeError as err:  # main at 24d59b3: no model.te_fp8
@@ -141,14 +124,48 @@ def _te_fp8_bf16(arch, tokens) -> dict:
     cfg = learner.module.config
     with te_standins.recording() as log:
         learner.forward_logprobs(tokens)
-    try:
-        apply_fake_quant(learner.module, arch, QuantConfig(scheme="w8a8_fp8"))
-        refused = None
-    except ValueError as err:
-        refused = str(err)
     return {"fp8": cfg.fp8, "fp8_recipe": str(cfg.fp8_recipe), "padding": cfg.moe_router_padding_for_fp8,
-            "gemms": len(log), "fp8_during_gemms": sorted({e["fp8"] for e in log}),
-            "fake_quant_refused": refused}
+            "gemms": len(log), "fp8_during_gemms": sorted({e["fp8"] for e in log})}
+
+
+def _gemms_by_module(learner, log) -> dict[str, list]:
+    names = {id(m): n for n, m in learner.module.named_modules()}
+    out: dict[str, list] = {}
+    for entry in log:
+        out.setdefault(names[id(entry["module"])], []).append(entry)
+    return out
+
+
+def _te_fp8_w4a16(arch, tokens) -> dict:
+    """model.te_fp8 with quant.scheme w4a16 (issue 29): ModelOpt converts the experts' grouped linears only, whose
+    GEMMs run with fp8 autocast off inside, on the fake-quant weights; attention's under fp8 autocast."""
+    import te_standins
+
+    from megatron_qarl.learner.rank import Batch, token_mean_nll
+
+    try:
+        learner = _learner(arch, "w4a16", "te", torch.bfloat16, te_fp8=True)
+    except Exception as err:  # noqa: BLE001 - main before issue 29 refused it (moe.te.check_te_fp8)
+        return {"error": f"{type(err).__name__}: {err}"}
+    converted = sorted({type(m).__mro__[1].__name__ for m in learner.module.modules()
+                        if hasattr(m, "weight_quantizer")})
+    with te_standins.recording() as log:
+        logp = learner.forward_logprobs(tokens)
+    gemms = _gemms_by_module(learner, log)
+    fp8 = {kind: sorted({e["fp8"] for n, es in gemms.items() for e in es if (".experts." in n) == (kind == "experts")})
+           for kind in ("experts", "attention and the rest")}
+    fake_quant_weights = all(
+        torch.equal(gemms[t.pm.mcore.rsplit(".", 1)[0]][int(t.pm.mcore.rsplit(".", 1)[1].removeprefix("weight") or 0)]
+                    ["weight"], t.local_fq) for t in learner.fake_quant.targets)
+    mask = torch.ones(2, SEQ - 1)
+    metrics = learner.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, int(mask.sum())))
+    targets = len(learner.fake_quant.targets)
+    del learner
+    reference = _learner(arch, "w4a16", "te", torch.bfloat16)  # the same learner without model.te_fp8
+    logp_ref = reference.forward_logprobs(tokens)
+    return {"converted": converted, "fp8": fp8, "targets": targets, "fake_quant_weights": fake_quant_weights,
+            "logp_max_diff": float((logp - logp_ref).abs().max()),
+            "train_step": {k: float(metrics[k]) for k in ("loss", "grad_norm", "skipped")}}
 
 
 def sg_block_dequant(tensors: bytes, block: int) -> dict[str, bytes]:
@@ -200,11 +217,26 @@ def test_the_te_gemms_multiply_the_codes_times_scales_sglang_receives(te_run):
     assert differ == {}, f"{len(differ)} of {len(gemm)} weights differ: {dict(list(differ.items())[:4])}"
 
 
-def test_te_fp8_runs_every_te_gemm_under_fp8_autocast_and_refuses_fake_quant(te_run):
+def test_te_fp8_runs_every_te_gemm_under_fp8_autocast(te_run):
     """model.te_fp8 (bf16 runs): Megatron's blockwise recipe, fp8 autocast around every TE GEMM (the stand-ins
-    compute no FP8 numerics: what is checked is that TE would), and ModelOpt fake quant refused on that model."""
+    compute no FP8 numerics: what is checked is that TE would)."""
     r = te_run["te_fp8"]
     assert "error" not in r, r
     assert (r["fp8"], r["fp8_recipe"], r["padding"]) == ("e4m3", "blockwise", True)
     assert r["gemms"] > 0 and r["fp8_during_gemms"] == [True]
-    assert r["fake_quant_refused"] and r["fake_quant_refused"].startswith("model.te_fp8: ")
+
+
+def test_te_fp8_with_w4a16_runs_the_experts_outside_fp8_on_their_fake_quant_weights_and_attention_in_fp8(te_run):
+    """The product card's learner (issue 29 item 9; refused at load before): ModelOpt's real TE plugin converts the
+    experts' TE grouped linears only (attention's TE linears and TE's core attention stay TE modules), the experts'
+    GEMMs multiply the fake-quant weights (the codes x scales the sync sends) with fp8 autocast off, every other TE
+    GEMM runs under it, and a train step goes through the plugin's backward. The stand-ins compute no FP8: the
+    log-probs equal those of the same learner without model.te_fp8 (on a GPU they differ by attention's FP8)."""
+    r = te_run["te_fp8_w4a16"]
+    assert "error" not in r, r
+    assert r["converted"] == ["_MegatronTEGroupedColumnParallelLinear", "_MegatronTEGroupedRowParallelLinear"]
+    assert r["fp8"] == {"experts": [False], "attention and the rest": [True]}
+    assert r["targets"] > 0 and r["fake_quant_weights"]
+    assert r["logp_max_diff"] <= 0.05, r
+    step = r["train_step"]
+    assert step["skipped"] == 0.0 and step["grad_norm"] > 0 and torch.isfinite(torch.tensor(step["loss"]))

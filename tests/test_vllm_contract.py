@@ -19,11 +19,12 @@ import pytest
 from vllm_tools import judge, needs_vllm
 
 from megatron_qarl.errors import ConfigError
-from megatron_qarl.launch.fleet import server_command
+from megatron_qarl.launch.fleet import server_command, server_env
 from megatron_qarl.preflight.rules import load_config
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import quantization_config
 from megatron_qarl.rollout.vllm_launcher import (
+    AUTH_MIDDLEWARE,
     VLLM_VERSION,
     WEIGHT_TRANSFER_BACKEND,
     WORKER_EXTENSION,
@@ -57,7 +58,7 @@ def verdicts(tmp_path_factory):
         cfg = load_config(REPO / "configs" / f"{name}.yaml", ["rollout.backend=vllm", "rollout.api_key=k3y"])
         model_dir = serving_dir(cfg.quant, "vllm", root / name)
         argv = server_command(cfg, model_dir, "127.0.0.1", 18123)
-        assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        assert argv[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]  # not the deprecated module
         cases[name] = (cfg, model_dir, len(tasks))
         tasks += [{"parse": argv[3:]}, {"config": argv[3:]}]
     sglang_int8 = serving_dir(QuantConfig(scheme="w8a8_int8"), "sglang", root / "sglang_int8")
@@ -76,11 +77,13 @@ def verdicts(tmp_path_factory):
 def test_server_command_is_accepted_by_vllms_parser_with_the_configs_values(name, verdicts):
     cfg, model_dir, (parsed, engine) = verdicts[name]
     assert "error" not in parsed, parsed
-    # vLLM takes a list of API keys (--api-key may repeat)
-    assert parsed == {"model": model_dir, "host": "127.0.0.1", "port": 18123, "api_key": ["k3y"],
+    # the API key is not on the argv (every user of the node can read it there): VLLM_API_KEY in the environment
+    assert parsed == {"model": model_dir, "host": "127.0.0.1", "port": 18123, "api_key": None,
                       "dtype": cfg.rollout.dtype, "max_num_seqs": cfg.rollout.max_batch_size, "seed": cfg.seed,
                       "enforce_eager": True, "logprobs_mode": "processed_logprobs", "tensor_parallel_size": 1,
-                      "worker_extension_cls": WORKER_EXTENSION, "weight_transfer_backend": WEIGHT_TRANSFER_BACKEND}
+                      "worker_extension_cls": WORKER_EXTENSION, "middleware": [AUTH_MIDDLEWARE],
+                      "weight_transfer_backend": WEIGHT_TRANSFER_BACKEND}
+    assert server_env(cfg)["VLLM_API_KEY"] == "k3y" and "k3y" not in server_command(cfg, model_dir, "127.0.0.1", 1)
     assert "error" not in engine, engine
     scheme = cfg.quant.scheme
     print(f"\n{name} ({scheme}): vLLM's engine config: {engine}")
@@ -109,7 +112,12 @@ def test_what_vllm_on_cpu_cannot_serve_is_refused_at_config_load_naming_the_key(
              ("configs/cpu_default.yaml", ("quant.group_size=32",)): "quant.group_size: 32",
              ("configs/cpu_default.yaml", ("rollout.sync.delta=true",)): "rollout.sync.delta",
              ("configs/cpu_default.yaml", ("rollout.sync.verify=true",)): "rollout.sync.verify",
-             ("configs/cpu_default.yaml", ("algo.routing_replay=true",)): "algo.routing_replay"}
+             ("configs/cpu_default.yaml", ("algo.routing_replay=true",)): "algo.routing_replay",
+             # vLLM's processed log-probs are of the top-k / top-p filtered distribution (tests/test_vllm_server.py
+             # measures it), the learner's before the filter
+             ("configs/cpu_bf16_rollout.yaml", ("rollout.sampling.top_p=0.9",)): "rollout.sampling.top_p: 0.9 with",
+             ("configs/cpu_bf16_rollout.yaml", ("rollout.sampling.top_k=20",)): "rollout.sampling.top_k: 20 with",
+             ("configs/cpu_bf16_rollout.yaml", ("train.async=bounded",)): "train.async: bounded with"}
     for (path, extra), key in cases.items():
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(REPO / path, ["rollout.backend=vllm", *extra])
@@ -126,3 +134,13 @@ def test_the_vllm_environment_installs_the_version_the_code_is_written_for():
     assert "requirements/vllm-server.txt" in (REPO / "scripts" / "make_vllm_env.sh").read_text()
     assert "scripts/make_vllm_env.sh" in (REPO / ".ci" / "run").read_text()
     assert "scripts/make_vllm_env.sh" in (REPO / "README.md").read_text()
+
+
+def test_a_vllm_server_off_loopback_without_an_api_key_is_refused_before_it_starts(tmp_path):
+    """Its dev routes (/collective_rpc: any worker method) would be open to the network."""
+    cfg = load_config(REPO / "configs" / "cpu_bf16_rollout.yaml", ["rollout.backend=vllm", "train.async=one_step"])
+    with pytest.raises(ConfigError, match=r"^rollout\.api_key: a vLLM server on host 0\.0\.0\.0"):
+        server_command(cfg, str(TINY), "0.0.0.0", 18123)
+    keyed = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"api_key": "k"})})
+    assert "--middleware" in server_command(keyed, str(TINY), "0.0.0.0", 18123)
+    assert server_env(cfg)["VLLM_API_KEY"] == ""  # none inherited from the launcher's environment either

@@ -2,9 +2,15 @@
 loop: the rollout manager's requests in vLLM's API, the learner's weight sync through vLLM's weight-transfer API
 and our ``qarl`` backend (gloo on CPU), and the prepack vLLM 0.32 skips on a reload.
 
-One float32 server for the module (start-up dominates: about 40 s on an idle 2-core machine with --enforce-eager),
-the tiny BF16 checkpoint, a float32 learner (bf16 scheme: the learner's forward is the served weights'):
-- sampled log-probs equal the learner's within 1e-5 per token;
+One float32 server for the module, with an API key (start-up dominates: about 40 s on an idle 2-core machine with
+--enforce-eager), the tiny BF16 checkpoint, a float32 learner (bf16 scheme: the learner's forward is the served
+weights'):
+- every route but /health asks for the key, the dev routes (/collective_rpc: any worker method) too, which vLLM's
+  own --api-key leaves open (rollout/vllm_ext/qarl_vllm_auth.py);
+- sampled log-probs equal the learner's within 1e-5 per token; a prefill score (the trainer's rescore, vLLM's
+  prompt_logprobs) equals the learner's unscaled log-probs at any temperature (SGLang's input_token_logprobs
+  semantics); with top_p < 1 vLLM's log-probs are of the filtered distribution, not the learner's (why the config
+  refuses top_p / top_k with vLLM);
 - an unchanged full sync leaves vLLM's sampled tokens and log-probs bit-identical and its own weight checksums
   (/weight_checker) unchanged (fails without ``reprepack_reloaded_experts``: the reloaded experts are unpacked);
 - after a training step, a sync moves vLLM's log-probs to the learner's new ones (within 1e-5), and
@@ -38,6 +44,8 @@ from megatron_qarl.sync.vllm_weight_update import VLLMWeightUpdateAPI
 
 pytestmark = [pytest.mark.e2e]
 PROMPTS = [[3, 9, 4, 12, 8], [5, 5, 20, 1], [17, 2, 6, 11, 14, 7], [8, 19, 3]]
+KEY = "qarl-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +57,35 @@ def vllm_server(tmp_path_factory, private_tiny_copy):
     model_dir = private_tiny_copy(root / "model")
     cfg = load_config("configs/cpu_bf16_rollout.yaml", [
         "rollout.backend=vllm", f"rollout.server_python={VLLM_PYTHON}", "rollout.dtype=float32",
+        f"rollout.api_key={KEY}",
         f"train.output_dir={root / 'run'}", "rollout.startup_timeout_s=900", "launch.backend=local"])
     servers = LocalServers(cfg, model_dir)
     yield model_dir, servers
     servers.close()
 
 
-def _rollout(url: str, step: int) -> list:
-    manager = RolloutManager(SamplingConfig(n_samples=2, temperature=1.0, max_new_tokens=12), [0], seed=5)
+def _rollout(url: str, step: int, top_p: float = 1.0) -> list:
+    manager = RolloutManager(SamplingConfig(n_samples=2, temperature=1.0, top_p=top_p, max_new_tokens=12), [0],
+                             seed=5)
 
     async def go():
-        async with VLLMClient(url) as client:
+        async with VLLMClient(url, api_key=KEY) as client:
             return await manager.generate([client], PROMPTS, step)
 
     return [s for group in asyncio.run(go()) for s in group]
+
+
+def _rescored(url: str, samples: list, temperature: float) -> list[torch.Tensor]:
+    """The trainer's rescore request (train/rollouts.py) of each sample's response: input_token_logprobs."""
+    params = {"temperature": temperature, "max_new_tokens": 1, "stop_token_ids": []}
+
+    async def go():
+        async with VLLMClient(url, api_key=KEY) as client:
+            return await asyncio.gather(*(client.generate(s.prompt_ids + s.response_ids, params,
+                                                          logprob_start_len=len(s.prompt_ids)) for s in samples))
+
+    return [torch.tensor([t[0] for t in a["meta_info"]["input_token_logprobs"]][: len(s.response_ids)])
+            for a, s in zip(asyncio.run(go()), samples, strict=True)]
 
 
 def _learner_logp(learner: Learner, samples: list) -> list[torch.Tensor]:
@@ -87,9 +110,9 @@ def _sync_story(model_dir: str, url: str) -> dict:
     out = {}
     before = _rollout(url, 0)
     out["start"] = _mismatch(learner, before)
-    checker = VLLMWeightUpdateAPI(Engine(url))
+    checker = VLLMWeightUpdateAPI(Engine(url, api_key=KEY))
     sums_before = checker.checksums()
-    sync = DistributedBroadcaster([Engine(url)], dtype=torch.float32, api_cls=VLLMWeightUpdateAPI,
+    sync = DistributedBroadcaster([Engine(url, api_key=KEY)], dtype=torch.float32, api_cls=VLLMWeightUpdateAPI,
                                   bucket_bytes=1 << 20)
     out["report_unchanged"] = sync.sync(learner)
     again = _rollout(url, 0)
@@ -105,7 +128,11 @@ def _sync_story(model_dir: str, url: str) -> dict:
     out["report_changed"] = sync.sync(learner)
     after = _rollout(url, 0)
     out["changed"] = _mismatch(learner, after)
-    out["version"] = httpx.get(url + "/weight_info", timeout=30).json()["weight_version"]
+    out["version"] = httpx.get(url + "/weight_info", headers=AUTH, timeout=30).json()["weight_version"]
+    learner_lp = _learner_logp(learner, after)  # temperature 1: the unscaled log-probs
+    out["rescore"] = {t: max(float((a - b).abs().max()) for a, b in zip(_rescored(url, after, t), learner_lp,
+                                                                        strict=True)) for t in (1.0, 0.5)}
+    out["top_p"] = _mismatch(learner, _rollout(url, 1, top_p=0.5))
     sync.close()
     return out
 
@@ -126,6 +153,48 @@ def test_vllm_rollouts_and_syncs_agree_with_the_learner_and_an_unchanged_sync_ch
     assert out["stale"][0] > 1e-3  # the step moved the learner away from the served weights
     assert out["changed"][0] <= 1e-5
     assert out["version"] == "v2"
+    print(f"prefill scores vs the learner (max |dlogp|) at T=1 and 0.5: {out['rescore']}; top_p 0.5 samples: "
+          f"max/mean {out['top_p'][0]:.2e}/{out['top_p'][1]:.2e}")
+    assert max(out["rescore"].values()) <= 1e-5  # unscaled at any temperature, as SGLang's input_token_logprobs
+    assert out["top_p"][0] > 1e-2  # the filtered distribution's log-probs: what preflight/rules.py refuses
+
+
+@needs_vllm
+def test_with_an_api_key_every_route_but_health_asks_for_it(vllm_server):
+    """vLLM's --api-key guards /v1 only; dev mode's /collective_rpc (any worker method), /pause, /weight_info, ...
+    ask for the key here (main before issue 29 answered /collective_rpc to anyone). The probe body names no method,
+    so a request that gets through is refused by the route itself (400), never run."""
+    url = vllm_server[1].urls[0]
+    routes = [("POST", "/collective_rpc", {}), ("GET", "/weight_info", None), ("POST", "/v1/completions", {}),
+              ("POST", "/reset_prefix_cache", None), ("GET", "/metrics", None)]
+    without = {path: httpx.request(m, url + path, json=body, timeout=60).status_code for m, path, body in routes}
+    wrong = {path: httpx.request(m, url + path, json=body, timeout=60, headers={"Authorization": "Bearer nope"})
+             .status_code for m, path, body in routes}
+    with_key = httpx.post(url + "/collective_rpc", json={}, headers=AUTH, timeout=60)
+    print(f"\nwithout the key: {without}; a wrong key: {wrong}; /collective_rpc with it: {with_key.status_code}")
+    assert set(without.values()) == {401} and set(wrong.values()) == {401}
+    assert with_key.status_code == 400 and "method" in with_key.text
+    assert httpx.get(url + "/health", timeout=60).status_code == 200
+
+
+@needs_vllm
+def test_every_accepted_vllm_combination_runs_two_correct_steps(vllm_server, tmp_path):
+    """Issue 29: the pairwise plan of the accepted rollout.backend=vllm combinations (tests/combination_space.py),
+    each run two training steps against this module's float32 server (tests/combination_runs.py; launch ray: the
+    learner rank as a Ray actor, the server shared). On CPUs without AMX vLLM serves bf16 only: the pairs of w4a16
+    and w8a8_int8 are left to machines with AMX (tests/test_vllm_train.py runs those there)."""
+    import collections
+
+    import combination_space as cs
+    from combination_runs import check_runs, run_groups, unrunnable_here
+
+    runs, left = cs.plan("vllm", cs.census("vllm"), unrunnable_here)
+    t0 = time.perf_counter()
+    results = run_groups(runs, {"bf16": vllm_server[1].urls}, tmp_path, ray_shared=True,
+                         extra=(f"rollout.api_key={KEY}",))
+    print(f"\n{len(runs)} vLLM runs of 2 steps in {time.perf_counter() - t0:.0f} s; pairs left to other machines: "
+          f"{dict(collections.Counter(left.values()))}")
+    check_runs(runs, results)
 
 
 @needs_vllm
@@ -148,7 +217,7 @@ def test_a_vllm_server_killed_mid_rollout_loses_no_prompt(vllm_server, tmp_path)
     manager = RolloutManager(SamplingConfig(n_samples=4, temperature=1.0, max_new_tokens=40), [0], seed=5)
 
     async def go():
-        async with VLLMClient(url) as v, SGLangClient(other.url) as e:
+        async with VLLMClient(url, api_key=KEY) as v, SGLangClient(other.url) as e:
             threading.Timer(0.5, lambda: os.kill(pid, signal.SIGKILL)).start()
             t0 = time.monotonic()
             groups = await manager.generate([v, e], PROMPTS * 2, 3)

@@ -3,7 +3,7 @@ code judges what this project hands it. Reads a JSON list of tasks on stdin, wri
 stdout (one per task; an exception is answered as {"error": "Type: message"}).
 
 Tasks:
-  {"parse": argv}: what ``python -m vllm.entrypoints.openai.api_server <argv>`` makes of the command line:
+  {"parse": argv}: what ``python -m vllm.entrypoints.launchers.api_server.entry <argv>`` makes of the command line:
       its main (vllm/entrypoints/launchers/api_server/entry.py) builds make_arg_parser(FlexibleArgumentParser),
       parses, validate_parsed_serve_args; the engine is built from AsyncEngineArgs.from_cli_args. Answers the
       engine-args fields this project sets.
@@ -39,7 +39,7 @@ def parse(argv: list[str]) -> dict:
     return {"model": ea.model, "host": args.host, "port": args.port, "api_key": args.api_key, "dtype": ea.dtype,
             "max_num_seqs": ea.max_num_seqs, "seed": ea.seed, "enforce_eager": ea.enforce_eager,
             "logprobs_mode": ea.logprobs_mode, "tensor_parallel_size": ea.tensor_parallel_size,
-            "worker_extension_cls": ea.worker_extension_cls,
+            "worker_extension_cls": ea.worker_extension_cls, "middleware": args.middleware,
             "weight_transfer_backend": getattr(wt, "backend", None)}
 
 

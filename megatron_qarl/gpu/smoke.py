@@ -18,8 +18,10 @@ can run on the real GPU, sized for a short lease on one GPU (about a minute of w
   the quantized schemes' GEMMs run in BF16 on ModelOpt's fake-quant operands, w8a8_fp8 too (docs/quantization.md,
   "FP8 on the TE spec"): its ``forward[te,w8a8_fp8]`` is the first forward that ModelOpt's TE plugin refused under
   fp8 autocast.
-- ``te_fp8[te,bf16]`` (Transformer Engine only): ``model.te_fp8``, a bf16 learner whose TE GEMMs run TE's blockwise
-  FP8 recipe: its first forward and a train step.
+- ``te_fp8[te,bf16]``, ``te_fp8[te,w4a16]`` (Transformer Engine only): ``model.te_fp8``, a learner whose TE GEMMs
+  run TE's blockwise FP8 recipe (w4a16: the experts' fake-quant GEMMs with fp8 autocast off inside, attention in
+  FP8): its first forward and a train step; for w4a16 also how far its log-probs are from the same learner's with
+  BF16 attention (docs/quantization.md, "FP8 on the TE spec").
 - ``nccl_broadcast``: a 4 MiB NCCL broadcast from GPU 0 to every visible GPU (one process each).
 
 On a machine without CUDA it says so and exits 0. The GPU code it checks lives with its concept: the Transformer
@@ -129,6 +131,85 @@ def _fp8_gemm(te: bool) -> dict[str, float]:
 LEARNER_CHECKS = ("build", "forward", "sync_payload", "train_step", "r3_train_step", "delta", "checkpoint")
 
 
+# which check each one needs to have passed first
+_NEEDS = {"build": None, "forward": "build", "sync_payload": "forward", "train_step": "forward",
+          "r3_train_step": "forward", "delta": "sync_payload", "checkpoint": "build"}
+
+
+class _LearnerCheck:
+    """The checks of one learner (``LEARNER_CHECKS``, one method each, in order) and the state they share."""
+
+    def __init__(self, model_dir: str, impl: str, scheme: str, workdir: str, simulated: bool):
+        import torch
+
+        from megatron_qarl.moe.model import Qwen3MoeArch
+
+        self.model_dir, self.impl, self.scheme, self.workdir = model_dir, impl, scheme, workdir
+        self.simulated = simulated
+        torch.manual_seed(0)
+        self.arch = Qwen3MoeArch.from_model_dir(model_dir)
+        rows, seq = (2, 16) if simulated else (4, 128)  # FP8 GEMMs want token counts in multiples of 16 (TE: 128)
+        self.tokens = torch.randint(0, self.arch.vocab_size, (rows, seq))
+        self.mask = torch.ones(rows, seq - 1)
+        self.learner = self.before = None
+
+    def build(self) -> str:
+        import torch
+
+        from megatron_qarl.config import OptimConfig, ParallelConfig
+        from megatron_qarl.learner.rank import Learner
+
+        learner = Learner(self.arch, ParallelConfig(), OptimConfig(lr=1e-4), dtype=torch.bfloat16,
+                          quant=QuantConfig(scheme=self.scheme), aligned=True, impl=self.impl, routing_replay=True)
+        learner.load_hf(self.model_dir)
+        if learner.device.type != "cuda":
+            raise RuntimeError(f"the learner's parameters are on {learner.device}, not CUDA")
+        self.learner = learner
+        return f"{sum(p.numel() for p in learner.module.parameters())} parameters on {learner.device}"
+
+    def forward(self) -> str:
+        import torch
+
+        logp = self.learner.forward_logprobs(self.tokens)
+        if not torch.isfinite(logp).all():
+            raise RuntimeError("non-finite aligned log-probs")
+        return f"mean logp {float(logp.mean()):.4f}"
+
+    def sync_payload(self) -> str:
+        self.before, nbytes = _payload(self.learner, self.simulated)
+        return f"{len(self.before)} tensors, {nbytes / 2**20:.2f} MiB"
+
+    def train_step(self, routes: bool = False) -> str:
+        import torch
+
+        from megatron_qarl.learner.rank import Batch, token_mean_nll
+
+        learner, tokens, extra, total = self.learner, self.tokens, {}, int(self.mask.sum())
+        if routes:  # the routes a server would return; the aligned forward replaying them gives the same log-probs
+            logp, extra["routes_BSLK"] = learner.forward_routes(tokens)
+            if not torch.equal(learner.forward_logprobs(tokens, extra["routes_BSLK"]), logp):
+                raise RuntimeError("the aligned forward replaying its own routes changed the log-probs")
+        metrics = learner.train_step(Batch(tokens, self.mask, extra), lambda lp, b: token_mean_nll(lp, b, total))
+        torch.cuda.synchronize()
+        if metrics["skipped"] != 0.0:
+            raise RuntimeError(f"non-finite step: {metrics}")
+        return f"loss {metrics['loss']:.4f}, grad_norm {metrics['grad_norm']:.4f}"
+
+    def r3_train_step(self) -> str:
+        return self.train_step(routes=True)
+
+    def delta(self) -> str:
+        after, _ = _payload(self.learner, self.simulated)
+        return _delta_roundtrip(self.before, after)
+
+    def checkpoint(self) -> str:
+        from megatron_qarl.learner.checkpoint import save_learner
+
+        path = Path(self.workdir) / f"checkpoint-{self.impl}-{self.scheme}"
+        save_learner(path, self.learner.module, self.learner.optimizer)
+        return f"{sum(f.stat().st_size for f in path.rglob('*') if f.is_file()) / 2**20:.2f} MiB"
+
+
 def learner_checks(model_dir: str, impl: str, scheme: str, workdir: str, *, simulated: bool = False) -> dict[str, str]:
     """One TP1/EP1 learner for ``scheme`` on the current CUDA device (real, or ``simulated_device.simulated_cuda``),
     built with routing replay and the rollout-aligned fake quant, checked step by step; one entry per check,
@@ -137,89 +218,30 @@ def learner_checks(model_dir: str, impl: str, scheme: str, workdir: str, *, simu
     ``train_step`` (routers routing on their own), ``r3_train_step`` (R3: the routes of ``forward_routes`` replayed by
     the aligned forward, which must give the same log-probs, then by ``train_step``), ``delta`` (the delta encoder
     between the payloads before and after the two steps, applied back bit for bit), ``checkpoint`` (a
-    dist-checkpoint save)."""
-    import torch
-
-    from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
-    from megatron_qarl.moe.model import Qwen3MoeArch
-
+    dist-checkpoint save). A check whose prerequisite failed is skipped, saying so."""
     key = f"[{impl},{scheme}]"
+    run = _LearnerCheck(model_dir, impl, scheme, workdir, simulated)
+    steps = {"build": run.build, "forward": run.forward, "sync_payload": run.sync_payload,
+             "train_step": run.train_step, "r3_train_step": run.r3_train_step, "delta": run.delta,
+             "checkpoint": run.checkpoint}
+    assert tuple(steps) == tuple(_NEEDS) == LEARNER_CHECKS
     checks: dict[str, str] = {}
-    state: dict = {}
-
-    def check(name: str, fn, needs: str | None = None) -> None:
+    for name, fn in steps.items():
+        needs = _NEEDS[name]
         if needs is not None and not checks.get(needs + key, "").startswith("ok"):
             checks[name + key] = f"skipped: {needs} failed"
-            return
-        t0 = time.perf_counter()
-        try:
-            checks[name + key] = f"ok: {fn()}, {time.perf_counter() - t0:.1f}s"
-        except Exception as err:  # noqa: BLE001 - report every check, then fail at the end
-            checks[name + key] = f"FAILED: {type(err).__name__}: {err}"
+        else:
+            checks[name + key] = _timed(fn)
+    return checks  # the learner goes with ``run``, before the next one is built
 
-    torch.manual_seed(0)
-    arch = Qwen3MoeArch.from_model_dir(model_dir)
-    rows, seq = (2, 16) if simulated else (4, 128)  # FP8 GEMMs want token counts in multiples of 16 (TE: 128)
-    tokens = torch.randint(0, arch.vocab_size, (rows, seq))
-    mask = torch.ones(rows, seq - 1)
-    total = int(mask.sum())
 
-    def nll(lp, b):
-        return token_mean_nll(lp, b, total)
-
-    def build():
-        learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-4), dtype=torch.bfloat16,
-                          quant=QuantConfig(scheme=scheme), aligned=True, impl=impl, routing_replay=True)
-        learner.load_hf(model_dir)
-        if learner.device.type != "cuda":
-            raise RuntimeError(f"the learner's parameters are on {learner.device}, not CUDA")
-        state["learner"] = learner
-        return f"{sum(p.numel() for p in learner.module.parameters())} parameters on {learner.device}"
-
-    def forward():
-        logp = state["learner"].forward_logprobs(tokens)
-        if not torch.isfinite(logp).all():
-            raise RuntimeError("non-finite aligned log-probs")
-        return f"mean logp {float(logp.mean()):.4f}"
-
-    def payload():
-        state["before"], nbytes = _payload(state["learner"], simulated)
-        return f"{len(state['before'])} tensors, {nbytes / 2**20:.2f} MiB"
-
-    def step(routes: bool):
-        learner = state["learner"]
-        extra = {}
-        if routes:  # the routes a server would return; the aligned forward replaying them gives the same log-probs
-            logp, extra["routes_BSLK"] = learner.forward_routes(tokens)
-            if not torch.equal(learner.forward_logprobs(tokens, extra["routes_BSLK"]), logp):
-                raise RuntimeError("the aligned forward replaying its own routes changed the log-probs")
-        metrics = learner.train_step(Batch(tokens, mask, extra), nll)
-        torch.cuda.synchronize()
-        if metrics["skipped"] != 0.0:
-            raise RuntimeError(f"non-finite step: {metrics}")
-        return f"loss {metrics['loss']:.4f}, grad_norm {metrics['grad_norm']:.4f}"
-
-    def delta():
-        after, _ = _payload(state["learner"], simulated)
-        return _delta_roundtrip(state["before"], after)
-
-    def checkpoint():
-        from megatron_qarl.learner.checkpoint import save_learner
-
-        path = Path(workdir) / f"checkpoint-{impl}-{scheme}"
-        save_learner(path, state["learner"].module, state["learner"].optimizer)
-        return f"{sum(f.stat().st_size for f in path.rglob('*') if f.is_file()) / 2**20:.2f} MiB"
-
-    steps = {"build": (build, None), "forward": (forward, "build"), "sync_payload": (payload, "forward"),
-             "train_step": (lambda: step(routes=False), "forward"),
-             "r3_train_step": (lambda: step(routes=True), "forward"),
-             "delta": (delta, "sync_payload"), "checkpoint": (checkpoint, "build")}
-    assert tuple(steps) == LEARNER_CHECKS
-    for name, (fn, needs) in steps.items():
-        check(name, fn, needs)
-    state.clear()  # the learner goes before the next one is built
-    return checks
+def _timed(fn, *args) -> str:
+    """``ok: <what fn says>, <seconds>`` or ``FAILED: <error>``."""
+    t0 = time.perf_counter()
+    try:
+        return f"ok: {fn(*args)}, {time.perf_counter() - t0:.1f}s"
+    except Exception as err:  # noqa: BLE001 - report every check, then fail at the end
+        return f"FAILED: {type(err).__name__}: {err}"
 
 
 def _payload(learner, simulated: bool) -> tuple[dict, int]:
@@ -274,28 +296,43 @@ def _delta_roundtrip(before: dict, after: dict) -> str:
     return f"{changed} of {len(after)} tensors changed, {sent / 2**10:.1f} KiB of deltas"
 
 
-def te_fp8_check(model_dir: str) -> str:
-    """``model.te_fp8``: a bf16 TE-spec learner whose GEMMs run TE's blockwise FP8 recipe; its first forward under
-    fp8 autocast and a train step (real CUDA with Transformer Engine only)."""
+TE_FP8_SCHEMES = ("bf16", "w4a16")  # the schemes model.te_fp8 runs with (moe.te.check_te_fp8)
+
+
+def te_fp8_check(model_dir: str, scheme: str) -> str:
+    """``model.te_fp8``: a TE-spec learner whose TE GEMMs run TE's blockwise FP8 recipe (real CUDA with Transformer
+    Engine only); its first forward under fp8 autocast and a train step. With w4a16 the experts' fake-quant GEMMs
+    run with fp8 autocast off inside (qat/modules.py), attention in FP8: the mean |logp| difference to the same
+    learner without model.te_fp8 (BF16 attention, what the rollout computes) is the trade-off's size."""
     import torch
 
     from megatron_qarl.config import OptimConfig, ParallelConfig
     from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
     from megatron_qarl.moe.model import Qwen3MoeArch
 
-    torch.manual_seed(0)
     arch = Qwen3MoeArch.from_model_dir(model_dir)
-    learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-4), dtype=torch.bfloat16,
-                      quant=QuantConfig(scheme="bf16"), impl="te", te_fp8=True)
-    learner.load_hf(model_dir)
+    torch.manual_seed(0)
     tokens = torch.randint(0, arch.vocab_size, (4, 128))  # TE blockwise FP8: token counts in multiples of 128
     mask = torch.ones(4, 127)
-    logp = learner.forward_logprobs(tokens)
-    metrics = learner.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, int(mask.sum())))
+
+    def learner(fp8: bool):
+        built = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-4), dtype=torch.bfloat16,
+                        quant=QuantConfig(scheme=scheme), impl="te", te_fp8=fp8)
+        built.load_hf(model_dir)
+        return built
+
+    fp8 = learner(True)
+    logp = fp8.forward_logprobs(tokens)
+    metrics = fp8.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, int(mask.sum())))
     torch.cuda.synchronize()
     if not (torch.isfinite(logp).all() and metrics["skipped"] == 0.0):
         raise RuntimeError(f"non-finite FP8 step: {metrics}")
-    return f"mean logp {float(logp.mean()):.4f}, loss {metrics['loss']:.4f}"
+    out = f"mean logp {float(logp.mean()):.4f}, loss {metrics['loss']:.4f}"
+    if scheme != "bf16":
+        del fp8
+        gap = (logp - learner(False).forward_logprobs(tokens)).abs().mean()
+        out += f", mean |logp - the BF16-attention learner's| {float(gap):.2e}"
+    return out
 
 
 def _learner_all(model_dir: str, impls: list[str], checks: dict[str, str], workdir: str) -> None:
@@ -308,11 +345,8 @@ def _learner_all(model_dir: str, impls: list[str], checks: dict[str, str], workd
             for scheme in SCHEMES:
                 checks.update(learner_checks(model_dir, impl, scheme, workdir))
         if "te" in impls:
-            t0 = time.perf_counter()
-            try:
-                checks["te_fp8[te,bf16]"] = f"ok: {te_fp8_check(model_dir)}, {time.perf_counter() - t0:.1f}s"
-            except Exception as err:  # noqa: BLE001 - report every check, then fail at the end
-                checks["te_fp8[te,bf16]"] = f"FAILED: {type(err).__name__}: {err}"
+            for scheme in TE_FP8_SCHEMES:
+                checks[f"te_fp8[te,{scheme}]"] = _timed(te_fp8_check, model_dir, scheme)
     finally:
         destroy_parallel()
 
@@ -439,16 +473,8 @@ def smoke(model: str | None = None) -> dict[str, Any]:
         out["checks"] = {"all": NO_CUDA}
         return out
     checks: dict[str, str] = {}
-
-    def run(name, fn, *args):
-        t0 = time.perf_counter()
-        try:
-            checks[name] = f"ok: {fn(*args)}, {time.perf_counter() - t0:.1f}s"
-        except Exception as err:  # noqa: BLE001 - report every check, then fail at the end
-            checks[name] = f"FAILED: {type(err).__name__}: {err}"
-
     te = info["transformer_engine"]
-    run("fp8_gemm", _fp8_gemm, te)
+    checks["fp8_gemm"] = _timed(_fp8_gemm, te)
     impls = ["local", "te"] if te else ["local"]
     try:
         with tempfile.TemporaryDirectory() as workdir:
@@ -457,7 +483,7 @@ def smoke(model: str | None = None) -> dict[str, Any]:
         checks["learner"] = f"FAILED: {type(err).__name__}: {err}"
     if not te:
         checks["learner[te,*]"] = "skipped: transformer_engine not installed (the local spec ran)"
-    run("nccl_broadcast", _nccl_broadcast)
+    checks["nccl_broadcast"] = _timed(_nccl_broadcast)
     checks["sglang"] = "ok: importable" if info["sglang"] else "skipped: sglang not installed"
     out["checks"] = checks
     return out

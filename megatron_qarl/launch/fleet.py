@@ -152,10 +152,11 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
 
 def server_env(cfg: QarlConfig) -> dict[str, str]:
     """What every server's environment gets on top of its launcher's: the embedded server's torch threads;
-    vLLM's weight-transfer routes, our worker extension and its CPU KV cache (rollout/vllm_launcher.py)."""
+    vLLM's weight-transfer routes, our worker extension and middleware, the API key and its CPU KV cache
+    (rollout/vllm_launcher.py)."""
     threads = cfg.rollout.threads
     env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-    return {**env, **vllm_env()} if cfg.rollout.backend == "vllm" else env
+    return {**env, **vllm_env(cfg.rollout.api_key)} if cfg.rollout.backend == "vllm" else env
 
 
 def log_dir(cfg: QarlConfig) -> Path:

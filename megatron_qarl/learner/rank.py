@@ -96,7 +96,7 @@ class Learner:
                  recompute_num_layers: int = 1, te_fp8: bool = False):
         """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
         Transformer Engine layers, in BF16 GEMMs on ModelOpt's fake-quant operands for the quantized schemes
-        (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (bf16 scheme and impl te only,
+        (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (impl te, schemes bf16 and w4a16,
         ``moe.te.check_te_fp8``).
         ``compile_quantizer``: learner.compile_quantizer (``qat.quantizer.fake_quantize_weight``).
         The memory options: see the class docstring."""

@@ -103,9 +103,17 @@ def all_gather_tensors(t: torch.Tensor, group, size: int, name: str = "tensor") 
     return out
 
 
+# gloo has no float8 type (its broadcast raises "Invalid scalar type"): those go as their bytes, a uint8 view of the
+# same storage, so a receive still fills the float8 buffer (NCCL takes float8 as it is)
+_BYTES_ON_GLOO = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False, name: str = "tensor"):
-    """``dist.broadcast`` of ``t`` (on ``group``'s device) from ``src``; with ``async_op`` the work handle."""
+    """``dist.broadcast`` of ``t`` (on ``group``'s device) from ``src``; with ``async_op`` the work handle. On a gloo
+    group a float8 tensor travels as its bytes (``_BYTES_ON_GLOO``)."""
     _check(t, group, name)
+    if t.dtype in _BYTES_ON_GLOO and "gloo" in str(dist.get_backend(group)):
+        t = t.view(torch.uint8)
     return dist.broadcast(t, src=src, group=group, async_op=async_op)
 
 

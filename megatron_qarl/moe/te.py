@@ -9,12 +9,13 @@ imports on CPU machines; ``moe.model.build_model(..., te=True)`` builds the mode
 - ``te_transformer_config``: ``moe.model.transformer_config`` with ``te_config_overrides``: the CUDA fusions back
   on and, only with ``model.te_fp8``, TE's blockwise FP8 recipe (``te_fp8_settings``).
 
-FP8 and fake quantization (docs/quantization.md, "FP8 on the TE spec"): the quantized schemes, w8a8_fp8 included,
-run the TE spec's GEMMs in BF16 on ModelOpt fake-quant operands (``qat/modules.py``: the exported FP8 codes x
-scales, the fake-quantized activations), never under TE's fp8 autocast: ModelOpt 0.47's TE plugin refuses fp8
-autocast in every forward of a module it converted, and TE's own FP8 quantization (power-of-two scales by default,
-its own rounding) is not SGLang's. ``te_fp8_settings`` (Megatron fp8="e4m3", fp8_recipe="blockwise") serves only
-``model.te_fp8``, for bf16 runs, where nothing is ModelOpt-converted; ``check_te_fp8`` refuses every other use.
+FP8 and fake quantization (docs/quantization.md, "FP8 on the TE spec"): the quantized GEMMs, w8a8_fp8's included,
+run in BF16 on ModelOpt fake-quant operands (``qat/modules.py``: the exported codes x scales, the fake-quantized
+activations), never under TE's fp8 autocast: ModelOpt 0.47's TE plugin refuses fp8 autocast in every forward of a
+module it converted, and TE's own FP8 quantization (power-of-two scales by default, its own rounding) is not
+SGLang's. ``te_fp8_settings`` (Megatron fp8="e4m3", fp8_recipe="blockwise") serves ``model.te_fp8`` for bf16 runs
+and for w4a16 ones, where ModelOpt converts the experts' grouped linears only and they run with fp8 autocast off
+inside (attention and the other GEMMs in FP8); ``check_te_fp8`` refuses every other use.
 Field names checked against megatron-core 0.16.1 (``TransformerConfig.fp8``, ``fp8_recipe``, ...).
 """
 
@@ -47,22 +48,26 @@ def te_fp8_settings() -> dict[str, Any]:
     }
 
 
+TE_FP8_SCHEMES = ("bf16", "w4a16")  # the quant.scheme values model.te_fp8 runs with
+
+
 def check_te_fp8(te_fp8: bool, impl: str, scheme: str) -> None:
     """``model.te_fp8`` against ``model.impl`` and ``quant.scheme``: ConfigError naming the keys unless it is off,
-    or on with model.impl 'te' and quant.scheme 'bf16'.
+    or on with model.impl 'te' and quant.scheme 'bf16' or 'w4a16'.
 
-    Every quantized scheme converts the learner's linears to ModelOpt quant modules (``qat/modules.py``; with
-    learner.aligned false too: their quantizers make the synced codes), and ModelOpt 0.47's TE plugin raises in
-    every forward of such a module while TE's fp8 autocast is on
-    (modelopt/torch/quantization/plugins/transformer_engine.py, ``_assert_te_fp8_enabled``)."""
+    With w4a16 ModelOpt converts only the experts' TE grouped linears (``qat/modules.py``), which run with TE's fp8
+    autocast off inside (ModelOpt 0.47's TE plugin raises in the forward of every module it converted while fp8
+    autocast is on, modelopt/torch/quantization/plugins/transformer_engine.py ``_assert_te_fp8_enabled``), on the
+    fake-quant weights; attention's and the other TE GEMMs run in FP8. The W8A8 schemes quantize every TE linear
+    (attention and experts), so nothing would be left to run in FP8."""
     if not te_fp8:
         return
-    if scheme != "bf16":
-        raise ConfigError(f"model.te_fp8: TE's FP8 autocast cannot run with quant.scheme={scheme!r}: the learner "
-                          "converts its linears to ModelOpt quant modules for every quantized scheme (aligned or "
-                          "not), and ModelOpt's Transformer Engine plugin refuses fp8 autocast in each of their "
-                          "forwards; the quantized schemes run TE's GEMMs in BF16 on the exported codes x scales "
-                          "(docs/quantization.md). Set model.te_fp8=false, or quant.scheme=bf16")
+    if scheme not in TE_FP8_SCHEMES:
+        raise ConfigError(f"model.te_fp8: quant.scheme={scheme!r} quantizes every Transformer Engine linear "
+                          "(attention and experts), whose fake-quant GEMMs run outside TE's fp8 autocast (ModelOpt's "
+                          "TE plugin refuses it in each), so no GEMM would be left to run in FP8; TE's FP8 GEMMs serve "
+                          "quant.scheme bf16 and w4a16 (attention in FP8, the W4A16 experts on their fake-quant "
+                          "weights, docs/quantization.md). Set model.te_fp8=false")
     if impl != "te":
         raise ConfigError(f"model.te_fp8: TE's FP8 GEMMs need the Transformer Engine spec, model.impl='te' "
                           f"(got model.impl={impl!r})")

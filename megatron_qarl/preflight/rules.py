@@ -1,10 +1,12 @@
 """The rules between keys of different components, and ``load_config``, the one way a run's config is loaded.
 
 config.py is the schema: each section's types and the checks that need only the config and the model's
-config.json. What a backend can serve, what the planner says a server layout can hold, and which async modes a
-backend supports span components, so they live here, where the config, the planner and every backend are known;
-the config module imports none of them (tests/test_import_cycles.py). ``qarl preflight`` (this package) adds the
-checks of the environments a run executes in.
+config.json. What a backend can serve, what the planner says a server layout can hold, which async modes and
+sampling settings a backend's answers support, and which losses stale samples need span components, so they live
+here, where the config, the planner and every backend are known; the config module imports none of them
+(tests/test_import_cycles.py). ``qarl preflight`` (this package) adds the checks of the environments a run executes
+in. tests/test_combinations.py loads every combination of the run's main keys through ``validate_run`` and runs
+the accepted ones (docs/training.md, "Which combinations of keys run").
 
     cfg = load_config("configs/cpu_default.yaml", ["parallel.tp=2", "optim.lr=1e-5"])
 
@@ -79,10 +81,32 @@ def check_vllm(cfg: QarlConfig) -> None:
     if cfg.train.async_mode == "bounded":
         raise ConfigError("train.async: bounded with rollout.backend=vllm: requests stay in flight across a sync and "
                           "need SGLang's retract pause and per-token weight versions in meta_info, which vLLM 0.32's "
-                          "API does not return; use train.async: one_step (or off)")
+                          "API does not return; use train.async: one_step (each rollout between two syncs: the "
+                          "trainer knows its version) or off")
     if r.dp_size != 1 or r.ep_size != 1:
         raise ConfigError("rollout.ep_size: vLLM servers here run one data-parallel replica each with "
                           "--tensor-parallel-size only (rollout.dp_size and ep_size stay 1)")
+    sampling = r.sampling
+    if sampling.top_p < 1.0 or sampling.top_k != -1:
+        key, value = ("top_p", sampling.top_p) if sampling.top_p < 1.0 else ("top_k", sampling.top_k)
+        raise ConfigError(f"rollout.sampling.{key}: {value} with rollout.backend=vllm: vLLM 0.32 returns the "
+                          "log-probs of its top-k / top-p filtered, renormalized distribution (--logprobs-mode "
+                          "processed_logprobs; vllm/v1/sample/ops/topk_topp_sampler.py), SGLang, the embedded server "
+                          "and the learner those before the filter, so the two would differ by the log of the kept "
+                          "mass on every token; with vLLM use top_p 1.0 and top_k -1")
+
+
+def check_loss(cfg: QarlConfig) -> None:
+    """The policy loss against ``train.async``: stale samples need a behaviour-policy correction."""
+    loss, mode = cfg.algo.loss, cfg.train.async_mode
+    if mode != "off" and loss.mode != "tbpo" and loss.mismatch == "none":
+        fixes = "tis_seq or mis_seq" if loss.mode == "gspo" else "tis_token, mis_token, tis_seq or mis_seq"
+        raise ConfigError(f"algo.loss.mismatch: 'none' with algo.loss.mode={loss.mode!r} and train.async={mode!r}: "
+                          f"the samples were drawn by weights up to {cfg.train.staleness_bound} version(s) older than "
+                          "the learner's, and this loss corrects for the behaviour policy only through "
+                          f"algo.loss.mismatch (its ratio is to the learner's own log-probs); set it to {fixes}, or "
+                          "use algo.loss.mode=tbpo (its mismatch band and weight are that correction), or "
+                          "train.async=off")
 
 
 BACKEND_RULES = {"embedded": None, "sglang": check_sglang, "vllm": check_vllm}
@@ -102,6 +126,7 @@ def check_logprob_semantics(cfg: QarlConfig) -> None:
 
 def check_run(cfg: QarlConfig) -> QarlConfig:
     """Every rule between components on a schema-valid config; ConfigError naming the key, else ``cfg``."""
+    check_loss(cfg)
     rule = BACKEND_RULES[cfg.rollout.backend]
     if rule is not None:
         rule(cfg)

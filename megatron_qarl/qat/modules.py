@@ -1,19 +1,24 @@
 """Fake quantization inside the Megatron model: NVIDIA ModelOpt's quant modules, driven by the one quantizer.
 
 `apply_fake_quant(model, arch, cfg)`:
-  1. ``mtq.quantize`` (ModelOpt's Megatron plugin) turns every Megatron linear into a ModelOpt quant module
-     (ColumnParallelLinear -> QuantColumnParallelLinear, RowParallelLinear -> QuantRowParallelLinear; on the
-     Transformer Engine spec ModelOpt's TE plugin converts TELayerNormColumnParallelLinear,
+  1. ``mtq.quantize`` (ModelOpt's Megatron plugin) turns the Megatron linears the scheme quantizes into ModelOpt
+     quant modules (ColumnParallelLinear -> QuantColumnParallelLinear, RowParallelLinear -> QuantRowParallelLinear;
+     on the Transformer Engine spec ModelOpt's TE plugin converts TELayerNormColumnParallelLinear,
      TE{Column,Row}ParallelLinear and the TE grouped expert linears), each with a weight and an input
-     TensorQuantizer. The weight quantizers run the ModelOpt backend ``qarl_weight``, the W8A8 input quantizers the
-     backend ``qarl_act`` (both registered here with ``register_quant_backend``); ModelOpt applies them to the
-     linear functional's operands. On the TE spec those functionals are TE's own GEMMs, run in BF16: ModelOpt's TE
-     plugin raises in every forward under TE's fp8 autocast (``_assert_te_fp8_enabled``, ModelOpt 0.47), so a
-     model built with TE's FP8 recipe (TransformerConfig.fp8, ``model.te_fp8``) is refused here, and w8a8_fp8's
-     FP8 is the operands' values (codes x scales), not TE's FP8 GEMMs (docs/quantization.md).
-  2. Quantizers of linears whose Hugging Face tensors the config does not quantize (compressed-tensors targets /
-     ignore semantics, ``qat.config.is_quantized``: the router, lm_head, attention under w4a16, ...) are
-     disabled: those modules compute in high precision.
+     TensorQuantizer. ModelOpt converts by class: the classes of modules the scheme leaves alone are kept out of
+     its registry meanwhile (``_convert_only``), unless quantized modules share them. The weight quantizers run the
+     ModelOpt backend ``qarl_weight``, the W8A8 input quantizers the backend ``qarl_act`` (both registered here with
+     ``register_quant_backend``); ModelOpt applies them to the linear functional's operands. On the TE spec those
+     functionals are TE's own GEMMs, run in the operands' precision: ModelOpt's TE plugin raises in every forward
+     under TE's fp8 autocast (``_assert_te_fp8_enabled``, ModelOpt 0.47), so w8a8_fp8's FP8 is the operands'
+     values (codes x scales), not TE's FP8 GEMMs (docs/quantization.md). A model built with TE's FP8 recipe
+     (TransformerConfig.fp8, ``model.te_fp8``: bf16 and w4a16 only, ``moe.te.check_te_fp8``) runs each converted
+     module with fp8 autocast off inside (``_outside_fp8_autocast``): w4a16's experts compute on their fake-quant
+     weights, attention and the other TE GEMMs stay in FP8; a converted module the scheme does not quantize is
+     refused there.
+  2. Quantizers of converted linears whose Hugging Face tensors the config does not quantize (compressed-tensors
+     targets / ignore semantics, ``qat.config.is_quantized``: the router, lm_head, attention under w4a16, ...)
+     are disabled: those modules compute in high precision.
   3. Each enabled quantizer is bound to its target, which computes (STE = straight-through backward):
 
         weight  <- straight_through(w, hf_to_shard(dequantize(quantize(hf_tensors(gathered w)))))
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -129,6 +135,50 @@ def _sequential_mlp_as_children(model: torch.nn.Module, lay: Layout):
                 expert.linear_fc1.parallel_state = expert.linear_fc2.parallel_state = state
 
 
+@contextlib.contextmanager
+def _convert_only(model: torch.nn.Module, names: set[str], fp8: object):
+    """ModelOpt converts every module whose class its registry holds (``mtq.quantize``). While it runs, the
+    registered classes of the modules that are neither quantized (``names``) nor hold a quantized one are taken out
+    of the registry, so that ModelOpt converts only what the scheme quantizes: on the TE spec with w4a16 the expert
+    GEMMs (TE grouped linears), not attention's TE linears nor TE's core attention. A class that quantized and
+    unquantized modules share (the local spec: attention and the experts are the same Column/RowParallelLinear)
+    stays, and those modules are converted with their quantizers off; with ``fp8`` (TE's fp8 autocast, which every
+    converted TE module's forward refuses) the caller refuses such a model."""
+    from modelopt.torch.quantization.nn import QuantModuleRegistry as registry
+
+    needed = {n for n in names} | {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)} | {""}
+    keep, skip = set(), set()
+    for name, module in model.named_modules():
+        cls = registry._get_registered_nn_class(type(module))
+        if cls is not None:
+            (keep if name in needed else skip).add(cls)
+    saved = {cls: (registry.get_key(cls), registry._registry[cls]) for cls in skip - keep}
+    for cls in saved:
+        registry.unregister(cls)
+    try:
+        yield
+    finally:
+        for cls, (key, dm_class) in saved.items():
+            registry.register({cls: key})(dm_class)
+
+
+def _outside_fp8_autocast(module: torch.nn.Module) -> None:
+    """Run ``module``'s forward with TE's fp8 autocast off inside (``model.te_fp8``: Megatron enters it around each
+    layer; TE restores the outer state on exit). Its GEMMs then compute in the operands' precision on the fake-quant
+    weights, as ModelOpt's TE plugin requires (``_assert_te_fp8_enabled``), and the backward follows (TE saves the
+    forward's FP8 state with it)."""
+    from transformer_engine.pytorch import fp8_autocast
+
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with fp8_autocast(enabled=False):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+
+
 @dataclasses.dataclass
 class _Target:
     pm: ParamMap
@@ -163,53 +213,63 @@ class FakeQuant:
     def __init__(self, model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, layout: Layout | None = None,
                  forward: bool = True, compiled: bool = False):
         import modelopt.torch.quantization as mtq
-        from megatron.core import parallel_state as ps
 
         if not cfg.enabled:
             raise ValueError("quant.scheme is bf16: there is nothing to fake-quantize")
-        fp8 = getattr(getattr(model, "config", None), "fp8", None)
-        if fp8:
-            raise ValueError(f"model.te_fp8: the model runs its TE linears under TE's fp8 autocast (Megatron "
-                             f"TransformerConfig.fp8={fp8!r}), which ModelOpt's quant modules refuse in every forward; "
-                             f"quant.scheme={cfg.scheme!r} needs a model built without it")
         register_backends()
         self.arch, self.cfg, self.compiled = arch, cfg, compiled
         self.layout = layout or Layout.current()
-        self.targets: list[_Target] = []
-        impl = model_impl(model)  # the parameter table of the layer spec that built it (local or TE)
-        with _sequential_mlp_as_children(model, self.layout):
+        fp8 = getattr(getattr(model, "config", None), "fp8", None)  # Megatron runs the TE layers in fp8 autocast
+        chosen = self._chosen(model_impl(model))
+        with _sequential_mlp_as_children(model, self.layout), _convert_only(model, {m for _, m, _ in chosen}, fp8):
             mtq.quantize(model, modelopt_config(cfg), forward_loop=None)
-        lay = self.layout
-        bound_modules = set()
-        for pm in param_maps(arch, lay.ep_rank, lay.ep, impl=impl):
+        self.targets = [self._target(model, pm, module_name, param_name) for pm, module_name, param_name in chosen]
+        bound_modules = {t.module for t in self.targets}
+        for name, module in model.named_modules():  # converted linears the config leaves in high precision
+            if hasattr(module, "weight_quantizer") and module not in bound_modules:
+                if fp8:
+                    raise ValueError(f"model.te_fp8: ModelOpt converted {name} ({type(module).__name__}), which "
+                                     f"quant.scheme={cfg.scheme!r} does not quantize, and its forward refuses TE's "
+                                     "fp8 autocast")
+                self._quantizers_of(module, on=False)
+        if fp8:  # the quantized GEMMs compute on the fake-quant operands in high precision, outside TE's FP8
+            for module in bound_modules:
+                _outside_fp8_autocast(module)
+        if not forward:  # quantize for export only (a BF16 learner feeding a low-bit rollout)
+            self.remove()
+
+    def _chosen(self, impl: str) -> list[tuple[ParamMap, str, str]]:
+        """(parameter map, Megatron module name, parameter name) of every linear weight ``cfg`` quantizes."""
+        lay, out = self.layout, []
+        for pm in param_maps(self.arch, lay.ep_rank, lay.ep, impl=impl):
             if pm.split not in _LINEAR_SPLITS:
                 continue
-            chosen = [is_quantized(n.removesuffix(".weight"), cfg) for n in pm.hf]
+            chosen = [is_quantized(n.removesuffix(".weight"), self.cfg) for n in pm.hf]
             if not any(chosen):
                 continue
             if not all(chosen):
                 raise ValueError(f"quant.ignore: {pm.hf} share Megatron's {pm.mcore}; quantize all or none")
-            if pm.split in ("fc1", "fc2"):
-                group, size, rank = ps.get_expert_tensor_parallel_group(), lay.etp, lay.etp_rank
-            else:
-                group, size, rank = ps.get_tensor_model_parallel_group(), lay.tp, lay.tp_rank
-            module_name, param_name = pm.mcore.rsplit(".", 1)
-            module = model.get_submodule(module_name)
-            if not hasattr(module, "weight_quantizer"):
-                raise TypeError(f"{module_name} ({type(module).__name__}): ModelOpt inserted no quantizer "
-                                "(not a linear its Megatron plugin knows)")
-            target = _Target(pm, module, getattr(module, param_name), _weight_quantizer(module, param_name),
-                             module.input_quantizer, group if size > 1 else None, size, rank,
-                             _LINEAR_SPLITS[pm.split])
-            self.targets.append(target)
-            bound_modules.add(module)
-            _BOUND[target.weight_quantizer] = self._weight_fn(target)
-            _BOUND[target.input_quantizer] = self._act_fn(target)
-        for module in model.modules():  # linears the config leaves in high precision: quantizers off
-            if hasattr(module, "weight_quantizer") and module not in bound_modules:
-                self._quantizers_of(module, on=False)
-        if not forward:  # quantize for export only (a BF16 learner feeding a low-bit rollout)
-            self.remove()
+            out.append((pm, *pm.mcore.rsplit(".", 1)))
+        return out
+
+    def _target(self, model: torch.nn.Module, pm: ParamMap, module_name: str, param_name: str) -> _Target:
+        """The converted module of one chosen weight, its quantizers bound to the one quantizer."""
+        from megatron.core import parallel_state as ps
+
+        lay = self.layout
+        if pm.split in ("fc1", "fc2"):
+            group, size, rank = ps.get_expert_tensor_parallel_group(), lay.etp, lay.etp_rank
+        else:
+            group, size, rank = ps.get_tensor_model_parallel_group(), lay.tp, lay.tp_rank
+        module = model.get_submodule(module_name)
+        if not hasattr(module, "weight_quantizer"):
+            raise TypeError(f"{module_name} ({type(module).__name__}): ModelOpt inserted no quantizer "
+                            "(not a linear its Megatron plugin knows)")
+        target = _Target(pm, module, getattr(module, param_name), _weight_quantizer(module, param_name),
+                         module.input_quantizer, group if size > 1 else None, size, rank, _LINEAR_SPLITS[pm.split])
+        _BOUND[target.weight_quantizer] = self._weight_fn(target)
+        _BOUND[target.input_quantizer] = self._act_fn(target)
+        return target
 
     @staticmethod
     def _quantizers_of(module: torch.nn.Module, on: bool) -> None:

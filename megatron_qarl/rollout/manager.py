@@ -26,7 +26,7 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from megatron_qarl.algo.routing import RoutesError, decode_routed_experts
 from megatron_qarl.rollout.client import RolloutServerError, SGLangClient
@@ -42,6 +42,14 @@ class SamplingConfig(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1: off")
     max_new_tokens: int = Field(48, ge=1)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        # SGLang 0.5.23's SamplingParams.verify: "top_k must be -1 (disable) or at least 1"
+        if value != -1 and value < 1:
+            raise ValueError("must be -1 (off) or at least 1, as SGLang requires")
+        return value
 
     def params(self, seed: int, stop_token_ids: Sequence[int]) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,

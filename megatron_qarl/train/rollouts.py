@@ -10,7 +10,7 @@ the missing requests are sent again (``rollout``). Dead servers are restarted af
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from megatron_qarl.config import QarlConfig
@@ -35,6 +35,7 @@ class TrainRollouts:
                  on_sync: Callable[[dict], None], console: Callable[[str], None] = print):
         self.cfg, self.learners, self.servers, self.stop_ids = cfg, learners, servers, stop_ids
         self.on_sync, self.console = on_sync, console
+        self.weight_version: str | None = None  # what the servers hold: the last sync's version (None before one)
 
     def client(self, url: str) -> SGLangClient:
         r = self.cfg.rollout
@@ -59,8 +60,19 @@ class TrainRollouts:
 
     def generate(self, manager: RolloutManager, prompts: list[list[int]], seed_step: int,
                  live: list[int]) -> list[list[Sample]]:
-        """One round of ``manager``'s requests to the ``live`` servers."""
-        return self.on_clients(live, lambda clients: manager.generate(clients, prompts, seed_step))
+        """One round of ``manager``'s requests to the ``live`` servers.
+
+        vLLM's answers carry no weight version; no sync runs while a round is in flight (the sequential loop
+        syncs between rounds, one_step's sync waits for its background round, bounded is refused for vLLM), so
+        the samples a round finishes were sampled by the version the servers held when it began, which is
+        what they are stamped with (``stamp_versions``)."""
+        version, before = self.weight_version, set(manager.finished)
+        try:
+            return self.on_clients(live, lambda clients: manager.generate(clients, prompts, seed_step))
+        finally:  # the samples of a round that failed half-way too: the next round may run after a sync
+            if self.cfg.rollout.backend == "vllm":
+                stamp_versions([s for k, s in manager.finished.items() if k not in before],
+                               version if self.weight_version == version else None)
 
     def rollout(self, prompts: list[list[int]], sampling: SamplingConfig, seed_step: int,
                 routes: RoutesSpec | None = None, *, manager: RolloutManager | None = None,
@@ -134,6 +146,17 @@ class TrainRollouts:
 
     def sync(self) -> dict:
         """Push the learner's weights to every server; the report goes to ``on_sync`` too."""
+        self.weight_version = None  # a sync that fails leaves the servers' weights unknown
         report = self.learners.sync()
+        self.weight_version = report["weight_version"]
         self.on_sync(report)
         return report
+
+
+def stamp_versions(samples: Iterable[Sample], version: str | None) -> None:
+    """Give the samples of one round whose answer named no weight version (vLLM's) ``version``, the one the servers
+    held while they were sampled (None: not known, and the pipeline regenerates them). Samples with a version keep
+    it."""
+    for s in samples:
+        if s.weight_version is None and s.token_versions is None:
+            s.weight_version = version
