@@ -188,7 +188,7 @@ def _sglang_requests(cfg) -> list:
     http = httpx.Client(transport=httpx.MockTransport(rec))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(httpx, "post", lambda url, *, verify, **kw: http.post(url, **kw))
-        WeightUpdateAPI(Engine("http://sglang.test")).pause_generation(cfg.train.sync_pause_mode)
+        WeightUpdateAPI(Engine("http://sglang.test")).pause_generation(cfg.sync_pause_mode)
     return rec.sent
 
 
