@@ -184,7 +184,7 @@ def _sglang_requests(cfg) -> list:
         rollouts = TrainRollouts(cfg, None, types.SimpleNamespace(urls=["http://sglang.test"], alive=lambda: [True]),
                                  [1], on_sync=lambda report: None)
         rollouts.client = lambda url: rec.client()
-        rollouts.rescore(groups, cfg.rollout.sampling.temperature)
+        rollouts.rescore(groups)
     http = httpx.Client(transport=httpx.MockTransport(rec))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(httpx, "post", lambda url, *, verify, **kw: http.post(url, **kw))
