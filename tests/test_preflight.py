@@ -85,6 +85,12 @@ def test_driver_rule_cuda_13_needs_r580():
     old = check_driver({"learner": cuda_env("2.29.7", driver="570.124.06")}, gpu)
     assert old.ok is False and "R580" in old.fix and "570.124.06" in old.detail and old.env == "learner"
     assert check_driver({"learner": cuda_env("2.29.7", driver="580.65.06")}, gpu).ok
+    # an older branch on which torch did initialise CUDA and saw its GPUs: forward compatibility (cuda-compat)
+    compat = check_driver({"learner": {**cuda_env("2.29.7", driver="570.124.06"), "gpus": 8}}, gpu)
+    assert compat.ok and "forward compatibility" in compat.detail
+    mixed = check_driver({"learner": {**cuda_env("2.29.7", driver="570.124.06"), "gpus": 8},
+                          "servers": cuda_env("2.29.7", driver="570.124.06")}, gpu)
+    assert mixed.ok is False and mixed.env == "servers"
     assert check_driver({"learner": CPU, "servers": CPU}, []).ok  # a CPU run: no CUDA, no driver
     cpu_torch = check_driver({"learner": CPU}, gpu)  # a GPU run on a CPU build of torch
     assert cpu_torch.ok is False and cpu_torch.key == "launch.gpus_per_node=8"

@@ -133,7 +133,9 @@ def driver_floor(cuda: str) -> int | None:
 def check_driver(members: dict[str, dict], gpu_keys: list[str]) -> Finding:
     """Each environment's torch CUDA build against this node's NVIDIA driver. ``gpu_keys``: the config keys that put
     the learner on GPUs (``QarlConfig.gpu_run_keys``; empty: a CPU run). A CPU run passes without CUDA (a CUDA wheel
-    runs on a CPU too); a GPU run needs a CUDA build in every environment and a driver of at least its floor."""
+    runs on a CPU too); a GPU run needs a CUDA build in every environment and a driver of at least its floor, or
+    one on which that build's torch initialised CUDA and saw GPUs (``gpus`` > 0: forward compatibility, e.g. NVIDIA's
+    cuda-compat package on data-center GPUs, https://docs.nvidia.com/deploy/cuda-compatibility/)."""
     driver = next((f.get("driver") for f in members.values() if f.get("driver")), None)
     cuda = {label: f.get("torch_cuda") for label, f in members.items() if f.get("torch_cuda")}
     key = ", ".join(gpu_keys) or None
@@ -150,7 +152,14 @@ def check_driver(members: dict[str, dict], gpu_keys: list[str]) -> Finding:
     if driver is None:
         return Finding("CUDA driver", not gpu_keys, f"no NVIDIA driver on this node; {builds}", key=key,
                        env=", ".join(cuda), fix="run on a GPU node with an NVIDIA driver" if gpu_keys else None)
-    low = [label for label, c in cuda.items() if (driver_floor(c) or 0) > _major(driver)]
+    below = [label for label, c in cuda.items() if (driver_floor(c) or 0) > _major(driver)]
+    # NVIDIA's forward compatibility (the cuda-compat package on data-center GPUs) runs a newer CUDA on an older
+    # driver branch: where torch did initialise CUDA and saw its GPUs, the driver works for that build
+    compat = [label for label in below if members[label].get("gpus")]
+    low = [label for label in below if label not in compat]
+    if compat and not low:
+        return Finding("CUDA driver", True, f"driver {driver} is below the floor of {builds}, but torch initialised "
+                       f"CUDA on its GPUs in {', '.join(compat)} (forward compatibility: NVIDIA's cuda-compat)")
     if low:
         need = max(driver_floor(cuda[label]) or 0 for label in low)
         return Finding("CUDA driver", False, f"driver {driver} is older than the CUDA builds need: {builds}",
