@@ -93,13 +93,15 @@ class Learner:
                  micro_batch_size: int | None = None, temperature: float = 1.0, routing_replay: bool = False,
                  impl: str = "local", compile_quantizer: bool = False, distributed_optimizer: bool = True,
                  optimizer_cpu_offload: bool = False, optimizer_offload_fraction: float = 1.0, recompute: str = "none",
-                 recompute_num_layers: int = 1, te_fp8: bool = False):
+                 recompute_num_layers: int = 1, te_fp8: bool = False, numerics: str = "default",
+                 act_dtype: torch.dtype = torch.bfloat16):
         """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
         Transformer Engine layers, in BF16 GEMMs on ModelOpt's fake-quant operands for the quantized schemes
         (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (impl te, schemes bf16 and w4a16,
         ``moe.te.check_te_fp8``).
         ``compile_quantizer``: learner.compile_quantizer (``qat.quantizer.fake_quantize_weight``).
-        The memory options: see the class docstring."""
+        The memory options: see the class docstring. ``numerics`` "exact": log-probs from moe/exact.py (the rollout
+        engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -126,6 +128,7 @@ class Learner:
         # the same quantizer only produces what the rollout servers load
         self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned, compiled=compile_quantizer)
                            if quant and quant.enabled else None)
+        self.exact = self._exact_forward(numerics, arch, act_dtype, quant, aligned)
         self.model = DistributedDataParallel(
             self.module.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -146,6 +149,23 @@ class Learner:
         self.clip_grad = optim.clip_grad
         self.micro_batch_size = micro_batch_size  # rows per forward/backward (None: this rank's whole share)
         self.device = next(self.module.parameters()).device
+
+    def _exact_forward(self, numerics: str, arch: Qwen3MoeArch, act_dtype: torch.dtype, quant: QuantConfig | None,
+                       aligned: bool):
+        """moe/exact.py's forward of this rank's model under ``numerics: exact`` (None otherwise)."""
+        if numerics == "default":
+            return None
+        if numerics != "exact":
+            raise ValueError(f"numerics: {numerics!r} is not one of default, exact")
+        if self.impl != "local" or self.routing_replay:
+            raise ValueError("numerics: exact computes Megatron's local spec (model.impl local) with its own routes "
+                             f"(no routing replay); got impl {self.impl!r}, routing_replay {self.routing_replay}")
+        if quant is not None and quant.enabled and not aligned:
+            raise ValueError("numerics: exact needs learner.aligned true with a quantized scheme (the servers' "
+                             "low-bit weights in the learner's forward)")
+        from megatron_qarl.moe.exact import ExactForward
+
+        return ExactForward(self.module, arch, act_dtype, self.fake_quant)
 
     def load_hf(self, model_dir: str) -> None:
         from megatron_qarl.moe.convert import SafetensorsDir, load_hf_into_model
@@ -189,6 +209,9 @@ class Learner:
             fill = torch.arange(k, device=routes_BSLK.device).expand(routes_BSLK.shape[0], s - seq,
                                                                      routes_BSLK.shape[2], k)
             routes_BSLK = torch.cat([routes_BSLK.to(torch.int64), fill], dim=1)
+        temperature = self.temperature if temperature is None else temperature
+        if self.exact is not None:  # numerics: exact (no routing replay: refused at construction)
+            return self.exact.logprobs(padded, labels_BS, temperature)[:, : seq - 1], None
         replay = _Replay(self, padded.shape, routes_BSLK, record) if self.routing_replay else None
         try:
             logits_BSV = self.model(padded, position_ids, causal_mask(s).to(self.device))  # this rank's vocab shard
@@ -196,7 +219,7 @@ class Learner:
         finally:
             if replay is not None:
                 replay.close()
-        if (temperature := self.temperature if temperature is None else temperature) != 1.0:
+        if temperature != 1.0:
             logits_BSV = logits_BSV / temperature
         ce_BS = tensor_parallel.vocab_parallel_cross_entropy(logits_BSV, labels_BS)
         return -ce_BS[:, : seq - 1].float(), routes
