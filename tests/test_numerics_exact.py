@@ -150,3 +150,61 @@ def test_the_library_builds_with_the_documented_flags(tmp_path):
     start = time.time()
     path = native.build(Path(tmp_path))
     assert path.is_file() and time.time() - start < 120
+
+
+def _generate(engine, prompts: list[list[int]], seeds: list[int], retract: bool = False,
+              max_new: int = 14) -> list[tuple[list[int], list[float]]]:
+    """Sample every prompt (temperature 1, its own seed); ``retract``: once every request has a few tokens, pause
+    with retract (the KV cache dropped) and continue (each re-prefilled)."""
+    import threading
+
+    from megatron_qarl.rollout.request import SamplingParams
+
+    done = threading.Semaphore(0)
+    reqs = []
+    for p, s in zip(prompts, seeds, strict=True):
+        req = engine.make_request(p, SamplingParams(max_new_tokens=max_new, sampling_seed=s, ignore_eos=True))
+        req.on_done = lambda r: done.release()
+        reqs.append(req)
+    with engine.lock:  # admitted together: one batch
+        for req in reqs:
+            engine.submit(req)
+    if retract:
+        while min(len(r.output_ids) for r in reqs) < 4:
+            time.sleep(0.001)
+        engine.pause("retract")
+        assert all(r.slot is None for r in reqs if r.finish_reason is None)
+        engine.resume()
+    for _ in reqs:
+        assert done.acquire(timeout=120)
+    assert not retract or any(r.num_retractions for r in reqs)
+    return [(r.output_ids, r.output_logprobs) for r in reqs]
+
+
+def test_a_request_alone_in_a_batch_and_after_a_retract_gets_the_same_bits(checkpoints):
+    """The same tokens and log-prob bits alone, among 15 others, and re-prefilled after a retract; and the server's
+    prefill of the sampled sequence (its prompt log-probs) equals what its decode reported."""
+    from megatron_qarl.rollout.engine import Engine, EngineConfig
+    from megatron_qarl.rollout.request import SamplingParams
+
+    engine = Engine(EngineConfig(model_path=checkpoints["w4a16"], max_batch_size=16, max_seq_len=64,
+                                 numerics="exact"))
+    try:
+        prompts = [t.tolist() for t in _tokens(16, 6, seed=4)]
+        seeds = list(range(100, 116))
+        alone = _generate(engine, prompts[:1], seeds[:1])[0]
+        batch = _generate(engine, prompts, seeds)
+        retracted = _generate(engine, prompts, seeds, retract=True)
+        assert batch[0] == alone and retracted == batch
+        ids, logps = alone
+        req = engine.make_request(prompts[0] + ids, SamplingParams(max_new_tokens=1), return_logprob=True,
+                                  logprob_start_len=0)
+        import threading
+
+        got = threading.Event()
+        req.on_done = lambda r: got.set()
+        engine.submit(req)
+        assert got.wait(60)
+        assert req.input_logprobs[len(prompts[0]):] == logps  # prefill == decode, bit for bit (as Python floats)
+    finally:
+        engine.shutdown()
