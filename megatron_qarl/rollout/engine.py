@@ -23,11 +23,11 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from megatron_qarl.numerics.ops import log_softmax as _exact_log_softmax
 from megatron_qarl.rollout import routed_experts
 from megatron_qarl.rollout.model import Qwen3MoeEngineModel
 from megatron_qarl.rollout.request import Limits, Request, SamplingParams, eos_ids, new_request
-from megatron_qarl.numerics.ops import log_softmax as _exact_log_softmax
-from megatron_qarl.rollout.sampling import torch_log_softmax, prompt_logprobs, sample
+from megatron_qarl.rollout.sampling import prompt_logprobs, sample, torch_log_softmax
 from megatron_qarl.rollout.scheduler import Scheduler
 from megatron_qarl.rollout.weight_loading import WeightLoader, in_fresh_thread
 from megatron_qarl.wire import parse_dtype

@@ -91,11 +91,12 @@ class ExactForward:
         a = self.m.arch
         hq, hkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         qkv = self.lin(layer.qkv, h_RH)
-        s = self.m.store
+        norm = f"{layer.prefix}.self_attn"
         q, k = layers.qk_norm_rope(qkv[:, : hq * d].reshape(-1, hq, d),
-                                   qkv[:, hq * d : (hq + hkv) * d].reshape(-1, hkv, d), s[f"{layer.prefix}.self_attn.q_norm.weight"].float(),
-                                   s[f"{layer.prefix}.self_attn.k_norm.weight"].float(), self.cos[pos_R],
-                                   self.sin[pos_R], a.rms_norm_eps, self.act)
+                                   qkv[:, hq * d : (hq + hkv) * d].reshape(-1, hkv, d),
+                                   self.m.store[f"{norm}.q_norm.weight"].float(),
+                                   self.m.store[f"{norm}.k_norm.weight"].float(), self.cos[pos_R], self.sin[pos_R],
+                                   a.rms_norm_eps, self.act)
         v = qkv[:, (hq + hkv) * d :].reshape(-1, hkv, d)
         kc, vc = self.m.k_cache[layer.index], self.m.v_cache[layer.index]  # [slots, Hkv, S, D] float32
         kc[slots_R, :, pos_R] = k
