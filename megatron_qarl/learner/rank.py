@@ -22,6 +22,7 @@ import torch
 
 from megatron_qarl.algo.policy_loss import PolicyLossConfig, loss_normalizer, policy_loss
 from megatron_qarl.config import OptimConfig, ParallelConfig
+from megatron_qarl.moe.exact import exact_forward
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
 from megatron_qarl.moe.te import check_te_fp8, resolve_impl
@@ -128,7 +129,7 @@ class Learner:
         # the same quantizer only produces what the rollout servers load
         self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned, compiled=compile_quantizer)
                            if quant and quant.enabled else None)
-        self.exact = self._exact_forward(numerics, arch, act_dtype, quant, aligned)
+        self.exact = exact_forward(numerics, self, act_dtype, quant, aligned)  # None unless numerics: exact
         self.model = DistributedDataParallel(
             self.module.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -149,23 +150,6 @@ class Learner:
         self.clip_grad = optim.clip_grad
         self.micro_batch_size = micro_batch_size  # rows per forward/backward (None: this rank's whole share)
         self.device = next(self.module.parameters()).device
-
-    def _exact_forward(self, numerics: str, arch: Qwen3MoeArch, act_dtype: torch.dtype, quant: QuantConfig | None,
-                       aligned: bool):
-        """moe/exact.py's forward of this rank's model under ``numerics: exact`` (None otherwise)."""
-        if numerics == "default":
-            return None
-        if numerics != "exact":
-            raise ValueError(f"numerics: {numerics!r} is not one of default, exact")
-        if self.impl != "local" or self.routing_replay:
-            raise ValueError("numerics: exact computes Megatron's local spec (model.impl local) with its own routes "
-                             f"(no routing replay); got impl {self.impl!r}, routing_replay {self.routing_replay}")
-        if quant is not None and quant.enabled and not aligned:
-            raise ValueError("numerics: exact needs learner.aligned true with a quantized scheme (the servers' "
-                             "low-bit weights in the learner's forward)")
-        from megatron_qarl.moe.exact import ExactForward
-
-        return ExactForward(self.module, arch, act_dtype, self.fake_quant)
 
     def load_hf(self, model_dir: str) -> None:
         from megatron_qarl.moe.convert import SafetensorsDir, load_hf_into_model

@@ -18,7 +18,7 @@ checkpoints and the weight sync stay Megatron's. Layout (this rank's shard of th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.numerics import layers, ops
 
 if TYPE_CHECKING:
+    from megatron_qarl.qat.config import QuantConfig
     from megatron_qarl.qat.modules import FakeQuant
 
 
@@ -173,3 +174,21 @@ class ExactForward:
         x = layers.norm(x, self.shared(m.decoder.final_layernorm.weight), a.rms_norm_eps, act)
         logits = gather_last(ops.linear(copy_to(x, self.tp), self.w(m.output_layer.weight)), self.tp)
         return layers.logprobs_of(logits.view(b, s, -1), labels_BS, temperature)
+
+
+def exact_forward(numerics: str, learner: Any, act: torch.dtype, quant: QuantConfig | None,
+                  aligned: bool) -> ExactForward | None:
+    """A learner's (learner/rank.py, which imports this module) ``ExactForward`` under ``numerics: exact`` (None
+    under default); ValueError naming what it cannot serve (also refused at load: preflight/rules.py
+    ``check_numerics``)."""
+    if numerics == "default":
+        return None
+    if numerics != "exact":
+        raise ValueError(f"numerics: {numerics!r} is not one of default, exact")
+    if learner.impl != "local" or learner.routing_replay:
+        raise ValueError("numerics: exact computes Megatron's local spec (model.impl local) with its own routes (no "
+                         f"routing replay); got impl {learner.impl!r}, routing_replay {learner.routing_replay}")
+    if quant is not None and quant.enabled and not aligned:
+        raise ValueError("numerics: exact needs learner.aligned true with a quantized scheme (the servers' low-bit "
+                         "weights in the learner's forward)")
+    return ExactForward(learner.module, learner.arch, act, learner.fake_quant)

@@ -11,7 +11,7 @@ The KV cache holds float32 (values already rounded to the compute dtype); attent
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,8 +26,9 @@ from megatron_qarl.qat.quantizer import (
 )
 from megatron_qarl.rollout.kernels import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, Linear
 
-if TYPE_CHECKING:
-    from megatron_qarl.rollout.model import Layer, Qwen3MoeEngineModel
+# the engine model (rollout/model.py Qwen3MoeEngineModel) and its layers, which import this module: typed loosely
+EngineModel = Any
+Layer = Any
 
 
 def dequantized(lin: Linear) -> Tensor:
@@ -67,7 +68,7 @@ def act_scheme(lin: Linear) -> tuple[str, int | None]:
 class ExactForward:
     """The exact forward of one engine model (its store, linears and float32 KV cache)."""
 
-    def __init__(self, model: Qwen3MoeEngineModel):
+    def __init__(self, model: EngineModel):
         native.lib()  # build the kernels now: a server that cannot be exact fails at start, not at its first request
         self.m, self.act = model, model.dtype
         a = model.arch
