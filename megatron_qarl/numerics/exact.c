@@ -2,9 +2,11 @@
  * many threads run it, or where the row sits in the batch (megatron_qarl/numerics/native.py binds them; the
  * formulas are in megatron_qarl/numerics/ops.py, whose torch references they are tested against).
  *
- * Fixed reduction order everywhere: a dot product over n elements keeps LANES (8) float32 partial sums, element
- * i going to lane i % 8 in ascending i, and combines them as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
- * Each lane is a sequential sum, so the compiler may vectorize across lanes (it does) without changing a bit.
+ * Fixed reduction orders everywhere. The linear: K in chunks, each a sequential float32 sum in ascending k, the
+ * chunks added in ascending order. Other dot products (RMSNorm's sum of squares, attention's q.k) keep LANES (8)
+ * float32 partial sums, element i going to lane i % 8 in ascending i, combined as ((l0 + l1) + (l2 + l3)) +
+ * ((l4 + l5) + (l6 + l7)). Each lane or output is a sequential sum, so the compiler may vectorize across lanes or
+ * outputs (it does) without changing a bit.
  * Built with -O3 -ffp-contract=off (no fused multiply-add) and without -ffast-math (no reassociation); the
  * transcendental functions are libm's scalar expf / logf / sqrtf.
  */
@@ -23,25 +25,59 @@ static inline float qx_dot(const float *a, const float *b, int64_t n) {
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-/* y[m, n] = sum over chunks c in ascending order of p[m, n, c], p[m, n, c] = qx_dot over K's chunk c
- * (s = p0; s = s + p1; ...). partials != 0: write p [M, N, K / chunk] instead (a tensor-parallel rank's share;
- * the caller adds the gathered chunks in the same order). x [M, K], w [N, K] row-major float32. */
-int qx_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, int64_t chunk, int partials,
+/* y[m, n] = sum over chunks c in ascending order of p[m, n, c] (s = p0; s = s + p1; ...), where p[m, n, c] is the
+ * sum over chunk c's k in ascending order of x[m, k] * w[k, n] in one float32 accumulator. partials != 0: write p
+ * [M, N, K / chunk] instead (a tensor-parallel rank's share; the caller adds the gathered chunks in the same order).
+ * x [M, K] row-major, the weight given K-major: wt [K, N] (w transposed). The loop runs over blocks of NB outputs
+ * at once (one x element times NB weights: the compiler vectorizes across n, which changes no output's order; the
+ * block is compiled for AVX2 and for plain x86-64, chosen per CPU, with the same results). */
+#define NB 32
+
+/* acc[j] = sum over k in [k0, k1) in ascending k of xr[k] * wt[k * N + n0 + j], j < len (len <= NB). */
+__attribute__((target_clones("avx2", "default")))
+static void qx_block(const float *xr, const float *wt, int64_t N, int64_t n0, int64_t len, int64_t k0, int64_t k1,
+                     float *acc) {
+    if (len == NB) {  /* a constant trip count: the accumulators stay in vector registers */
+        float a[NB];
+        for (int j = 0; j < NB; j++) a[j] = 0.0f;
+        for (int64_t k = k0; k < k1; k++) {
+            const float xv = xr[k];
+            const float *wr = wt + k * N + n0;
+            for (int j = 0; j < NB; j++) a[j] += xv * wr[j];
+        }
+        for (int j = 0; j < NB; j++) acc[j] = a[j];
+        return;
+    }
+    for (int64_t j = 0; j < len; j++) acc[j] = 0.0f;
+    for (int64_t k = k0; k < k1; k++) {
+        const float xv = xr[k];
+        const float *wr = wt + k * N + n0;
+        for (int64_t j = 0; j < len; j++) acc[j] += xv * wr[j];
+    }
+}
+
+int qx_linear(const float *x, int64_t M, int64_t K, const float *wt, int64_t N, int64_t chunk, int partials,
               float *out, int threads) {
     if (chunk <= 0 || K % chunk) return -1;
-    const int64_t nc = K / chunk;
+    const int64_t nc = K / chunk, nblocks = (N + NB - 1) / NB;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < N; n++) {
-            const float *xr = x + m * K, *wr = w + n * K;
-            if (partials) {
-                float *o = out + (m * N + n) * nc;
-                for (int64_t c = 0; c < nc; c++) o[c] = qx_dot(xr + c * chunk, wr + c * chunk, chunk);
-            } else {
-                float s = qx_dot(xr, wr, chunk);
-                for (int64_t c = 1; c < nc; c++) s = s + qx_dot(xr + c * chunk, wr + c * chunk, chunk);
-                out[m * N + n] = s;
+        for (int64_t bi = 0; bi < nblocks; bi++) {
+            const int64_t n0 = bi * NB, len = N - n0 < NB ? N - n0 : NB;
+            const float *xr = x + m * K;
+            float acc[NB], tot[NB];
+            for (int64_t c = 0; c < nc; c++) {
+                qx_block(xr, wt, N, n0, len, c * chunk, (c + 1) * chunk, acc);
+                if (partials) {
+                    for (int64_t j = 0; j < len; j++) out[(m * N + n0 + j) * nc + c] = acc[j];
+                } else if (c == 0) {
+                    for (int64_t j = 0; j < len; j++) tot[j] = acc[j];
+                } else {
+                    for (int64_t j = 0; j < len; j++) tot[j] = tot[j] + acc[j];
+                }
             }
+            if (!partials)
+                for (int64_t j = 0; j < len; j++) out[m * N + n0 + j] = tot[j];
         }
     return 0;
 }

@@ -83,14 +83,27 @@ def _threads() -> int:
 
 def linear(x_MK: Tensor, w_NK: Tensor, chunk: int, partials: bool = False) -> Tensor:
     """``qx_linear``: [M, N] (chunks summed in order) or the chunk partials [M, N, K / chunk]."""
-    x_MK, w_NK = _f32(x_MK, "linear input"), _f32(w_NK, "linear weight")
-    (m, k), n = x_MK.shape, w_NK.shape[0]
-    if w_NK.shape[1] != k:
-        raise ValueError(f"linear: input K {k} != weight K {w_NK.shape[1]}")
+    x_MK, w_KN = _f32(x_MK, "linear input"), transposed(_f32(w_NK, "linear weight"))
+    (m, k), n = x_MK.shape, w_KN.shape[1]
+    if w_KN.shape[0] != k:
+        raise ValueError(f"linear: input K {k} != weight K {w_KN.shape[0]}")
     out = torch.empty((m, n, k // chunk) if partials else (m, n), dtype=torch.float32)
-    _check(lib().qx_linear(x_MK.data_ptr(), m, k, w_NK.data_ptr(), n, chunk, int(partials), out.data_ptr(),
+    _check(lib().qx_linear(x_MK.data_ptr(), m, k, w_KN.data_ptr(), n, chunk, int(partials), out.data_ptr(),
                            _threads()), f"linear [{m}, {k}] x [{n}, {k}] chunk {chunk}")
     return out
+
+
+def transposed(w_NK: Tensor) -> Tensor:
+    """w.T contiguous (the kernel's K-major operand), kept on the tensor while it is not modified in place (the
+    engine's weights live across calls, inference tensors rebuilt at each weight update rather than modified; the
+    learner's are made per forward)."""
+    version = -1 if w_NK.is_inference() else w_NK._version  # inference tensors have no version counter
+    held = getattr(w_NK, "_qx_t", None)
+    if held is not None and held[0] == version:
+        return held[1]
+    w_KN = w_NK.t().contiguous()
+    w_NK._qx_t = (version, w_KN)
+    return w_KN
 
 
 def rms_norm(x_MH: Tensor, w_H: Tensor, eps: float) -> Tensor:
