@@ -15,6 +15,7 @@ Every refusal is a ConfigError whose message starts with the dotted key and says
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -109,6 +110,11 @@ def check_loss(cfg: QarlConfig) -> None:
                           "train.async=off")
 
 
+@functools.lru_cache(maxsize=8)
+def _arch(model_path: str) -> Qwen3MoeArch:
+    return Qwen3MoeArch.from_model_dir(model_path)
+
+
 def check_numerics(cfg: QarlConfig) -> None:
     """``numerics: exact`` (docs/numerics.md): both sides compute with megatron_qarl/numerics/, which only the
     embedded server and the learner's local spec on CPU do."""
@@ -133,7 +139,7 @@ def check_numerics(cfg: QarlConfig) -> None:
     if cfg.quant.enabled and not cfg.learner.aligned:
         raise ConfigError(f"learner.aligned: false with quant.scheme={cfg.quant.scheme!r} and numerics=exact: the "
                           "learner would compute with other weights than the servers; set it true")
-    arch, tp = Qwen3MoeArch.from_model_dir(cfg.model.path), cfg.parallel.tp
+    arch, tp = _arch(cfg.model.path), cfg.parallel.tp
     rows = {"num_attention_heads x head_dim": arch.num_attention_heads * arch.head_dim}
     if cfg.parallel.ep == 1:
         rows["moe_intermediate_size"] = arch.moe_intermediate_size
