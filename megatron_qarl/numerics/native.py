@@ -77,8 +77,13 @@ def _check(rc: int, what: str) -> None:
         raise ValueError(f"{what}: unsupported shape (error {rc})")
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
+SMALL_WORK = 1 << 20  # multiply-adds below which a call runs on one thread (an OpenMP region costs more there)
+
+
+def _threads(work: int = SMALL_WORK) -> int:
+    """Threads for a call of ``work`` multiply-adds (each output is computed by one thread whichever: the count
+    changes no bit)."""
+    return torch.get_num_threads() if work >= SMALL_WORK else 1
 
 
 def linear(x_MK: Tensor, w_NK: Tensor, chunk: int, partials: bool = False) -> Tensor:
@@ -89,7 +94,7 @@ def linear(x_MK: Tensor, w_NK: Tensor, chunk: int, partials: bool = False) -> Te
         raise ValueError(f"linear: input K {k} != weight K {w_KN.shape[0]}")
     out = torch.empty((m, n, k // chunk) if partials else (m, n), dtype=torch.float32)
     _check(lib().qx_linear(x_MK.data_ptr(), m, k, w_KN.data_ptr(), n, chunk, int(partials), out.data_ptr(),
-                           _threads()), f"linear [{m}, {k}] x [{n}, {k}] chunk {chunk}")
+                           _threads(m * n * k)), f"linear [{m}, {k}] x [{n}, {k}] chunk {chunk}")
     return out
 
 
@@ -109,7 +114,8 @@ def transposed(w_NK: Tensor) -> Tensor:
 def rms_norm(x_MH: Tensor, w_H: Tensor, eps: float) -> Tensor:
     x_MH, w_H = _f32(x_MH, "rms_norm input"), _f32(w_H, "rms_norm weight")
     out = torch.empty_like(x_MH)
-    _check(lib().qx_rmsnorm(x_MH.data_ptr(), *x_MH.shape, w_H.data_ptr(), eps, out.data_ptr(), _threads()),
+    _check(lib().qx_rmsnorm(x_MH.data_ptr(), *x_MH.shape, w_H.data_ptr(), eps, out.data_ptr(),
+                            _threads(x_MH.numel() * 4)),
            "rms_norm")
     return out
 
@@ -117,14 +123,16 @@ def rms_norm(x_MH: Tensor, w_H: Tensor, eps: float) -> Tensor:
 def silu_mul(g: Tensor, u: Tensor) -> Tensor:
     g, u = _f32(g, "silu gate"), _f32(u, "silu up")
     out = torch.empty_like(g)
-    _check(lib().qx_silu_mul(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), _threads()), "silu_mul")
+    _check(lib().qx_silu_mul(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), _threads(g.numel() * 16)),
+           "silu_mul")
     return out
 
 
 def softmax(x_MV: Tensor, log: bool) -> Tensor:
     x_MV = _f32(x_MV, "softmax input")
     out = torch.empty_like(x_MV)
-    _check(lib().qx_softmax(x_MV.data_ptr(), *x_MV.shape, int(log), out.data_ptr(), _threads()), "softmax")
+    _check(lib().qx_softmax(x_MV.data_ptr(), *x_MV.shape, int(log), out.data_ptr(), _threads(x_MV.numel() * 16)),
+           "softmax")
     return out
 
 
@@ -139,5 +147,6 @@ def attention(q_RHD: Tensor, k: Tensor, v: Tensor, kbase_R: Tensor, nkeys_R: Ten
     r, hq, d = q_RHD.shape
     out = torch.empty_like(q_RHD)
     _check(lib().qx_attention(q_RHD.data_ptr(), r, hq, hkv, d, k.data_ptr(), v.data_ptr(), kbase_R.data_ptr(),
-                              nkeys_R.data_ptr(), ls, hs, scale, out.data_ptr(), _threads()), "attention")
+                              nkeys_R.data_ptr(), ls, hs, scale, out.data_ptr(),
+                              _threads(int(nkeys_R.sum()) * hq * d * 2)), "attention")
     return out
