@@ -12,6 +12,8 @@ Arms (same data and seeds in every arm; the weight bit width b is swept over --b
   qarl_tbpo      (d) QaRL + TBPO (the default loss of configs/cpu_default.yaml)
   unaligned_tis_r3, qarl_tbpo_r3   (b), (d) with rollout routing replay (R3: algo.routing_replay); they also
                  report how often the learner, routing on its own, agrees with the server (routing/agree_token)
+  qarl_grpo_exact, qarl_tbpo_exact (c), (d) with ``numerics=exact`` (docs/numerics.md): the learner's log-probs
+                 equal the sampler's bit for bit, so plain on-policy GRPO has no mismatch left to correct
 plus shuffled-reward controls (``reward.shuffle=true``: each group's rewards in a random order) of the
 cells named by --controls. A seed S sets both the run seed and the training-data seed.
 
@@ -76,6 +78,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
          "algo.loss.tis_cap=2.0", "algo.routing_replay=true")),
     Arm("qarl_tbpo_r3", "(d + R3) QaRL + TBPO, the learner replaying the rollout's routes", True,
         ("quant.scheme=w4a16", "learner.aligned=true", "algo.loss.mode=tbpo", "algo.routing_replay=true")),
+    Arm("qarl_grpo_exact", "(c, exact) QaRL with exact numerics (mismatch 0), plain on-policy GRPO", True,
+        ("quant.scheme=w4a16", "learner.aligned=true", *TOKEN_PPO, "algo.loss.mismatch=none", "numerics=exact")),
+    Arm("qarl_tbpo_exact", "(d, exact) QaRL + TBPO with exact numerics (mismatch 0)", True,
+        ("quant.scheme=w4a16", "learner.aligned=true", "algo.loss.mode=tbpo", "numerics=exact")),
 ]}  # fmt: skip
 
 

@@ -356,6 +356,10 @@ class QarlConfig(_Section):
     train: TrainConfig = TrainConfig()
     launch: LaunchConfig = LaunchConfig()
     seed: int = 1234
+    # exact: the learner's forward and the embedded servers compute every token with megatron_qarl/numerics/ (the
+    # same kernels, order and rounding points: log-probs equal bit for bit at any layout and batch; docs/numerics.md);
+    # default: each side's fastest kernels (the mismatch is then ~1e-7 per token with float32 servers, ~3e-3 bf16)
+    numerics: Literal["default", "exact"] = "default"
 
     @property
     def world_size(self) -> int:

@@ -177,7 +177,10 @@ def run_group(runs: list[tuple[str, list[str]]], shared: dict[str, list[str]], t
     for name, overrides in runs:
         try:
             cfg = load_config(BASE_YAML, [*SMALL, *overrides, f"train.output_dir={workdir}/{name}"])
-            servers = shared.get(cfg.quant.scheme) if cfg.launch.backend == "local" or ray_shared else None
+            import combination_space as cs
+
+            key = cs.server_key(cfg.quant.scheme, cfg.numerics)
+            servers = shared.get(key) if cfg.launch.backend == "local" or ray_shared else None
             results.append({"name": name, **run_one(cfg, servers)})
         except Exception:  # noqa: BLE001 - every run reports; the test fails on any error
             results.append({"name": name, "error": traceback.format_exc()[-6000:]})
@@ -246,7 +249,8 @@ def check_runs(runs: list[tuple], results: list[dict]) -> None:
                           (("step 1", r["steps"][0]), ("step 2", r["steps"][-1]), ("after", r["fresh"]))))
         checked = [r["steps"][0], r["fresh"]] + ([r["steps"][1]] if d["train.async"] == "off" else [])
         w8a8 = d["quant.scheme"].startswith("w8a8")
-        bad = [s for s in checked if not within(s, d["quant.scheme"])]
+        bad = [s for s in checked if not within(s, d["quant.scheme"])
+               or (d["numerics"] == "exact" and s["max"] != 0.0)]  # exact: not one token's log-prob differs
         if len(r["steps"]) != 2 or sorted(r["metrics"]) != [1, 2] or bad:
             problems.append(f"{where}: steps {r['steps']}, fresh {r['fresh']}, metrics {r['metrics']}")
         for step, m in r["metrics"].items():

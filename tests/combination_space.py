@@ -4,12 +4,13 @@ and the reason) or accepted, and then it must run (tests/test_combinations.py, t
 
 The dimensions: rollout.backend x train.async x quant.scheme x algo.routing_replay (R3) x rollout.sync.delta x
 train.mismatch_split x algo.loss.mode x algo.loss.mismatch x model.te_fp8 x the sampling (temperature, top_p,
-top_k) x launch.backend. Literal and bool fields take every value their type allows (``typing.get_args``), so a
-value added to the config's types joins the space, the refusal census and the pairwise run plans by itself; the
-sampling floats take their default and one other value (a temperature other than 1, a top_p below 1, a top_k on).
+top_k) x launch.backend x numerics. Literal and bool fields take every value their type allows
+(``typing.get_args``), so a value added to the config's types joins the space, the refusal census and the pairwise
+run plans by itself; the sampling floats take their default and one other value (a temperature other than 1, a
+top_p below 1, a top_k on).
 
 Run plans are pairwise (``cover``): every pair of values that some accepted, runnable combination holds is held by
-at least one run. The full product is 138,240 combinations; pairwise needs a few dozen runs per backend.
+at least one run. The full product is 276,480 combinations; pairwise needs a few dozen runs per backend.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megatron_qarl.config import (
     AlgoConfig,
     LaunchConfig,
     ModelConfig,
+    QarlConfig,
     RolloutConfig,
     SyncConfig,
     TrainConfig,
@@ -88,6 +90,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
     _chosen("rollout.sampling.top_p", SamplingConfig, "top_p", 0.9),
     _chosen("rollout.sampling.top_k", SamplingConfig, "top_k", 20),
     _typed("launch.backend", LaunchConfig, "backend"),
+    _typed("numerics", QarlConfig, "numerics"),
 )
 KEYS = tuple(d.key for d in DIMENSIONS)
 SIZE = int(np.prod([len(d.values) for d in DIMENSIONS]))
@@ -126,6 +129,11 @@ def _nested(base: dict, overrides: dict) -> dict:
             node = node[part]
         node[parts[-1]] = value
     return out
+
+
+def server_key(scheme: str, numerics: str) -> str:
+    """The key of the test's shared servers for a run: its scheme, and /exact for ``numerics: exact`` servers."""
+    return scheme if numerics == "default" else f"{scheme}/{numerics}"
 
 
 def verdict(combo: tuple) -> str | None:

@@ -12,14 +12,9 @@ worker_pids  # data/reward.py RewardScorer: the workers' pids, which the fault t
 pids  # launch/ ServerFleet.pids (Protocol, local, Ray actor): the servers' pids, which the fault drills kill
 sbatch  # launch/local_slurm.py LocalSlurm.sbatch: tests/test_slurm.py submits slurm/qarl.sbatch through it
 pre_tokenizer  # data/tokenizer.py: a field of the `tokenizers` Tokenizer it builds (read by that library)
-decoder  # data/tokenizer.py: a field of the `tokenizers` Tokenizer it builds (read by that library)
 generation_config  # scripts/make_tiny_model.py: a transformers model field, written out by save_pretrained
 __wrapped__  # megatron_cpu.py: the functools convention (inspect.unwrap) for the wrapped original of a fix
 tie_word_embeddings  # moe/model.py Qwen3MoeArch: read from config.json and refused when true (from_hf_config)
-input_layernorm  # moe/model.py layer_spec: a field of Megatron's layer spec (Megatron builds the module from it)
-pre_mlp_layernorm  # moe/model.py layer_spec: a field of Megatron's layer spec
-q_layernorm  # moe/model.py layer_spec: a field of Megatron's attention spec
-k_layernorm  # moe/model.py layer_spec: a field of Megatron's attention spec
 prompt_text  # data/prompts.py PromptSample: the rendered prompt beside its ids (tests check the rendering)
 int8_plain  # rollout/native.py Kernels: binding of the C library's plain loop, the SIMD GEMV's reference in tests
 selector  # rollout/weight_receiver.py: a field of SGLang's weight-update request bodies, accepted so they validate

@@ -39,7 +39,8 @@ def test_the_space_is_the_product_of_the_config_types():
     assert dims["quant.scheme"] == SCHEMES and dims["algo.loss.mode"] == PolicyLossMode.__args__
     assert dims["algo.loss.mismatch"] == MismatchCorrection.__args__
     assert dims["train.async"] == ("off", "one_step", "bounded") and dims["algo.routing_replay"] == (False, True)
-    assert cs.SIZE == 138_240 == len(list(cs.combinations()))
+    assert dims["numerics"] == ("default", "exact")
+    assert cs.SIZE == 276_480 == len(list(cs.combinations()))
 
 
 def _is_key(dotted: str) -> bool:
@@ -100,7 +101,8 @@ def test_the_pairwise_plans_hold_every_pair_that_can_run_here(census):
 # ---------------------------------------------------------------------------------------- embedded: 2 steps
 @pytest.fixture(scope="module")
 def scheme_servers(tmp_path_factory):
-    """One float32 embedded server per scheme, with routes on, shared by the local runs (quant.scheme -> URLs)."""
+    """One float32 embedded server per scheme and numerics, with routes on, shared by the local runs
+    (``cs.server_key`` -> URLs)."""
     from combination_runs import BASE_YAML, KEY
 
     from megatron_qarl.moe.parallelize import free_port
@@ -112,16 +114,18 @@ def scheme_servers(tmp_path_factory):
     procs = {}
     for scheme in cs.DIMENSIONS[2].values:
         cfg = load_config(BASE_YAML, [f"quant.scheme={scheme}", f"train.output_dir={root}"])
-        port = free_port()
-        procs[scheme] = ServerProcess(
-            embedded_command(rollout_model_dir(cfg), port, dtype="float32", max_batch_size=16,
-                             return_routed_experts=True, api_key=KEY),
-            f"http://127.0.0.1:{port}", root / f"{scheme}.log", env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=600)
-        procs[scheme].spawn()
+        for numerics in ("default", "exact"):
+            port, key = free_port(), cs.server_key(scheme, numerics)
+            procs[key] = ServerProcess(
+                embedded_command(rollout_model_dir(cfg), port, dtype="float32", max_batch_size=16,
+                                 return_routed_experts=numerics == "default", api_key=KEY, numerics=numerics),
+                f"http://127.0.0.1:{port}", root / f"{key.replace('/', '_')}.log", env={"OMP_NUM_THREADS": "1"},
+                startup_timeout_s=600)
+            procs[key].spawn()
     try:
         for p in procs.values():
             p.wait_ready()
-        yield {scheme: [p.url] for scheme, p in procs.items()}
+        yield {key: [p.url] for key, p in procs.items()}
     finally:
         for p in procs.values():
             p.stop()

@@ -97,6 +97,8 @@ def mismatch_metrics(logp_old_BT: Tensor, logp_sampler_BT: Tensor, mask_BT: Tens
     - ``mismatch_tok_kl``: per-token KL(sampler || learner) estimate, k3 = mean_{i,t} (e^d - 1 - d) >= 0
     - ``mismatch_seq_kl``: sequence KL(sampler || learner) estimate, k1 = mean_i sum_t (-d)
     - ``mismatch_seq_weight_mean`` / ``_min`` / ``_max``: s_mis[i] = exp(mean_t d) over non-empty responses
+    - ``mismatch_tok_differing``: how many response tokens' log-probs differ in any bit (``differing_tokens``;
+      0 at every step under ``numerics: exact``)
     """
     with torch.no_grad():
         mask_BT = as_bool_mask(mask_BT)
@@ -117,7 +119,17 @@ def mismatch_metrics(logp_old_BT: Tensor, logp_sampler_BT: Tensor, mask_BT: Tens
             "mismatch_seq_weight_mean": s_mis_B.sum() / n_resp,
             "mismatch_seq_weight_min": s_mis_B.min() if has_resp else d_BT.new_ones(()),
             "mismatch_seq_weight_max": s_mis_B.max() if has_resp else d_BT.new_ones(()),
+            "mismatch_tok_differing": differing_tokens(logp_old_BT, logp_sampler_BT, mask_BT),
         }
+
+
+def differing_tokens(logp_a_BT: Tensor, logp_b_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """The number of response tokens whose two log-probs differ in any bit: their float32 bit patterns compared
+    (so -0.0 and 0.0 differ, and a nan differs from everything but its own bits). A 0-dim float64 tensor."""
+    with torch.no_grad():
+        a = logp_a_BT.detach().float().contiguous().view(torch.int32)
+        b = logp_b_BT.detach().float().contiguous().view(torch.int32)
+        return ((a != b) & as_bool_mask(mask_BT)).sum().double()
 
 
 def ratio_metrics(logp_BT: Tensor, logp_old_BT: Tensor, mask_BT: Tensor) -> dict[str, Tensor]:

@@ -139,7 +139,7 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
     if r.backend == "embedded":
         return [*prefix, *embedded_command(model_dir, port, host=host, dtype=r.dtype, max_batch_size=r.max_batch_size,
                                            return_routed_experts=cfg.algo.wants_routes, api_key=r.api_key,
-                                           python=python)]
+                                           python=python, numerics=cfg.numerics)]
     # the rollout manager seeds every sample (rollout/manager.py), which SGLang honours only in
     # deterministic inference
     spec = SGLangServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, ep=r.ep_size,

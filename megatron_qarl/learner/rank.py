@@ -22,6 +22,7 @@ import torch
 
 from megatron_qarl.algo.policy_loss import PolicyLossConfig, loss_normalizer, policy_loss
 from megatron_qarl.config import OptimConfig, ParallelConfig
+from megatron_qarl.moe.exact import exact_forward
 from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
 from megatron_qarl.moe.te import check_te_fp8, resolve_impl
@@ -93,13 +94,15 @@ class Learner:
                  micro_batch_size: int | None = None, temperature: float = 1.0, routing_replay: bool = False,
                  impl: str = "local", compile_quantizer: bool = False, distributed_optimizer: bool = True,
                  optimizer_cpu_offload: bool = False, optimizer_offload_fraction: float = 1.0, recompute: str = "none",
-                 recompute_num_layers: int = 1, te_fp8: bool = False):
+                 recompute_num_layers: int = 1, te_fp8: bool = False, numerics: str = "default",
+                 act_dtype: torch.dtype = torch.bfloat16):
         """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
         Transformer Engine layers, in BF16 GEMMs on ModelOpt's fake-quant operands for the quantized schemes
         (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (impl te, schemes bf16 and w4a16,
         ``moe.te.check_te_fp8``).
         ``compile_quantizer``: learner.compile_quantizer (``qat.quantizer.fake_quantize_weight``).
-        The memory options: see the class docstring."""
+        The memory options: see the class docstring. ``numerics`` "exact": log-probs from moe/exact.py (the rollout
+        engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -126,6 +129,7 @@ class Learner:
         # the same quantizer only produces what the rollout servers load
         self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned, compiled=compile_quantizer)
                            if quant and quant.enabled else None)
+        self.exact = exact_forward(numerics, self, act_dtype, quant, aligned)  # None unless numerics: exact
         self.model = DistributedDataParallel(
             self.module.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -189,6 +193,9 @@ class Learner:
             fill = torch.arange(k, device=routes_BSLK.device).expand(routes_BSLK.shape[0], s - seq,
                                                                      routes_BSLK.shape[2], k)
             routes_BSLK = torch.cat([routes_BSLK.to(torch.int64), fill], dim=1)
+        temperature = self.temperature if temperature is None else temperature
+        if self.exact is not None:  # numerics: exact (no routing replay: refused at construction)
+            return self.exact.logprobs(padded, labels_BS, temperature)[:, : seq - 1], None
         replay = _Replay(self, padded.shape, routes_BSLK, record) if self.routing_replay else None
         try:
             logits_BSV = self.model(padded, position_ids, causal_mask(s).to(self.device))  # this rank's vocab shard
@@ -196,7 +203,7 @@ class Learner:
         finally:
             if replay is not None:
                 replay.close()
-        if (temperature := self.temperature if temperature is None else temperature) != 1.0:
+        if temperature != 1.0:
             logits_BSV = logits_BSV / temperature
         ce_BS = tensor_parallel.vocab_parallel_cross_entropy(logits_BSV, labels_BS)
         return -ce_BS[:, : seq - 1].float(), routes

@@ -15,6 +15,7 @@ Every refusal is a ConfigError whose message starts with the dotted key and says
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -109,6 +110,45 @@ def check_loss(cfg: QarlConfig) -> None:
                           "train.async=off")
 
 
+@functools.lru_cache(maxsize=8)
+def _arch(model_path: str) -> Qwen3MoeArch:
+    return Qwen3MoeArch.from_model_dir(model_path)
+
+
+def check_numerics(cfg: QarlConfig) -> None:
+    """``numerics: exact`` (docs/numerics.md): both sides compute with megatron_qarl/numerics/, which only the
+    embedded server and the learner's local spec on CPU do."""
+    if cfg.numerics != "exact":
+        return
+    from megatron_qarl.numerics.ops import CHUNK
+
+    if cfg.rollout.backend != "embedded":
+        raise ConfigError(f"rollout.backend: {cfg.rollout.backend!r} with numerics=exact: the servers' kernels are "
+                          "not ours (SGLang's deterministic inference makes a server batch-invariant, not equal to "
+                          "our learner: docs/numerics.md); exact numerics run with rollout.backend=embedded")
+    if cfg.learner_on_gpus:
+        raise ConfigError(f"numerics: exact runs the learner on CPU only (megatron_qarl/numerics/ is CPU C), but "
+                          f"{', '.join(cfg.gpu_run_keys)} make this a GPU run (docs/numerics.md, 'On GPUs')")
+    if cfg.model.impl == "te" or cfg.model.te_fp8:
+        raise ConfigError("model.impl: te (or model.te_fp8) with numerics=exact: the exact forward computes the "
+                          "local spec's parameters with its own kernels; use model.impl local or auto")
+    if cfg.algo.wants_routes:
+        raise ConfigError("algo.routing_replay: with numerics=exact the learner's routers choose the servers' experts "
+                          "bit for bit (same logits, same top-k tie-break); routing replay and agreement are for the "
+                          "default numerics")
+    if cfg.quant.enabled and not cfg.learner.aligned:
+        raise ConfigError(f"learner.aligned: false with quant.scheme={cfg.quant.scheme!r} and numerics=exact: the "
+                          "learner would compute with other weights than the servers; set it true")
+    arch, tp = _arch(cfg.model.path), cfg.parallel.tp
+    rows = {"num_attention_heads x head_dim": arch.num_attention_heads * arch.head_dim}
+    if cfg.parallel.ep == 1:
+        rows["moe_intermediate_size"] = arch.moe_intermediate_size
+    for name, k in rows.items():
+        if tp > 1 and k % (CHUNK * tp):
+            raise ConfigError(f"parallel.tp: {tp} with numerics=exact: a row-parallel linear's K ({name} = {k}) must "
+                              f"split into whole chunks of {CHUNK} per rank (the fixed reduction order)")
+
+
 BACKEND_RULES = {"embedded": None, "sglang": check_sglang, "vllm": check_vllm}
 
 
@@ -127,6 +167,7 @@ def check_logprob_semantics(cfg: QarlConfig) -> None:
 def check_run(cfg: QarlConfig) -> QarlConfig:
     """Every rule between components on a schema-valid config; ConfigError naming the key, else ``cfg``."""
     check_loss(cfg)
+    check_numerics(cfg)
     rule = BACKEND_RULES[cfg.rollout.backend]
     if rule is not None:
         rule(cfg)

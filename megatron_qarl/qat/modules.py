@@ -305,6 +305,12 @@ class FakeQuant:
         self._refresh(t)
         return t.quantized
 
+    def exact_weight(self, t: _Target) -> Tensor:
+        """A target's dequantized codes as float32 with a straight-through gradient to its master weight: what a
+        quantized linear multiplies in the learner's exact forward (moe/exact.py, ``numerics: exact``)."""
+        self._refresh(t)
+        return straight_through(t.param, t.local_fq.to(t.param.dtype)).float()
+
     # ----------------------------------------------------------------------------- the backends' work
     def _weight_fn(self, t: _Target) -> Callable[[Tensor], Tensor]:
         def fake_quant(w: Tensor) -> Tensor:

@@ -23,10 +23,11 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from megatron_qarl.numerics.ops import log_softmax as _exact_log_softmax
 from megatron_qarl.rollout import routed_experts
 from megatron_qarl.rollout.model import Qwen3MoeEngineModel
 from megatron_qarl.rollout.request import Limits, Request, SamplingParams, eos_ids, new_request
-from megatron_qarl.rollout.sampling import prompt_logprobs, sample
+from megatron_qarl.rollout.sampling import prompt_logprobs, sample, torch_log_softmax
 from megatron_qarl.rollout.scheduler import Scheduler
 from megatron_qarl.rollout.weight_loading import WeightLoader, in_fresh_thread
 from megatron_qarl.wire import parse_dtype
@@ -52,6 +53,7 @@ class EngineConfig(BaseModel):
     return_original_logprob: bool = False
     num_threads: int | None = Field(default=None, ge=1)
     enable_return_routed_experts: bool = False  # SGLang's --enable-return-routed-experts (R3)
+    numerics: Literal["default", "exact"] = "default"  # exact: numerics/ kernels, the learner's bits (docs/numerics.md)
 
 
 class Engine:
@@ -63,7 +65,9 @@ class Engine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.model = model or in_fresh_thread(Qwen3MoeEngineModel.from_model_dir, cfg.model_path,
-                                              parse_dtype(cfg.dtype), cfg.max_batch_size, cfg.max_seq_len)
+                                              parse_dtype(cfg.dtype), cfg.max_batch_size, cfg.max_seq_len,
+                                              cfg.numerics)
+        self._log_softmax = _exact_log_softmax if self.model.exact is not None else torch_log_softmax
         self.limits = Limits(self.model.arch.vocab_size, self.model.max_seq_len, eos_ids(cfg.model_path))
         self.lock = threading.RLock()  # model work and weight changes
         self.scheduler = Scheduler(self.model.slots)
@@ -169,7 +173,8 @@ class Engine:
         logits = self._forward(reqs, seqs, pos, prefill=True, all_logits=all_logits)
         if all_logits:
             req, logits_TV = reqs[0], logits[0]
-            req.input_logprobs = prompt_logprobs(logits_TV, req.prompt_ids)[req.logprob_start_len:]
+            req.input_logprobs = prompt_logprobs(logits_TV, req.prompt_ids,
+                                                 self._log_softmax)[req.logprob_start_len:]
             logits = logits_TV[-1:]
         return [r for r, lg in zip(reqs, logits, strict=True) if self._append(r, lg)]
 
@@ -190,7 +195,8 @@ class Engine:
         return logits
 
     def _append(self, req: Request, logits_V: torch.Tensor) -> bool:
-        token, logprob = sample(logits_V, req.params, req.generator, self.cfg.return_original_logprob)
+        token, logprob = sample(logits_V, req.params, req.generator, self.cfg.return_original_logprob,
+                                self._log_softmax)
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
         if token in req.stop_ids:

@@ -84,7 +84,9 @@ class Qwen3MoeEngineModel:
     """The network, its store of checkpoint-format tensors and a KV cache of ``slots`` sequences."""
 
     def __init__(self, arch: Qwen3MoeArch, tensors: dict[str, Tensor], quant_cfg: dict | None,
-                 dtype: torch.dtype, slots: int, max_seq_len: int):
+                 dtype: torch.dtype, slots: int, max_seq_len: int, numerics: str = "default"):
+        """``numerics`` "exact": every forward runs rollout/exact_forward.py (numerics/ kernels, a float32 KV
+        cache holding values rounded to ``dtype``), bit for bit what the learner's exact forward computes."""
         if arch.attention_bias:
             raise ConfigError("config.json: attention_bias=true is not supported by the embedded engine")
         self.arch, self.dtype = arch, dtype
@@ -108,8 +110,16 @@ class Qwen3MoeEngineModel:
         self.capture: list[Tensor] | None = None  # forward appends each layer's top-k expert ids here when a list
         self.slots, self.max_seq_len = slots, max_seq_len
         kv_shape = (arch.num_hidden_layers, slots, arch.num_key_value_heads, max_seq_len, arch.head_dim)
-        self.k_cache = torch.zeros(kv_shape, dtype=dtype)
-        self.v_cache = torch.zeros(kv_shape, dtype=dtype)
+        cache_dtype = torch.float32 if numerics == "exact" else dtype
+        self.k_cache = torch.zeros(kv_shape, dtype=cache_dtype)
+        self.v_cache = torch.zeros(kv_shape, dtype=cache_dtype)
+        self.exact = None
+        if numerics == "exact":
+            from megatron_qarl.rollout.exact_forward import ExactForward
+
+            self.exact = ExactForward(self)
+        elif numerics != "default":
+            raise ConfigError(f"numerics: {numerics!r} is not one of default, exact")
         d = arch.head_dim
         inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         freqs_SD2 = torch.arange(max_seq_len).float()[:, None] * inv_freq[None, :]
@@ -118,11 +128,13 @@ class Qwen3MoeEngineModel:
         self.sin_signed_SD = torch.cat([-sin_SD[:, : d // 2], sin_SD[:, d // 2 :]], dim=-1)  # see apply_rope
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype, slots: int, max_seq_len: int | None):
+    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype, slots: int, max_seq_len: int | None,
+                       numerics: str = "default"):
         arch = Qwen3MoeArch.from_model_dir(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         length = min(max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
-        return cls(arch, dict(iter_safetensors(model_dir)), config.get("quantization_config"), dtype, slots, length)
+        return cls(arch, dict(iter_safetensors(model_dir)), config.get("quantization_config"), dtype, slots, length,
+                   numerics)
 
     # -------------------------------------------------------------------------------- weight updates
     def update_tensors(self, tensors: dict[str, Tensor]) -> None:
@@ -175,6 +187,8 @@ class Qwen3MoeEngineModel:
         """Rebuild the derived operands (prepacked / repacked low-bit weights, fused norms) of everything
         loaded since the last call; returns how many linears were rebuilt."""
         dirty, self._dirty = list(self._dirty.values()), {}
+        if self.exact is not None and (dirty or self._loaded):
+            self.exact.invalidate()
         for lin in dirty:
             lin.refresh()
         if self._loaded:
@@ -292,6 +306,8 @@ class Qwen3MoeEngineModel:
         next position). Returns fp32 logits of the last token of each row [B, V] (all tokens [B, T, V]
         when ``all_logits``).
         """
+        if self.exact is not None:
+            return self.exact.forward(tokens_BT, slots_B, pos_BT, all_logits)
         a, s = self.arch, self.store
         b, t = tokens_BT.shape
         kv_len = int(pos_BT.max()) + 1

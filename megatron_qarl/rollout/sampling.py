@@ -14,27 +14,36 @@ temperature (train/pipeline.py's mismatch split compares them with the learner's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatron_qarl.rollout.request import SamplingParams
+
+LogSoftmax = Callable[[torch.Tensor], torch.Tensor]  # log-softmax over the last dim (numerics.ops's when exact)
+
+
+def torch_log_softmax(z: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(z, dim=-1)
 
 SAMPLING_EPS = 1e-6  # SGLang's: a temperature below it is greedy
 
 
 def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-           original_logprob: bool) -> tuple[int, float]:
+           original_logprob: bool, log_softmax: LogSoftmax = torch_log_softmax) -> tuple[int, float]:
     """(token, its log-probability) from the fp32 logits ``z`` of one sequence's next position.
 
     Greedy (T < 1e-6, or top_k = 1): x = argmax z, log-prob log_softmax(z / T')[x] with T' = 1 when T < 1e-6, else T.
     Otherwise: p = softmax(z / T); top-k keeps p_v >= the k-th largest; top-p drops v when the mass of the tokens
     ranked before it exceeds top_p * sum(p); x ~ p (renormalised) drawn with ``generator``. The log-prob is taken
     before the filters, as SGLang's sampler: log_softmax(z / T)[x], or log_softmax(z)[x] with ``original_logprob``
-    (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``)."""
+    (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``). ``log_softmax``: the function every log-prob comes from
+    (``numerics.ops.log_softmax`` under ``numerics: exact``, the learner's)."""
     if params.temperature < SAMPLING_EPS or params.top_k == 1:
         token = int(torch.argmax(logits_V))
         scaled = logits_V if params.temperature < SAMPLING_EPS else logits_V / params.temperature
-        return token, float(torch.log_softmax(scaled, dim=-1)[token])
-    logp_V = torch.log_softmax(logits_V / params.temperature, dim=-1)
+        return token, float(log_softmax(scaled)[token])
+    logp_V = log_softmax(logits_V / params.temperature)
     probs_V = logp_V.exp()
     if 0 < params.top_k < probs_V.numel():
         kth = torch.topk(probs_V, params.top_k).values[-1]
@@ -45,13 +54,14 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Gene
         probs_V = probs_V.scatter(0, order, torch.where(drop, 0.0, sorted_p))
     token = int(torch.multinomial(probs_V, 1, generator=generator))
     if original_logprob:
-        return token, float(torch.log_softmax(logits_V, dim=-1)[token])
+        return token, float(log_softmax(logits_V)[token])
     return token, float(logp_V[token])
 
 
-def prompt_logprobs(logits_TV: torch.Tensor, token_ids: list[int]) -> list[float | None]:
+def prompt_logprobs(logits_TV: torch.Tensor, token_ids: list[int],
+                    log_softmax: LogSoftmax = torch_log_softmax) -> list[float | None]:
     """SGLang's ``input_token_logprobs`` of a sequence from the fp32 logits of all its positions [T, V]:
     [None, lp_1, ..., lp_{T-1}] with lp_t = log_softmax(z_{t-1})[x_t], the UNSCALED distribution at any request
     temperature (the first token has no predecessor)."""
-    logp = torch.log_softmax(logits_TV[:-1], dim=-1).gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+    logp = log_softmax(logits_TV[:-1]).gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
     return [None, *logp.tolist()]

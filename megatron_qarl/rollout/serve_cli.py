@@ -26,6 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the engine (default: torch's, one per core); on a machine shared with "
                         "a learner, fewer threads avoid OpenMP stalls when a core is taken (BENCHMARKS.md)")
+    p.add_argument("--numerics", choices=["default", "exact"], default="default",
+                   help="exact: every token through megatron_qarl/numerics/ (bitwise the learner's log-probs under "
+                        "numerics: exact; docs/numerics.md)")
     p.set_defaults(func=_serve)
 
 
@@ -49,7 +52,8 @@ def _serve(args) -> int:
     try:
         engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                                      max_seq_len=args.max_seq_len, num_threads=args.num_threads,
-                                     enable_return_routed_experts=args.enable_return_routed_experts))
+                                     enable_return_routed_experts=args.enable_return_routed_experts,
+                                     numerics=args.numerics))
     except (KeyError, ValueError, json.JSONDecodeError) as err:
         raise UserError(f"--model {args.model}: {err}") from None
     app = build_app(engine, server_cfg)

@@ -1,0 +1,194 @@
+"""The learner's forward under ``numerics: exact``: the Megatron model's own parameters through numerics/ (the
+rollout engine's rollout/exact_forward.py computes with the same functions), so its log-probs equal the servers'
+bit for bit, at any TP x EP layout. The backward is ordinary autograd (numerics/ops.py's references).
+
+It replaces GPTModel.forward for the log-probs (``ExactForward.logprobs``); the parameters, DDP, the optimizer,
+checkpoints and the weight sync stay Megatron's. Layout (this rank's shard of the local spec, moe/convert.py):
+- every TP rank holds every token (no sequence split): embeddings, norms, residuals, the router and the loss are
+  computed alike on each, their gradients whole; the parameters Megatron reduces over TP (``sequence_parallel``)
+  get theirs divided by TP first, so the sum is the gradient once;
+- column-parallel linears (qkv, fc1 under expert TP, the output layer) give each output whole on one rank;
+- row-parallel linears (o_proj, fc2 under expert TP) return each rank's chunk partial sums (numerics CHUNK
+  elements of K each), gathered over the group and added in chunk order: the full K's order at any TP;
+- the vocab-parallel embedding: each token's row from the rank that holds it;
+- experts under EP: tokens gathered over the expert group (TP ranks first take their share of the rows), each
+  rank runs its experts, each (token, slot) output taken from the rank that owns the expert, then combined in
+  expert order (numerics.ops.combine) and the rows gathered back over TP.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_qarl.moe.exact_comm import (
+    Group,
+    copy_to,
+    gather_last,
+    gather_rows,
+    scale_grad,
+    select_owner,
+    split_rows,
+)
+from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.numerics import layers, ops
+
+if TYPE_CHECKING:
+    from megatron_qarl.qat.config import QuantConfig
+    from megatron_qarl.qat.modules import FakeQuant
+
+
+def _groups() -> tuple[Group, Group, Group]:
+    """(tensor, expert, expert-tensor) parallel groups of this rank."""
+    from megatron.core import parallel_state as ps
+
+    return (Group(ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(),
+                  ps.get_tensor_model_parallel_rank()),
+            Group(ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size(),
+                  ps.get_expert_model_parallel_rank()),
+            Group(ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size(),
+                  ps.get_expert_tensor_parallel_rank()))
+
+
+class ExactForward:
+    """Log-probs of one rank's (unwrapped) Megatron GPTModel in exact numerics. ``act``: the servers' activation
+    dtype (rollout.dtype); ``fake_quant``: the aligned learner's quantizers (their codes' dequantized weights are
+    what the quantized linears multiply), None for scheme bf16."""
+
+    def __init__(self, module: torch.nn.Module, arch: Qwen3MoeArch, act: torch.dtype,
+                 fake_quant: FakeQuant | None):
+        from megatron_qarl.numerics import native
+
+        native.lib()
+        self.module, self.arch, self.act, self.fq = module, arch, act, fake_quant
+        self.tp, self.ep, self.etp = _groups()
+        self.cos, self.sin = ops.rope_tables(arch.max_position_embeddings, arch.head_dim, arch.rope_theta)
+        cfg = fake_quant.cfg if fake_quant is not None else None
+        self.scheme = cfg.scheme if cfg is not None else "bf16"
+        self.group = cfg.group_size if cfg is not None else None
+        self.targets = {id(t.param): t for t in fake_quant.targets} if fake_quant is not None else {}
+
+    # ------------------------------------------------------------------------------------------ operands
+    def w(self, param: torch.nn.Parameter) -> Tensor:
+        """The weight a linear multiplies: the quantizer's dequantized codes (straight-through) for a quantized
+        one, else the parameter rounded to the activation dtype (what the servers hold)."""
+        t = self.targets.get(id(param))
+        if t is not None:
+            return self.fq.exact_weight(t)  # type: ignore[union-attr]
+        return ops.round_to(param.float(), self.act)
+
+    def shared(self, param: torch.nn.Parameter) -> Tensor:
+        """A replicated parameter used alike on every TP rank (``w``); if Megatron sums its gradient over TP, each
+        rank's whole gradient is divided by TP first."""
+        if self.tp.size > 1 and getattr(param, "sequence_parallel", False):
+            return self.w(scale_grad(param, 1.0 / self.tp.size))  # type: ignore[arg-type]
+        return self.w(param)
+
+    def _scheme_of(self, param: torch.nn.Parameter) -> tuple[str, int | None]:
+        return (self.scheme, self.group) if id(param) in self.targets else ("bf16", None)
+
+    def _row_parallel(self, x: Tensor, param: torch.nn.Parameter, g: Group) -> Tensor:
+        """round(quant_act(x) @ W.T) of a row-parallel linear: x and W split along K over ``g``."""
+        scheme, group = self._scheme_of(param)
+        if g.size > 1 and scheme in ("w8a8_int8", "w8a8_fp8"):  # the per-token scale wants the whole row
+            with torch.no_grad():
+                full = torch.cat(g.gather(x.detach(), "exact act row"), dim=-1)
+                fq = ops.quant_act(full, scheme, group).chunk(g.size, dim=-1)[g.rank]
+            from megatron_qarl.qat.fake_quant import straight_through
+
+            xq = straight_through(x, fq.contiguous())
+        else:
+            xq = ops.quant_act(x, scheme, group)
+        if g.size == 1:
+            return layers.dense(xq, self.w(param), self.act)
+        return ops.round_to(ops.sum_chunks(gather_last(ops.linear_partials(xq, self.w(param)), g)), self.act)
+
+    def _column(self, x: Tensor, param: torch.nn.Parameter, g: Group) -> Tensor:
+        return layers.dense(ops.quant_act(copy_to(x, g), *self._scheme_of(param)), self.w(param), self.act)
+
+    # ------------------------------------------------------------------------------------------ the layers
+    def _embed(self, tokens: Tensor) -> Tensor:
+        w = self.module.embedding.word_embeddings.weight
+        rows = w.shape[0]
+        start = self.tp.rank * rows
+        local = tokens - start
+        mine = (local >= 0) & (local < rows)
+        e = F.embedding(torch.where(mine, local, torch.zeros_like(local)), w)
+        return ops.round_to(select_owner(e.float(), tokens // rows, self.tp), self.act)
+
+    def _attention(self, attn: torch.nn.Module, h: Tensor, pos: Tensor, b: int, s: int) -> Tensor:
+        a = self.arch
+        d, rep = a.head_dim, a.num_attention_heads // a.num_key_value_heads
+        qkv = self._column(h, attn.linear_qkv.weight, self.tp)
+        per_group = qkv.view(b * s, -1, rep + 2, d)  # [T, local KV groups, rep q heads + k + v, D]
+        q, k = layers.qk_norm_rope(per_group[:, :, :rep].reshape(b * s, -1, d), per_group[:, :, rep],
+                                   self.w(attn.q_layernorm.weight), self.w(attn.k_layernorm.weight), self.cos[pos],
+                                   self.sin[pos], a.rms_norm_eps, self.act)
+        g = per_group.shape[1]
+        o = ops.attention_causal(q.view(b, s, -1, d), k.view(b, s, g, d), per_group[:, :, rep + 1].reshape(b, s, g, d))
+        return self._row_parallel(ops.round_to(o, self.act).reshape(b * s, -1), attn.linear_proj.weight, self.tp)
+
+    def _experts(self, mlp: torch.nn.Module, n: Tensor, ids: Tensor) -> Tensor:
+        """[T, k, H]: each (token, slot) through its expert where this rank holds it, zeros elsewhere."""
+        local = mlp.experts.local_experts
+        first = self.ep.rank * len(local)
+        y = torch.zeros(*ids.shape, n.shape[1])
+        for e in torch.unique(ids).tolist():
+            if not first <= e < first + len(local):
+                continue
+            expert = local[e - first]
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
+            fc1 = expert.linear_fc1.weight
+            gu = self._column(n[rows], fc1, self.etp)
+            half = gu.shape[-1] // 2
+            h = ops.round_to(ops.silu_mul(gu[:, :half], gu[:, half:]), self.act)
+            y = y.index_put((rows, slot), self._row_parallel(h, expert.linear_fc2.weight, self.etp))
+        return y
+
+    def _moe(self, mlp: torch.nn.Module, n: Tensor) -> Tensor:
+        a = self.arch
+        ids, wts, _ = layers.moe_route(n, self.shared(mlp.router.weight), a.num_experts_per_tok, a.norm_topk_prob)
+        if self.ep.size == 1:
+            return ops.round_to(ops.combine(wts, self._experts(mlp, n, ids)), self.act)
+        n, ids, wts = split_rows(n, self.tp), split_rows(ids, self.tp), split_rows(wts, self.tp)
+        n_all = gather_rows(n, self.ep, summed=True)
+        ids_all = torch.cat(self.ep.gather(ids, "exact expert ids"))
+        owner = ids_all // (a.num_experts // self.ep.size)
+        y = select_owner(self._experts(mlp, n_all, ids_all), owner, self.ep, split=True)
+        return gather_rows(ops.round_to(ops.combine(wts, y), self.act), self.tp)
+
+    def logprobs(self, tokens_BS: Tensor, labels_BS: Tensor, temperature: float) -> Tensor:
+        """log_softmax(z / T)[label] at every position: float32 [B, S], with autograd."""
+        a, m, act = self.arch, self.module, self.act
+        b, s = tokens_BS.shape
+        pos = torch.arange(s).repeat(b)
+        x = self._embed(tokens_BS.reshape(-1))
+        for layer in m.decoder.layers:
+            h = layers.norm(x, self.shared(layer.input_layernorm.weight), a.rms_norm_eps, act)
+            x = ops.round_to(x + self._attention(layer.self_attention, h, pos, b, s), act)
+            n = layers.norm(x, self.shared(layer.pre_mlp_layernorm.weight), a.rms_norm_eps, act)
+            x = ops.round_to(x + self._moe(layer.mlp, n), act)
+        x = layers.norm(x, self.shared(m.decoder.final_layernorm.weight), a.rms_norm_eps, act)
+        logits = gather_last(ops.linear(copy_to(x, self.tp), self.w(m.output_layer.weight)), self.tp)
+        return layers.logprobs_of(logits.view(b, s, -1), labels_BS, temperature)
+
+
+def exact_forward(numerics: str, learner: Any, act: torch.dtype, quant: QuantConfig | None,
+                  aligned: bool) -> ExactForward | None:
+    """A learner's (learner/rank.py, which imports this module) ``ExactForward`` under ``numerics: exact`` (None
+    under default); ValueError naming what it cannot serve (also refused at load: preflight/rules.py
+    ``check_numerics``)."""
+    if numerics == "default":
+        return None
+    if numerics != "exact":
+        raise ValueError(f"numerics: {numerics!r} is not one of default, exact")
+    if learner.impl != "local" or learner.routing_replay:
+        raise ValueError("numerics: exact computes Megatron's local spec (model.impl local) with its own routes (no "
+                         f"routing replay); got impl {learner.impl!r}, routing_replay {learner.routing_replay}")
+    if quant is not None and quant.enabled and not aligned:
+        raise ValueError("numerics: exact needs learner.aligned true with a quantized scheme (the servers' low-bit "
+                         "weights in the learner's forward)")
+    return ExactForward(learner.module, learner.arch, act, learner.fake_quant)

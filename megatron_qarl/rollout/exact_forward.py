@@ -1,0 +1,139 @@
+"""The engine's forward under ``numerics: exact``: every token through numerics/ (the learner's moe/exact.py
+computes with the same functions), so a token's logits do not depend on the batch it is in, on prefill vs decode,
+or on a retract and re-prefill.
+
+Each linear multiplies float32 operands: dense weights as the store holds them (the compute dtype, bf16 on bf16
+servers), low-bit ones dequantized from the checkpoint's codes with the one quantizer's functions (W4A16:
+``dequantize_w4a16``; INT8: ``dequantize_int8_channel``; FP8: ``dequantize_fp8_block``), computed once per weight
+version. W8A8 activations are quantized per token (group) with the learner's formulas (``numerics.ops.quant_act``).
+The KV cache holds float32 (values already rounded to the compute dtype); attention reads exactly a query's keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatron_qarl.numerics import layers, native, ops
+from megatron_qarl.qat.pack import unpack_int4
+from megatron_qarl.qat.quantizer import (
+    QuantizedWeight,
+    dequantize_fp8_block,
+    dequantize_int8_channel,
+    dequantize_w4a16,
+)
+from megatron_qarl.rollout.kernels import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, Linear
+
+# the engine model (rollout/model.py Qwen3MoeEngineModel) and its layers, which import this module: typed loosely
+EngineModel = Any
+Layer = Any
+
+
+def dequantized(lin: Linear) -> Tensor:
+    """A linear's weight [N, K] as float32, from the store's tensors (fused parts concatenated along N)."""
+    if isinstance(lin, DenseLinear):
+        return lin.w_NK.float()
+    if isinstance(lin, Int8Linear):
+        return dequantize_int8_channel(QuantizedWeight(lin.codes_NK, lin.scale_N1, None, tuple(lin.codes_NK.shape),
+                                                       "w8a8_int8"), torch.float32)
+    parts = []
+    for p in lin.prefixes:  # type: ignore[attr-defined]
+        s = lin.store  # type: ignore[attr-defined]
+        if isinstance(lin, Int4Linear):
+            n, k = (int(v) for v in s[f"{p}.weight_shape"].tolist())
+            zp = s.get(f"{p}.weight_zero_point")
+            qw = QuantizedWeight(unpack_int4(s[f"{p}.weight_packed"], k), s[f"{p}.weight_scale"],
+                                 None if zp is None else unpack_int4(zp, n, packed_dim=0), (n, k), "w4a16", lin.group)
+            parts.append(dequantize_w4a16(qw).float())
+        elif isinstance(lin, Fp8Linear):
+            c = s[f"{p}.weight"]
+            qw = QuantizedWeight(c, s[f"{p}.weight_scale_inv"], None, tuple(c.shape), "w8a8_fp8", lin.block)
+            parts.append(dequantize_fp8_block(qw, torch.float32))
+        else:
+            raise TypeError(f"{type(lin).__name__}: no exact weight")
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def act_scheme(lin: Linear) -> tuple[str, int | None]:
+    """(scheme, group) of the activation quantization a linear's format asks for (none: ("bf16", None))."""
+    if isinstance(lin, Int8Linear):
+        return "w8a8_int8", None
+    if isinstance(lin, Fp8Linear):
+        return "w8a8_fp8", lin.block
+    return "bf16", None
+
+
+class ExactForward:
+    """The exact forward of one engine model (its store, linears and float32 KV cache)."""
+
+    def __init__(self, model: EngineModel):
+        native.lib()  # build the kernels now: a server that cannot be exact fails at start, not at its first request
+        self.m, self.act = model, model.dtype
+        a = model.arch
+        self.cos, self.sin = ops.rope_tables(a.max_position_embeddings, a.head_dim, a.rope_theta)
+        self._w: dict[int, Tensor] = {}
+
+    def invalidate(self) -> None:
+        """Forget the float32 weights (after a weight update)."""
+        self._w.clear()
+
+    def w(self, lin: Linear) -> Tensor:
+        if id(lin) not in self._w:
+            self._w[id(lin)] = dequantized(lin).contiguous()
+        return self._w[id(lin)]
+
+    def lin(self, lin: Linear, x: Tensor) -> Tensor:
+        """round(quant_act(x) @ W.T) for an engine linear."""
+        return layers.dense(ops.quant_act(x, *act_scheme(lin)), self.w(lin), self.act)
+
+    def _attention(self, layer: Layer, h_RH: Tensor, slots_R: Tensor, pos_R: Tensor) -> Tensor:
+        a = self.m.arch
+        hq, hkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        qkv = self.lin(layer.qkv, h_RH)
+        norm = f"{layer.prefix}.self_attn"
+        q, k = layers.qk_norm_rope(qkv[:, : hq * d].reshape(-1, hq, d),
+                                   qkv[:, hq * d : (hq + hkv) * d].reshape(-1, hkv, d),
+                                   self.m.store[f"{norm}.q_norm.weight"].float(),
+                                   self.m.store[f"{norm}.k_norm.weight"].float(), self.cos[pos_R], self.sin[pos_R],
+                                   a.rms_norm_eps, self.act)
+        v = qkv[:, (hq + hkv) * d :].reshape(-1, hkv, d)
+        kc, vc = self.m.k_cache[layer.index], self.m.v_cache[layer.index]  # [slots, Hkv, S, D] float32
+        kc[slots_R, :, pos_R] = k
+        vc[slots_R, :, pos_R] = v
+        seq = kc.shape[2]
+        kbase = slots_R * (hkv * seq * d)
+        o = native.attention(q.contiguous(), kc, vc, kbase, pos_R + 1, hkv, d, seq * d, d**-0.5)
+        return self.lin(layer.o, ops.round_to(o, self.act).reshape(-1, hq * d))
+
+    def _moe(self, layer: Layer, n_RH: Tensor) -> Tensor:
+        a = self.m.arch
+        ids, w, order = layers.moe_route(n_RH, self.w(layer.router), a.num_experts_per_tok, a.norm_topk_prob)
+        if self.m.capture is not None:
+            self.m.capture.append(order.to(torch.int32))
+        y = torch.zeros(*ids.shape, n_RH.shape[1])
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
+            gu, down = layer.gate_up[e], layer.down[e]
+            h = layers.expert_hidden(n_RH[rows], self.w(gu), *act_scheme(gu), self.act)
+            y[rows, slot] = self.lin(down, h)
+        return ops.round_to(ops.combine(w, y), self.act)
+
+    @torch.inference_mode()
+    def forward(self, tokens_BT: Tensor, slots_B: Tensor, pos_BT: Tensor, all_logits: bool) -> Tensor:
+        """``Qwen3MoeEngineModel.forward`` in exact numerics: fp32 logits [B, V] of each row's last token (all
+        tokens [B, T, V] when ``all_logits``)."""
+        m, a = self.m, self.m.arch
+        b, t = tokens_BT.shape
+        s, eps, act = m.store, a.rms_norm_eps, self.act
+        x = ops.round_to(s["model.embed_tokens.weight"].float()[tokens_BT.reshape(-1)], act)
+        slots_R, pos_R = slots_B[:, None].expand(b, t).reshape(-1), pos_BT.reshape(-1)
+        for layer in m.layers:
+            x = ops.round_to(x + self._attention(layer, layers.norm(x, layer.ln_in.float(), eps, act), slots_R, pos_R),
+                             act)
+            x = ops.round_to(x + self._moe(layer, layers.norm(x, layer.ln_post.float(), eps, act)), act)
+        x = x.view(b, t, -1) if all_logits else x.view(b, t, -1)[:, -1:]
+        x = layers.norm(x.reshape(-1, a.hidden_size), s["model.norm.weight"].float(), eps, act)
+        logits = ops.linear(x, self.w(m.lm_head))
+        return logits.view(b, -1, a.vocab_size) if all_logits else logits

@@ -1,0 +1,214 @@
+"""numerics: exact: the learner's log-probs equal the embedded engine's bit for bit (W4A16, W8A8-INT8, W8A8-FP8,
+BF16), at every learner TP x EP layout, and the engine's own results do not depend on the batch, on prefill vs
+decode, or on a retract and re-prefill (docs/numerics.md)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_qarl.config import OptimConfig, ParallelConfig
+from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.moe.parallelize import init_parallel, run_ranks
+from megatron_qarl.moe.verify import world_size
+from megatron_qarl.numerics import native, ops
+from megatron_qarl.qat.config import QuantConfig
+from megatron_qarl.rollout.model import Qwen3MoeEngineModel
+
+SCHEMES = ["w4a16", "w8a8_int8", "w8a8_fp8", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    """What the servers load per scheme: the one quantizer's export (bf16: the checkpoint itself)."""
+    from megatron_qarl.qat.export import quantize_checkpoint
+
+    out = {"bf16": tiny_model_dir}
+    for scheme in SCHEMES[:3]:
+        d = tmp_path_factory.mktemp(scheme)
+        quantize_checkpoint(tiny_model_dir, scheme, d)
+        out[scheme] = str(d)
+    return out
+
+
+def _tokens(rows: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 32, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _learner_logprobs(model_dir: str, scheme: str, tp: int, ep: int, tokens: torch.Tensor) -> torch.Tensor:
+    from megatron_qarl.learner.rank import Learner
+
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(tp=tp, ep=ep, seed=7)
+    quant = QuantConfig(scheme=scheme) if scheme != "bf16" else None
+    learner = Learner(arch, ParallelConfig(tp=tp, ep=ep), OptimConfig(lr=1e-3), quant=quant, numerics="exact",
+                      act_dtype=torch.bfloat16)
+    learner.load_hf(model_dir)
+    return learner.forward_logprobs(tokens)
+
+
+def _engine(model_dir: str, slots: int = 16) -> Qwen3MoeEngineModel:
+    return Qwen3MoeEngineModel.from_model_dir(model_dir, torch.bfloat16, slots, 64, numerics="exact")
+
+
+def _engine_logprobs(model: Qwen3MoeEngineModel, tokens: torch.Tensor) -> torch.Tensor:
+    b, s = tokens.shape
+    logits = model.forward(tokens, torch.arange(b), torch.arange(s)[None].expand(b, s), all_logits=True)
+    return ops.log_softmax(logits[:, :-1]).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_learner_logprobs_equal_the_engine_bit_for_bit(scheme, checkpoints, tiny_model_dir):
+    tokens = _tokens(6, 24)
+    want = _engine_logprobs(_engine(checkpoints[scheme]), tokens)
+    got = run_ranks(1, _learner_logprobs, tiny_model_dir, scheme, 1, 1, tokens)[0]
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} log-probs differ"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8_int8"])
+def test_learner_layouts_give_the_same_bits(scheme, tiny_model_dir):
+    """TP x EP = 1x1, 2x1, 1x2, 2x2: the same log-prob bits."""
+    tokens = _tokens(4, 20, seed=1)
+    ref = run_ranks(1, _learner_logprobs, tiny_model_dir, scheme, 1, 1, tokens)[0]
+    for tp, ep in [(2, 1), (1, 2), (2, 2)]:
+        for got in run_ranks(world_size(tp, ep), _learner_logprobs, tiny_model_dir, scheme, tp, ep, tokens):
+            assert torch.equal(got, ref), f"TP{tp} x EP{ep}: {int((got != ref).sum())} log-probs differ"
+
+
+def _one_step(model_dir: str, tp: int, ep: int, tokens: torch.Tensor) -> dict:
+    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
+
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(tp=tp, ep=ep, seed=7)
+    learner = Learner(arch, ParallelConfig(tp=tp, ep=ep), OptimConfig(lr=1e-3), quant=QuantConfig(scheme="w4a16"),
+                      numerics="exact", act_dtype=torch.bfloat16)
+    learner.load_hf(model_dir)
+    mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+    return learner.train_step(Batch(tokens, mask), lambda lp, b: token_mean_nll(lp, b, int(mask.sum())))
+
+
+@pytest.mark.multiproc
+def test_a_training_step_has_the_same_loss_and_gradient_at_every_layout(tiny_model_dir):
+    """The loss (from the exact log-probs) is the same bits; the gradient norm (ordinary autograd, the TP and EP
+    backward collectives) agrees to float32 rounding: the gradient is the same gradient at every layout."""
+    tokens = _tokens(4, 20, seed=2)
+    ref = run_ranks(1, _one_step, tiny_model_dir, 1, 1, tokens)[0]
+    assert ref["grad_norm"] > 0 and ref["skipped"] == 0
+    for tp, ep in [(2, 1), (1, 2), (2, 2)]:
+        got = run_ranks(world_size(tp, ep), _one_step, tiny_model_dir, tp, ep, tokens)[0]
+        assert got["loss"] == ref["loss"], f"TP{tp} x EP{ep}"
+        assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], f"TP{tp} x EP{ep}"
+
+
+def test_prefill_equals_decode_and_any_batch(checkpoints):
+    """A sequence's logits alone, inside a batch of 16, token by token (decode), and re-prefilled: the same bits."""
+    model = _engine(checkpoints["w4a16"])
+    tokens = _tokens(16, 12, seed=3)
+    pos = torch.arange(12)[None].expand(16, 12)
+    batch = model.forward(tokens, torch.arange(16), pos, all_logits=True)
+    alone = model.forward(tokens[5:6], torch.tensor([0]), pos[:1], all_logits=True)
+    assert torch.equal(alone[0], batch[5])
+    for t in range(12):  # decode in slot 9, next to 15 other rows decoding their own tokens
+        others = [r for r in range(16) if r != 9]
+        rows = torch.tensor([5, *others[:15]])
+        step = model.forward(tokens[rows, t : t + 1], torch.tensor([9, *others[:15]]), torch.full((16, 1), t))
+        assert torch.equal(step[0], batch[5, t]), f"position {t}"
+
+
+def test_kernels_match_their_torch_references_and_are_row_independent():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 96, generator=g), torch.randn(40, 96, generator=g)
+    y = ops.linear(x, w)
+    assert torch.allclose(y, x @ w.T, atol=1e-4)
+    assert all(torch.equal(ops.linear(x[i : i + 1], w)[0], y[i]) for i in range(64))
+    parts = ops.linear_partials(x, w)
+    assert parts.shape == (64, 40, 3) and torch.equal(ops.sum_chunks(parts), y)
+    assert torch.allclose(ops.rms_norm(x, w[0], 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w[0],
+                          atol=1e-5)
+    assert torch.allclose(ops.silu_mul(x, y[:, :1].expand(64, 96)), torch.nn.functional.silu(x) * y[:, :1], atol=1e-5)
+    assert torch.allclose(ops.log_softmax(y), torch.log_softmax(y, -1), atol=1e-5)
+    q, k, v = (torch.randn(2, 7, 4, 32, generator=g), torch.randn(2, 7, 2, 32, generator=g),
+               torch.randn(2, 7, 2, 32, generator=g))
+    assert torch.allclose(ops.attention_causal(q, k, v), ops._causal_ref(q, k, v, 32**-0.5), atol=1e-5)
+    ids, wts, order = ops.route(torch.tensor([[1.0, 3.0, 3.0, 0.0]]), 2, True)  # a tie: the lower id wins
+    assert ids.tolist() == [[1, 2]] and order.tolist() == [[1, 2]] and torch.allclose(wts, torch.tensor([[0.5, 0.5]]))
+
+
+def test_gradients_are_those_of_the_references():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 64, generator=g, requires_grad=True), torch.randn(8, 64, generator=g, requires_grad=True)
+    ops.log_softmax(ops.linear(ops.rms_norm(x, torch.ones(64), 1e-6), w)).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    ref = torch.log_softmax(ops._rms_ref(x, torch.ones(64), 1e-6) @ w.T, -1)
+    ref.sum().backward()
+    assert torch.allclose(gx, x.grad, atol=1e-5) and torch.allclose(gw, w.grad, atol=1e-5)
+
+
+def test_the_library_builds_with_the_documented_flags(tmp_path):
+    start = time.time()
+    path = native.build(Path(tmp_path))
+    assert path.is_file() and time.time() - start < 120
+
+
+def _generate(engine, prompts: list[list[int]], seeds: list[int], retract: bool = False,
+              max_new: int = 14) -> list[tuple[list[int], list[float]]]:
+    """Sample every prompt (temperature 1, its own seed); ``retract``: once every request has a few tokens, pause
+    with retract (the KV cache dropped) and continue (each re-prefilled)."""
+    import threading
+
+    from megatron_qarl.rollout.request import SamplingParams
+
+    done = threading.Semaphore(0)
+    reqs = []
+    for p, s in zip(prompts, seeds, strict=True):
+        req = engine.make_request(p, SamplingParams(max_new_tokens=max_new, sampling_seed=s, ignore_eos=True))
+        req.on_done = lambda r: done.release()
+        reqs.append(req)
+    with engine.lock:  # admitted together: one batch
+        for req in reqs:
+            engine.submit(req)
+    if retract:
+        while min(len(r.output_ids) for r in reqs) < 4:
+            time.sleep(0.001)
+        engine.pause("retract")
+        assert all(r.slot is None for r in reqs if r.finish_reason is None)
+        engine.resume()
+    for _ in reqs:
+        assert done.acquire(timeout=120)
+    assert not retract or any(r.num_retractions for r in reqs)
+    return [(r.output_ids, r.output_logprobs) for r in reqs]
+
+
+def test_a_request_alone_in_a_batch_and_after_a_retract_gets_the_same_bits(checkpoints):
+    """The same tokens and log-prob bits alone, among 15 others, and re-prefilled after a retract; and the server's
+    prefill of the sampled sequence (its prompt log-probs) equals what its decode reported."""
+    from megatron_qarl.rollout.engine import Engine, EngineConfig
+    from megatron_qarl.rollout.request import SamplingParams
+
+    engine = Engine(EngineConfig(model_path=checkpoints["w4a16"], max_batch_size=16, max_seq_len=64,
+                                 numerics="exact"))
+    try:
+        prompts = [t.tolist() for t in _tokens(16, 6, seed=4)]
+        seeds = list(range(100, 116))
+        alone = _generate(engine, prompts[:1], seeds[:1])[0]
+        batch = _generate(engine, prompts, seeds)
+        retracted = _generate(engine, prompts, seeds, retract=True)
+        assert batch[0] == alone and retracted == batch
+        ids, logps = alone
+        req = engine.make_request(prompts[0] + ids, SamplingParams(max_new_tokens=1), return_logprob=True,
+                                  logprob_start_len=0)
+        import threading
+
+        got = threading.Event()
+        req.on_done = lambda r: got.set()
+        engine.submit(req)
+        assert got.wait(60)
+        assert req.input_logprobs[len(prompts[0]):] == logps  # prefill == decode, bit for bit (as Python floats)
+    finally:
+        engine.shutdown()
