@@ -23,21 +23,33 @@ GIB = 2**30
 
 
 def run_one(config: str, layers: list[int], overrides: list[str], name: str | None) -> Path:
+    """Simulate ``config`` (with ``overrides``) in a subprocess (``--one``) and save what it prints."""
     name = name or Path(config).stem
-    cmd = [sys.executable, "-m", "megatron_qarl.cli", "plan", "--config", config, *overrides, "--simulate",
-           "--simulate-layers", *map(str, layers), "--json"]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", config, "--layers", *map(str, layers),
+           *[f"--set={o}" for o in overrides]]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"{config}: {' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
     data = json.loads(res.stdout[res.stdout.index("{"):])
-    data["command"] = " ".join(["qarl", *cmd[3:]])
-    data["overrides"] = overrides
+    data["command"] = " ".join(["python benchmarks/memory_sim.py", config, *[f"--set {o}" for o in overrides],
+                                "--layers", *map(str, layers)] + (["--name", name] if name != Path(config).stem else []))
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
-    runs = data["simulation"]["simulation"]["simulated"]
+    runs = data["simulation"]["simulated"]
     print(f"{name}: done ({', '.join(str(s['seconds']) + ' s' for s in runs)})", flush=True)
     return path
+
+
+def simulate_one(config: str, layers: list[int], overrides: list[str]) -> dict:
+    """One config's simulation (``plan.simulate.simulate_config``), JSON-ready, with its layout."""
+    from megatron_qarl.plan.simulate import simulate_config
+    from megatron_qarl.preflight.rules import load_config
+
+    cfg = load_config(config, overrides)
+    return {"config": config, "overrides": overrides,
+            "layout": {"gpus": cfg.world_size, "tp": cfg.parallel.tp, "ep": cfg.parallel.ep},
+            "simulation": simulate_config(cfg, layers=tuple(layers))}
 
 
 def _replan(d: dict) -> dict[str, int]:
@@ -81,10 +93,14 @@ def main() -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--name", default=None, help="result name (one config; default: the config's stem)")
     parser.add_argument("--table", action="store_true", help="print the table of the saved results")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run_one's subprocess: print one simulation
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="key=value",
                         help="a config override for every config (repeatable)")
     args = parser.parse_args()
     overrides = args.overrides
+    if args.one:
+        print(json.dumps(simulate_one(args.one, args.layers, overrides)))
+        return 0
     if args.configs:
         with ThreadPoolExecutor(args.jobs) as pool:
             list(pool.map(lambda c: run_one(c, args.layers, overrides, args.name), args.configs))
