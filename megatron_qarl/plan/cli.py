@@ -48,6 +48,8 @@ from megatron_qarl.plan.memory import (
     rollout_weight_bytes,
     step_shape,
 )
+from megatron_qarl.plan.step import train_activations
+from megatron_qarl.plan.verdict import step_shape_of, verdict
 from megatron_qarl.preflight.rules import load_config, validate_run
 from megatron_qarl.qat.config import SCHEMES, QuantConfig
 
@@ -69,8 +71,8 @@ RECIPE = {
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     """What a plan needs beyond the run config, and what-if overrides of it. ``gpu_gib``: memory the driver
-    reports; the learner keeps ``reserve_gib`` free (CUDA context, cuBLAS/NCCL buffers, allocator
-    fragmentation). Every learner option left None is the config's own (``learner_settings``):
+    reports; a learner layout fits when its step's peak phase and the GPU's itemised fixed costs
+    (``plan.fixed_costs``) fit it. Every learner option left None is the config's own (``learner_settings``):
     ``micro_batch_tokens`` (tokens per data-parallel rank, else learner.micro_batch_size sequences),
     ``distributed_optimizer``, ``optimizer_cpu_offload``, ``recompute`` (none / selective / full), ``attention``
     (flash / unfused, else ``learner_attention``). ``te_available``: whether transformer_engine is installed where
@@ -78,7 +80,6 @@ class PlanOptions:
     balanced share."""
 
     gpu_gib: float = H100_GIB
-    reserve_gib: float = 2.0
     micro_batch_tokens: int | None = None
     distributed_optimizer: bool | None = None
     optimizer_cpu_offload: bool | None = None
@@ -160,7 +161,6 @@ def _gib(x: float) -> float:
 
 def learner_rows(cfg: QarlConfig, arch: Qwen3MoeArch, gpus: int, opts: PlanOptions) -> tuple[list[dict], list[str]]:
     """(one row per runnable learner layout on ``gpus`` GPUs, reasons the other candidates were rejected)."""
-    usable = (opts.gpu_gib - opts.reserve_gib) * GIB
     rows, rejected = [], []
     eps = [e for e in range(1, arch.num_experts + 1) if arch.num_experts % e == 0 and e <= gpus]
     for tp in TP_CHOICES:
@@ -173,18 +173,34 @@ def learner_rows(cfg: QarlConfig, arch: Qwen3MoeArch, gpus: int, opts: PlanOptio
                     rejected.append(str(err))
                 continue
             mem = _learner_memory(cfg, arch, lay, opts)
+            v = _verdict(cfg, arch, lay, opts)
             rows.append({"tp": tp, "ep": ep, "etp": lay.etp, "dp": lay.dp, "edp": lay.edp, "sp": lay.sp,
-                         **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": mem["total"] <= usable})
+                         **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "peak_phase": v["peak_phase"],
+                         "peak_gib": v["peak_gib"], "fixed_gib": v["fixed_gib"]["total"],
+                         "margin_gib": v["margin_gib"], "fits": v["fits"]})
     return rows, sorted(set(rejected))
 
 
 def _learner_memory(cfg: QarlConfig, arch: Qwen3MoeArch, lay: LearnerLayout, opts: PlanOptions) -> dict[str, float]:
+    """The train step's memory by term: ``learner_memory``'s persistent terms and ``plan.step``'s activations."""
     st = learner_settings(cfg, opts)
-    return learner_memory(arch, cfg.quant, lay, micro_batch_tokens=micro_batch_tokens(cfg, lay.dp, opts),
-                          seq_len=step_shape(cfg)[1], attention=st.attention,
-                          distributed_optimizer=st.distributed_optimizer, offload_fraction=st.offload_fraction,
-                          recompute=st.recompute, recompute_num_layers=st.recompute_num_layers,
-                          expert_imbalance=opts.expert_imbalance)
+    tokens = micro_batch_tokens(cfg, lay.dp, opts)
+    mem = learner_memory(arch, cfg.quant, lay, micro_batch_tokens=tokens, seq_len=step_shape(cfg)[1],
+                         attention=st.attention, distributed_optimizer=st.distributed_optimizer,
+                         offload_fraction=st.offload_fraction, recompute=st.recompute,
+                         recompute_num_layers=st.recompute_num_layers, expert_imbalance=opts.expert_imbalance)
+    shape = dataclasses.replace(step_shape_of(cfg, tokens, step_shape(cfg)[1], st),
+                                expert_imbalance=opts.expert_imbalance)
+    mem["activations"] = int(train_activations(arch, lay, shape)["activations"])
+    mem["total"] = sum(v for k, v in mem.items() if k != "total")
+    return mem
+
+
+def _verdict(cfg: QarlConfig, arch: Qwen3MoeArch, lay: LearnerLayout, opts: PlanOptions) -> dict:
+    """``plan.verdict.verdict`` of ``lay`` with the config's (or the what-if) learner settings."""
+    st = learner_settings(cfg, opts)
+    shape = step_shape_of(cfg, micro_batch_tokens(cfg, lay.dp, opts), step_shape(cfg)[1], st)
+    return verdict(cfg, arch, lay, shape, opts.gpu_gib, opts.expert_imbalance)
 
 
 def _rollout_memory(cfg: QarlConfig, arch: Qwen3MoeArch, srv: ServerLayout, seqs: int, opts: PlanOptions):
@@ -256,7 +272,7 @@ def make_plan(cfg: QarlConfig, *, nodes: Sequence[int], gpus_per_node: int, opts
                          "prompt_len": cfg.data.max_prompt_tokens, "max_response_len": s.max_new_tokens,
                          "micro_batch_tokens": opts.micro_batch_tokens},
             "cluster": {"nodes": list(nodes), "gpus_per_node": gpn, "gpu_gib": opts.gpu_gib,
-                        "reserve_gib": opts.reserve_gib, "mem_fraction_static": cfg.rollout.mem_fraction_static},
+                        "mem_fraction_static": cfg.rollout.mem_fraction_static},
             "learner": {**dataclasses.asdict(learner_settings(cfg, opts)), "expert_imbalance": opts.expert_imbalance},
         },
         "clusters": clusters,
@@ -284,7 +300,7 @@ def _table(rows: list[dict], cols: list[str]) -> list[str]:
 
 
 _LEARNER_COLS = ["tp", "ep", "etp", "dp", "edp", "weights_gib", "gradients_gib", "optimizer_gib", "activations_gib",
-                 "qat_cache_gib", "total_gib", "fits"]
+                 "qat_cache_gib", "total_gib", "peak_phase", "peak_gib", "fixed_gib", "margin_gib", "fits"]
 _ROLLOUT_COLS = ["tp", "ep", "moe_tp", "servers", "seqs_per_server", "weights_gib", "kv_pool_gib", "kv_needed_gib",
                  "kv_tokens", "seqs_at_full_length", "fits", "fits_all"]
 
@@ -298,7 +314,8 @@ def render_text(plan: dict, model: str) -> str:
         f"model {model}: {p['total'] / 1e9:.2f}B params ({p['active'] / 1e9:.2f}B active per token), scheme "
         f"{plan['scheme']}",
         f"rollout checkpoint: {ckpt}",
-        f"GPU {cl['gpu_gib']:.2f} GiB (learner keeps {cl['reserve_gib']} GiB free; SGLang mem_fraction_static "
+        f"GPU {cl['gpu_gib']:.2f} GiB (learner: its step's peak phase + the GPU's fixed costs; SGLang "
+        f"mem_fraction_static "
         f"{cl['mem_fraction_static']}); {w['prompts_per_step']} prompts x {w['samples_per_prompt']} samples, "
         f"prompt {w['prompt_len']} + response {w['max_response_len']} tokens, micro-batch "
         f"{w['micro_batch_tokens'] or w['prompt_len'] + w['max_response_len']} tokens per DP rank",
@@ -333,14 +350,14 @@ def config_plan(cfg: QarlConfig, opts: PlanOptions, *, alternatives: bool = True
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
     st = learner_settings(cfg, opts)
     mem = _learner_memory(cfg, arch, lay, opts)
-    usable = (opts.gpu_gib - opts.reserve_gib) * GIB
+    step = _verdict(cfg, arch, lay, opts)
     host = optimizer_host_bytes(arch, lay, st.offload_fraction)
     learner = {"gpus": lay.gpus, "tp": lay.tp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp, "edp": lay.edp,
                "sp": lay.sp, "micro_batch_tokens": micro_batch_tokens(cfg, lay.dp, opts),
                "micro_batch_sequences": None if opts.micro_batch_tokens else micro_batch_sequences(cfg, lay.dp),
                "sequences_per_dp_rank": sequences // lay.dp,
-               **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": mem["total"] <= usable,
-               "optimizer_host_gib_per_rank": _gib(host)}
+               **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": step["fits"],
+               "optimizer_host_gib_per_rank": _gib(host), "step": step}
     srv = ServerLayout(tp=max(r.gpus_per_server, 1), ep=r.ep_size)
     seqs = min(r.max_batch_size, math.ceil(sequences / r.servers))
     rollout = {"servers": r.servers, "gpus_per_server": r.gpus_per_server, "tp": srv.tp, "seqs_per_server": seqs,
@@ -351,7 +368,7 @@ def config_plan(cfg: QarlConfig, opts: PlanOptions, *, alternatives: bool = True
         "scheme": cfg.quant.scheme,
         "params": param_counts(arch),
         "rollout_checkpoint_gib": checkpoint,
-        "gpu_gib": round(opts.gpu_gib, 2), "reserve_gib": opts.reserve_gib,
+        "gpu_gib": round(opts.gpu_gib, 2),
         "cluster": {"nodes": la.nodes, "gpus_per_node": la.gpus_per_node,
                     "gpus_used": lay.gpus + r.servers * r.gpus_per_server},
         "workload": {"sequences": sequences, "seq_len": seq_len},
@@ -382,10 +399,23 @@ def _micro_batch_text(le: dict) -> str:
 
 
 def learner_memory_line(le: dict, plan: dict) -> str:
-    """weights + gradients + optimizer + activations + qat cache = total (usable) -> FITS / DOES NOT FIT."""
-    return (f"weights {le['weights_gib']} + gradients {le['gradients_gib']} + optimizer {le['optimizer_gib']} + "
-            f"activations {le['activations_gib']} + qat cache {le['qat_cache_gib']} = {le['total_gib']} GiB per GPU "
-            f"(usable {plan['gpu_gib'] - plan['reserve_gib']:.2f})")
+    """The step's peak phase, its terms, the fixed costs and the margin on the GPU."""
+    st = le["step"]
+    terms = st["phases_gib"][st["peak_phase"]]
+    parts = " + ".join(f"{k.replace('_', ' ')} {v}" for k, v in terms.items() if k != "total" and v)
+    return (f"peak phase {st['peak_phase']}: {parts} = {st['peak_gib']} GiB, + fixed costs "
+            f"{st['fixed_gib']['total']} GiB = {round(st['peak_gib'] + st['fixed_gib']['total'], 2)} GiB per GPU of "
+            f"{plan['gpu_gib']}: margin {st['margin_gib']} GiB")
+
+
+def step_lines(le: dict) -> list[str]:
+    """Every phase's total, the peak, and the fixed costs item by item (``qarl plan --config``)."""
+    st = le["step"]
+    out = ["  phases (GiB per GPU): " + ", ".join(f"{p} {t['total']}" + (" <- peak" if p == st["peak_phase"] else "")
+                                               for p, t in st["phases_gib"].items())]
+    fixed = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st["fixed_gib"].items() if k != "total")
+    out.append(f"  fixed costs (GiB, plan/fixed_costs.py): {fixed}")
+    return out
 
 
 def render_config_text(plan: dict, config: str) -> str:
@@ -401,7 +431,8 @@ def render_config_text(plan: dict, config: str) -> str:
         f"etp{le['etp']}, dense DP {le['dp']}, expert DP {le['edp']}",
         f"  settings: {_settings_text(st)}",
         f"  micro-batch: {_micro_batch_text(le)}",
-        f"  activation memory: {le['activations_gib']} GiB per GPU",
+        f"  activation memory (train step): {le['activations_gib']} GiB per GPU",
+        *step_lines(le),
         f"  {learner_memory_line(le, plan)} -> {'FITS' if le['fits'] else 'DOES NOT FIT'}",
     ]
     if st.offload_fraction:

@@ -236,6 +236,8 @@ def _sync_payload(learner, cfg: QarlConfig, sender: bool, tracker: AllocationTra
     from megatron_qarl.sync.transport import BroadcastTransport
     from megatron_qarl.wire import parse_dtype
 
+    if learner.fake_quant:  # as after the train step that precedes every sync: the cache refills as it goes
+        learner.fake_quant.invalidate()
     with tracker.labelled("comm_buffers"):
         tensors = iter_sync_tensors(learner, parse_dtype(cfg.rollout.dtype))
         if not sender:
