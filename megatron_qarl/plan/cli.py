@@ -47,6 +47,7 @@ from megatron_qarl.plan.memory import (
     rollout_memory,
     rollout_weight_bytes,
     step_shape,
+    weight_summary,
 )
 from megatron_qarl.plan.step import train_activations
 from megatron_qarl.plan.verdict import step_shape_of, verdict
@@ -376,6 +377,7 @@ def config_plan(cfg: QarlConfig, opts: PlanOptions, *, alternatives: bool = True
         "learner": learner,
         "rollout": rollout,
         "fits": learner["fits"] and rollout["fits"],
+        "sync": sync_estimate(arch, cfg.quant, lay, la.gpus_per_node or 8),
     }
     if alternatives:
         others = make_plan(cfg, nodes=(la.nodes,), gpus_per_node=la.gpus_per_node or 8, opts=opts)
@@ -385,6 +387,18 @@ def config_plan(cfg: QarlConfig, opts: PlanOptions, *, alternatives: bool = True
              "rollout_fit": [f"tp{x['tp']}/ep{x['ep']}" for x in pl["rollout"] if x["fits"]]}
             for pl in others["clusters"][0]["placements"]]
     return plan
+
+
+def sync_estimate(arch: Qwen3MoeArch, quant: QuantConfig, lay: LearnerLayout, gpus_per_node: int) -> dict:
+    """The weight sync's payload (the rollout checkpoint's bytes, ``rollout_weight_bytes``; its low-bit share) and
+    ``plan.sync``'s seconds of a full and a delta sync over each stated link."""
+    from megatron_qarl.plan.sync import sync_table
+
+    summary = weight_summary(arch, quant)
+    payload = rollout_weight_bytes(arch, quant)
+    low_bit = sum(ks.bytes - 2 * (ks.numel - ks.q_numel) for ks in summary.values() if ks.q_numel)
+    return {"payload_gib": _gib(payload), "low_bit_gib": _gib(low_bit),
+            "rows": sync_table(payload, low_bit, [lay], gpus_per_node=gpus_per_node)}
 
 
 def _micro_batch_text(le: dict) -> str:
@@ -448,7 +462,14 @@ def render_config_text(plan: dict, config: str) -> str:
         f"{'FITS' if ro['fits'] else 'DOES NOT FIT'}"
         f"{'' if ro['fits_all'] or not ro['fits'] else ' (some requests queue)'}",
         f"\n=> {'FITS' if plan['fits'] else 'DOES NOT FIT'} on {plan['gpu_gib']} GiB GPUs",
+        f"\nweight sync: {plan['sync']['payload_gib']} GiB per sync ({plan['sync']['low_bit_gib']} GiB low-bit), "
+        "seconds (plan/sync.py):",
     ]
+    for row in plan["sync"]["rows"]:
+        deltas = ", ".join(f"{k.removeprefix('delta ').removesuffix('_s')} {v}" for k, v in row.items()
+                           if k.startswith("delta "))
+        out.append(f"  {row['layout']} over {row['link']}: full {row['full_s']} s (EP gather {row['gather_s']} s); "
+                   f"delta: {deltas} s")
     if "alternatives" in plan:
         out.append(f"\nlayouts of {cl['nodes']} x {cl['gpus_per_node'] or 8} GPUs that fit with these settings "
                    "(qarl plan --model for the tables):")
@@ -505,41 +526,48 @@ def _options(args: argparse.Namespace, gpu_gib: float) -> PlanOptions:
                        attention=args.attention)
 
 
-SIM_PHASES = ("weights", "gradients", "optimizer", "activations", "qat_cache", "total")
-
-
 def simulation_check(cfg: QarlConfig, opts: PlanOptions, layers: Sequence[int] = (2, 4)) -> dict:
-    """``qarl plan --simulate``: the planner's learner figures beside ``plan.simulate``'s simulation of one learner rank
-    (extrapolated to the model's layers from ``layers``), per phase, bytes, with the relative difference
-    (plan - simulated) / simulated. The simulation runs Megatron's local spec (Transformer Engine is not installed
-    where it runs), so the planner is asked for that attention (``unfused``)."""
+    """``qarl plan --simulate``: ``plan.simulate``'s simulation of one learner rank (every phase, at ``layers`` layers,
+    extrapolated to the model's) beside the planner's figures, term by term (``plan.sim_check.compare``). The
+    simulation runs Megatron's local spec (Transformer Engine is not installed where it runs), so the planner is
+    asked for that attention (``unfused``)."""
     from megatron_qarl.plan.simulate import simulate_config
+
+    sim = simulate_config(cfg, layers=tuple(layers))
+    return {"layout": {"gpus": cfg.world_size, "tp": cfg.parallel.tp, "ep": cfg.parallel.ep}, "simulation": sim,
+            **check_against_plan(cfg, opts, sim)}
+
+
+def check_against_plan(cfg: QarlConfig, opts: PlanOptions, sim: dict) -> dict:
+    """``plan.sim_check.compare`` of a saved or fresh simulation of ``cfg`` with this checkout's planner."""
+    from megatron_qarl.plan.sim_check import compare
 
     arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
-    planned = _learner_memory(cfg, arch, lay, dataclasses.replace(opts, attention="unfused"))
-    sim = simulate_config(cfg, layers=tuple(layers))
-    got = sim["extrapolated"]
-    rows = [{"phase": k, "plan": planned[k], "simulated": got[k],
-             "diff": (planned[k] - got[k]) / got[k] if got[k] else (0.0 if not planned[k] else None)}
-            for k in SIM_PHASES]
-    return {"layout": {"gpus": lay.gpus, "tp": lay.tp, "ep": lay.ep}, "rows": rows, "simulation": sim}
+    st = learner_settings(cfg, opts)
+    shape = step_shape_of(cfg, micro_batch_tokens(cfg, lay.dp, opts), step_shape(cfg)[1], st)
+    return compare(arch, cfg.quant, lay, shape, sim)
 
 
 def render_simulation_text(check: dict) -> str:
     sim = check["simulation"]
     runs = ", ".join(f"{s['layers']} layers {s['seconds']} s" for s in sim["simulated"])
-    out = [f"\nsimulated learner rank (simulated: rank 0 of tp{check['layout']['tp']}/ep{check['layout']['ep']} on "
-           f"{check['layout']['gpus']} GPUs, local spec, shape-only device; {runs}; extrapolated to "
-           f"{sim['model_layers']} layers):",
-           f"  {'phase':<12} {'plan GiB':>9} {'sim GiB':>9} {'plan-sim':>9}"]
+    out = [f"\nsimulated learner rank (rank 0 of tp{check['layout']['tp']}/ep{check['layout']['ep']} on "
+           f"{check['layout']['gpus']} GPUs, local spec, shape-only device; {runs}; phases linear in the layers "
+           f"extrapolated to {sim['model_layers']}, the sync's at the simulated counts):",
+           f"  {'phase':<16} {'layers':>6} {'term':<11} {'plan GiB':>9} {'sim GiB':>9} {'plan-sim':>9}"]
     for r in check["rows"]:
         diff = "n/a" if r["diff"] is None else f"{r['diff']:+.1%}"
-        out.append(f"  {r['phase']:<12} {r['plan'] / GIB:>9.2f} {r['simulated'] / GIB:>9.2f} {diff:>9}")
-    for c in sim["layer_check"]:
-        out.append(f"  layer check: {c['layers']} layers simulated {c['simulated_total'] / GIB:.3f} GiB, extrapolated "
-                   f"from {sim['layers'][0]} and {sim['layers'][1]}: {c['extrapolated_total'] / GIB:.3f} GiB "
-                   f"({(c['extrapolated_total'] - c['simulated_total']) / c['simulated_total']:+.2%})")
+        out.append(f"  {r['phase']:<16} {r['layers']:>6} {r['term']:<11} {r['plan'] / GIB:>9.2f} "
+                   f"{r['simulated'] / GIB:>9.2f} {diff:>9}")
+    worst = check["largest"]
+    if worst:
+        out.append(f"  largest relative error of a non-trivial term: {worst['diff']:+.1%} ({worst['phase']}, "
+                   f"{worst['term']}, {worst['layers']} layers)")
+    sync = sim["extrapolated"]["sync"]
+    if sync:
+        out.append(f"  sync payload at {sim['model_layers']} layers: {sync['bytes'] / GIB:.2f} GiB in "
+                   f"{sync['tensors']} tensors ({sync['low_bit'] / GIB:.2f} GiB low-bit)")
     return "\n".join(out)
 
 
