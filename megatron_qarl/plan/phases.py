@@ -62,14 +62,6 @@ PHASES = (
 PHASE_NAMES = tuple(p.name for p in PHASES)
 
 
-def phase(name: str) -> Phase:
-    """The phase called ``name`` (ValueError naming the known ones otherwise)."""
-    for p in PHASES:
-        if p.name == name:
-            return p
-    raise ValueError(f"phase {name!r} is not one of {', '.join(PHASE_NAMES)}")
-
-
 def phases_of(cfg: QarlConfig) -> tuple[Phase, ...]:
     """The phases ``cfg``'s training step runs."""
     return tuple(p for p in PHASES if p.applies(cfg))

@@ -3,9 +3,11 @@ CUDA device, with every byte it allocates counted; what ``qarl plan --simulate``
 
 ``simulate_learner(cfg, layers=L)`` runs the REAL learner code of one rank: the ``Learner`` that ``qarl train``
 builds from ``cfg`` (Megatron's model from ``cfg.model.path``'s config.json with ``L`` layers, our ModelOpt fake
-quant, Megatron's DDP and (distributed) optimizer, the configured recompute and micro-batch) and two
-``train_step``s with the config's policy loss on one micro-batch of full-length sequences per data-parallel rank;
-the second step, whose optimizer state exists before it starts, is the one measured.
+quant, Megatron's DDP and (distributed) optimizer, the configured recompute and micro-batch), a first ``train_step``
+with the config's policy loss on one micro-batch of full-length sequences per data-parallel rank (after it the
+optimizer's state exists), then every phase of a training step the config runs (``plan.phases.PHASES``: the
+log-prob forward, the R3 forward, the train step, the weight sync's payload on rank 0 and on another rank, the
+checkpoint's state dicts, the evaluation-time forward), each measured on its own.
 
 - **Device.** ``simulated_device.simulated_cuda(shapes_only=True)``: device tensors are meta tensors (shape,
   dtype, strides), except small bookkeeping ones with real values (routing maps, token counts, split sizes).
@@ -20,20 +22,18 @@ the second step, whose optimizer state exists before it starts, is the one measu
   rank, receives the mean number of (token, expert) pairs: T*k/E per expert. What it changes: real routing is
   imbalanced; the busiest rank's expert activations grow by its imbalance factor (the planner's
   ``expert_imbalance`` = 1.0 is this case); the dispatch is dropless, so no capacity padding is simulated.
-- **The tracker** (``AllocationTracker``): told of every tensor the device holds (``simulated_device`` reports each
-  one it creates), it counts each storage once while any tensor holding it lives (a weakref finalizer on the
-  device-side tensor), so its live bytes are what a caching allocator would have handed out (no rounding, no
-  fragmentation: the planner's reserve). Each storage is labelled by what allocated it: ``weights`` (the model's
-  parameters, and the DDP parameter buffer), ``gradients`` (the DDP gradient buffers), ``optimizer`` (allocated
-  while the optimizer is built or steps: fp32 master copies, Adam's moments, and its transient buffers),
-  ``qat_cache`` (while ``FakeQuant`` refreshes its codes: the fake-quant cache), ``activations`` (everything
-  else during the forward / backward: activations, saved tensors, gradients in flight, logits), ``other``
-  (rotary tables, RNG states, the batch: what was live before the step that is none of the above).
-  ``peak`` is the highest live total of the measured step; ``at_peak`` its breakdown by label, which sums to it.
+- **The tracker** (``plan.tracker.AllocationTracker``): told of every tensor the device holds (``simulated_device``
+  reports each one it creates), it counts each storage once while any tensor holding it lives (a weakref finalizer
+  on the device-side tensor), so its live bytes are what a caching allocator would have handed out, and beside them
+  the allocator's rounding. Each storage is labelled by what allocated it (``plan.tracker.LABELS``: the persistent
+  state, and the activation kinds: core attention, experts, logits, communication buffers, the rest of a layer).
+  Each phase's peak is the highest live total during it; its breakdown by label sums to it.
 
-Layers: the per-layer terms of every phase are linear in L (a layer's parameters, its fake-quant cache, its saved
-activations; full recompute: one kept input per chunk), so ``extrapolate`` fits a line through simulations at two
-layer counts and evaluates it at the model's L; ``qarl plan --simulate --check-layers`` compares 2 / 4 / 8.
+Layers: the per-layer terms of every phase but the sync are linear in L (a layer's parameters, its fake-quant cache,
+its saved activations; full recompute: a kept input and a gradient per chunk), so ``extrapolate`` fits a line
+through simulations at two layer counts and evaluates it at the model's L; the sync's peak is bounded by its bucket
+(``plan.sim_check`` compares it at the simulated counts), its byte counts are linear. ``qarl plan --simulate
+--simulate-layers 2 4 8`` checks the line at 8.
 """
 
 from __future__ import annotations
@@ -200,14 +200,16 @@ def _label_kinds(learner, tracker: AllocationTracker) -> None:
     """What the core attention, the routed experts and the output layer allocate (in a forward, or its recompute in
     the backward) gets their activation kind; the MoE dispatcher's all-to-alls ``comm_buffers``; the vocab-parallel
     cross entropy ``act_logits`` (``_labels``). Hooks on the modules set and restore the tracker's label."""
+    saved: list[str] = []
+
     def enter(label):
-        def pre(module, args):
-            module._sim_saved_label = tracker.label
+        def pre(*_):
+            saved.append(tracker.label)
             tracker.label = label
         return pre
 
-    def leave(module, args, output):
-        tracker.label = module.__dict__.pop("_sim_saved_label", tracker.label)
+    def leave(*_):
+        tracker.label = saved.pop()
 
     for name, module in learner.module.named_modules():
         for suffix, label in _KIND_OF_MODULE:
@@ -342,12 +344,13 @@ def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_
             runs = _phase_runs(learner, cfg, batch, loss_fn, tracker, sync)
             with tracker.labelled("act_layer"):
                 learner.train_step(batch, loss_fn)
+                tracker.keep_peak_storages = debug
                 for name in wanted:
-                    if debug:
-                        print(f"live before {name}:", tracker.largest(12))
                     tracker.reset_peak()
                     kept = runs[name]()
                     measured[name] = tracker.phase_peak()
+                    if debug:
+                        print(f"{name}: the largest storages at its peak:", tracker.peak_storages[:12])
                     del kept
             del learner, loss_fn, runs
             from megatron.core import parallel_state as ps

@@ -115,6 +115,7 @@ class AllocationTracker:
         self.peak = self.live
         self.at_peak = dict(self.by_label)
         self.rounding_at_peak = self.rounding
+        self.peak_storages = self.largest(10**6) if self.keep_peak_storages else []
 
     def phase_peak(self) -> dict[str, int]:
         """Bytes by label at the peak since ``reset_peak`` (every label of LABELS), with ``total`` = the peak and
