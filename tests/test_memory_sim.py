@@ -76,6 +76,7 @@ def _peak(phases: dict) -> str:
     return max(phases, key=lambda p: phases[p]["total"])
 
 
+@pytest.mark.e2e  # five simulations of a 2-layer Qwen3-30B-A3B rank (a few minutes on two cores)
 def test_micro_batch_recompute_and_sequence_length_move_the_peak_phase_as_the_planner_says():
     """Short sequences: rank 0's sync (bucket + the lm_head's TP gather) sets the step's peak; eight sequences per
     micro-batch, longer sequences, or no recompute move it to the train step; full recompute moves it back."""
