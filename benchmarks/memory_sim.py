@@ -83,8 +83,8 @@ def table() -> str:
     """Markdown: per config, plan / simulated GiB of every phase's total (sync phases at the largest simulated layer
     count), the peak phase, and the largest relative error of a non-trivial term; then the train step by term."""
     phases = ("logprob_forward", "train_step", "sync_sender", "sync_peer", "checkpoint_save", "eval_forward")
-    head = ["| config | layout | " + " | ".join(phases) + " | peak (plan / sim) | largest error |",
-            "|---" * (len(phases) + 4) + "|"]
+    head = ["| config | layout | " + " | ".join(phases) + " | peak (plan / sim) | largest error | sync: plan - sim |",
+            "|---" * (len(phases) + 5) + "|"]
     terms = ["", "| config | weights | gradients | optimizer | qat cache | transient | total |", "|---" * 7 + "|"]
     for name, d in _saved():
         check, sim = _check(d), d["simulation"]
@@ -94,10 +94,10 @@ def table() -> str:
                  for p in phases]
         full = {p: v["total"] for p, v in sim["extrapolated"]["phases"].items() if not p.startswith("sync")}
         planned = {r["phase"]: r["plan"] for r in rows if r["term"] == "total" and not r["phase"].startswith("sync")}
-        w = check["largest"]
-        worst = f"{w['diff']:+.1%} ({w['phase']} {w['term']})" if w else "-"
+        worst = [f"{w['diff']:+.1%} ({w['phase']} {w['term']})" if w else "-"
+                 for w in (check["largest"], check["largest_sync"])]
         head.append(f"| {name} | tp{lay['tp']}/ep{lay['ep']} on {lay['gpus']} | " + " | ".join(cells)
-                    + f" | {max(planned, key=planned.get)} / {max(full, key=full.get)} | {worst} |")
+                    + f" | {max(planned, key=planned.get)} / {max(full, key=full.get)} | {worst[0]} | {worst[1]} |")
         terms.append(f"| {name} | " + " | ".join(_cell(rows, "train_step", t) for t in
                                                  ("weights", "gradients", "optimizer", "qat_cache", "transient",
                                                   "total")) + " |")

@@ -26,8 +26,8 @@ public source; the planner counts them instead of a lump reserve (``qarl plan`` 
                          the live bytes (``tracker.allocator_         (pytorch.org/docs/stable/notes/cuda.html):
                          rounding``: allocations >= 10 MiB round up   requests round to 512 B, large segments to
                          to 2 MiB), measured by the simulation per    2 MiB; not counted: fragmentation between
-                         phase; ``ROUNDING_PER_LAYER`` per layer      segments (expandable_segments:True avoids most)
-                         at the planner
+                         phase: ``ROUNDING_PER_LAYER`` per layer +    segments (expandable_segments:True avoids most)
+                         ``ROUNDING_ONCE`` at the planner
 
 The learner's communicators with more than one rank: world, TP, DP, EP (all-to-all), expert DP, the model-parallel
 group of the gradient norm, and on rank 0 the weight-update group with the rollout servers.
@@ -45,7 +45,11 @@ CUBLAS_WORKSPACE = 32 * MIB
 TE_WORKSPACE = 32 * MIB
 TE_CUBLAS_STREAMS = 4
 NCCL_BUFFSIZE = 4 * MIB
-ROUNDING_PER_LAYER = 2 * MIB * 12  # at most 2 MiB for each of the ~12 live tensors >= 10 MiB a layer keeps
+# the allocator's rounding at a phase's peak, measured by the simulation (``tracker.allocator_rounding``): at most 2 MiB
+# per layer (Qwen3-30B-A3B bf16, tp4/ep8: 4.7 MiB at 2 layers, 8.7 at 4) and 7.7 MiB once (the sync's peak); Qwen3-235B
+# 3.8-7.4 MiB at 2 and 4 layers alike
+ROUNDING_PER_LAYER = 2 * MIB
+ROUNDING_ONCE = 8 * MIB
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +75,6 @@ def fixed_costs(lay: LearnerLayout, *, layers: int, te: bool, opts: FixedCostOpt
     nccl += (lay.ep - 1) * NCCL_BUFFSIZE if lay.ep > 1 else 0
     out = {"cuda_context": CUDA_CONTEXT, "cublas_workspaces": CUBLAS_WORKSPACE * opts.compute_streams,
            "te_workspaces": TE_WORKSPACE * (1 + TE_CUBLAS_STREAMS) if te else 0, "nccl_buffers": nccl,
-           "allocator_rounding": ROUNDING_PER_LAYER * layers}
+           "allocator_rounding": ROUNDING_PER_LAYER * layers + ROUNDING_ONCE}
     out["total"] = sum(out.values())
     return out

@@ -29,6 +29,8 @@ rank (``attention_score_elements``: T*s*a/tp). What each term is was traced on t
   sync_peer: the same without the bucket.
 - checkpoint_save: the sharded state dicts are views of the live state (nothing allocated on the device;
   dist-checkpointing stages through host memory).
+- the router residue, and under full recompute the kept inputs and input gradients of every chunk, outlive the train
+  step until Python's cyclic garbage collector runs: the phases after it hold them too (``unreleased``).
 """
 
 from __future__ import annotations
@@ -172,6 +174,20 @@ def sync_transients(arch: Qwen3MoeArch, quant: QuantConfig, lay: LearnerLayout, 
     return {"comm_buffers": high, "qat_refill": 0}
 
 
+AFTER_TRAIN_STEP = ("sync_sender", "sync_peer", "checkpoint_save", "eval_forward")
+
+
+def unreleased(arch: Qwen3MoeArch, lay: LearnerLayout, sh: StepShape) -> float:
+    """What the train step leaves allocated until Python's cyclic garbage collector runs (the simulation shows it in
+    every phase after the step): every layer's router residue, and under full recompute every chunk's kept input and
+    the input gradient its recompute returned, 2 * 2Th/tp per chunk."""
+    residue = arch.num_hidden_layers * router_residue(arch, lay, sh.tokens)
+    if sh.recompute != "full":
+        return residue
+    chunks = math.ceil(arch.num_hidden_layers / sh.recompute_num_layers)
+    return residue + 2 * chunks * 2 * sh.tokens * arch.hidden_size / lay.tp
+
+
 def step_memory(arch: Qwen3MoeArch, quant: QuantConfig, lay: LearnerLayout, sh: StepShape,
                 phases: tuple[str, ...] = PHASE_NAMES) -> dict[str, dict[str, int]]:
     """Per phase: the persistent terms, the phase's transients (``activations``, ``comm_buffers``, and for the unfused
@@ -196,6 +212,8 @@ def step_memory(arch: Qwen3MoeArch, quant: QuantConfig, lay: LearnerLayout, sh: 
             terms["attention_buffer"] = buffer
         else:  # checkpoint_save
             terms["attention_buffer"] = buffer
+        if name in AFTER_TRAIN_STEP:
+            terms["unreleased"] = unreleased(arch, lay, sh)
         terms = {k: int(v) for k, v in terms.items()}
         terms["total"] = sum(terms.values())
         out[name] = terms
