@@ -118,9 +118,11 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
     return header + memory_header(cfg, f"configs/qwen3-30b-a3b/{name}.yaml"), cfg
 
 
-def _fits(gib: float) -> list[str]:
-    """The GPUs of ``GPUS`` on which a learner of ``gib`` GiB per GPU fits (the plan's 2 GiB reserve kept free)."""
-    return [name for name, size in GPUS.items() if gib <= size - PlanOptions().reserve_gib]
+def _fits(run, offload: bool, attention: str) -> list[str]:
+    """The GPUs of ``GPUS`` on which the learner fits: its step's peak phase and the GPU's fixed costs (qarl plan)."""
+    return [name for name, size in GPUS.items()
+            if config_plan(run, PlanOptions(gpu_gib=size, optimizer_cpu_offload=offload, attention=attention),
+                           alternatives=False)["learner"]["fits"]]
 
 
 def memory_header(cfg: dict, path: str) -> str:
@@ -130,12 +132,15 @@ def memory_header(cfg: dict, path: str) -> str:
     le = run.learner
     lines = [f"# Memory per GPU (qarl plan --config {path}): micro-batch {le.micro_batch_size} x "
              f"{run.data.max_prompt_tokens + run.rollout.sampling.max_new_tokens} tokens, recompute {le.recompute};",
-             "# flash = TE spec's attention (Transformer Engine installed), unfused = local spec's (without TE):"]
+             "# flash = TE spec's attention (Transformer Engine installed), unfused = local spec's (without TE);",
+             "# GiB = the step's peak phase + the GPU's fixed costs:"]
     for offload in (True, False):
         plans = {att: config_plan(run, PlanOptions(optimizer_cpu_offload=offload, attention=att),
                                   alternatives=False) for att in ATTENTIONS}
-        totals = {att: p["learner"]["total_gib"] for att, p in plans.items()}
-        both, flash = _fits(max(totals.values())), _fits(totals["flash"])
+        totals = {att: round(p["learner"]["step"]["peak_gib"] + p["learner"]["step"]["fixed_gib"]["total"], 2)
+                  for att, p in plans.items()}
+        flash = _fits(run, offload, "flash")
+        both = [g for g in _fits(run, offload, "unfused") if g in flash]
         fit = (f"fits {' and '.join(both)} GPUs" if both else
                f"fits {' and '.join(flash)} GPUs with flash attention only" if flash else "fits neither")
         host = plans["flash"]["learner"]["optimizer_host_gib_per_rank"]

@@ -1,7 +1,7 @@
 """Learner memory by simulation (megatron_qarl/plan/simulate.py): one rank of a Qwen3-30B-A3B layout at full width, 2
 layers, on the shape-only simulated device, counted by the allocation tracker, held against the planner
-(megatron_qarl/plan/memory.py): the simulated peak is the sum of its phases, and it moves as the planner says when the
-micro-batch, the recompute or the optimizer offload change."""
+(megatron_qarl/plan/step.py): each phase's peak is the sum of its terms, and the phase that sets the step's peak moves
+as the planner says when the micro-batch, the recompute or the sequence length change."""
 
 from __future__ import annotations
 
@@ -12,17 +12,16 @@ import torch
 
 from megatron_qarl.gpu.simulated_device import SimTensor, simulated_cuda
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.plan.cli import PlanOptions, _learner_memory
+from megatron_qarl.plan.cli import PlanOptions, learner_settings, micro_batch_tokens
 from megatron_qarl.plan.memory import LearnerLayout
-from megatron_qarl.plan.simulate import AllocationTracker, extrapolate, simulate_learner
+from megatron_qarl.plan.simulate import extrapolate, simulate_learner
+from megatron_qarl.plan.tracker import AllocationTracker
 from megatron_qarl.preflight.rules import load_config
 
 pytestmark = [pytest.mark.simulated_device,
               pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the simulated device needs none")]
 
 CONFIG = "configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml"  # tp4 (sequence parallel) / ep16 on 16 GPUs, recompute selective
-# full-length sequences of 1024 + 1024 tokens, learner.micro_batch_size of them per data-parallel rank
-SHORT = {"data.max_prompt_tokens": 1024, "rollout.sampling.max_new_tokens": 1024}
 
 
 def test_the_tracker_counts_each_storage_once_while_a_tensor_of_it_lives():
@@ -51,39 +50,74 @@ def test_shape_only_moe_bookkeeping_is_real_and_balanced():
     assert counts == [2304 * 8 // 128] * 128
 
 
-def _sim(**overrides):
-    """(the simulation, the planner's figures) of CONFIG with 2 layers and SHORT sequences."""
-    cfg = load_config(CONFIG, [f"{k}={v}" for k, v in {**SHORT, **overrides}.items()])
-    sim = simulate_learner(cfg, layers=2)
+PEAK_PHASES = ("logprob_forward", "train_step", "sync_sender")
+
+
+def _sim(seq: int, **overrides):
+    """(the simulation, the planner's phases) of CONFIG with 2 layers, full-length sequences of ``seq`` tokens and
+    64 MiB sync buckets, for PEAK_PHASES."""
+    from megatron_qarl.plan.step import step_memory
+    from megatron_qarl.plan.verdict import step_shape_of
+
+    half = seq // 2
+    sets = {"data.max_prompt_tokens": half, "rollout.sampling.max_new_tokens": seq - half,
+            "rollout.sync.bucket_mb": 64, **overrides}
+    cfg = load_config(CONFIG, [f"{k}={v}" for k, v in sets.items()])
+    sim = simulate_learner(cfg, layers=2, phases=PEAK_PHASES)
     arch = dataclasses.replace(Qwen3MoeArch.from_model_dir(cfg.model.path), num_hidden_layers=2)
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
-    plan = _learner_memory(cfg, arch, lay, PlanOptions(attention="unfused"))
-    return sim, plan
+    opts = PlanOptions(attention="unfused")
+    st = learner_settings(cfg, opts)
+    shape = step_shape_of(cfg, micro_batch_tokens(cfg, lay.dp, opts), seq, st)
+    return sim, step_memory(arch, cfg.quant, lay, shape, PEAK_PHASES)
 
 
-def test_simulated_peak_is_its_phases_and_moves_as_the_planner_says():
-    base, plan = _sim()
-    assert sum(base.at_peak.values()) == base.peak == base.phases["total"]
-    for part in ("weights", "gradients", "optimizer"):  # the persistent state: the planner's formulas exactly
-        assert base.phases[part] == pytest.approx(plan[part], rel=0.01), part
-    assert base.phases["total"] == pytest.approx(plan["total"], rel=0.10)
-    variants = {
-        "micro-batch x2": _sim(**{"learner.micro_batch_size": 2}),
-        "recompute none": _sim(**{"learner.recompute": "none"}),
-        "optimizer offload": _sim(**{"learner.optimizer_cpu_offload": "true"}),
+def _peak(phases: dict) -> str:
+    return max(phases, key=lambda p: phases[p]["total"])
+
+
+@pytest.mark.e2e  # five simulations of a 2-layer Qwen3-30B-A3B rank (a few minutes on two cores)
+def test_micro_batch_recompute_and_sequence_length_move_the_peak_phase_as_the_planner_says():
+    """Short sequences: rank 0's sync (bucket + the lm_head's TP gather) sets the step's peak; eight sequences per
+    micro-batch, longer sequences, or no recompute move it to the train step; full recompute moves it back."""
+    cases = {
+        "1 x 1024 tokens, selective": (1024, {}),
+        "micro-batch 8 x 1024": (1024, {"learner.micro_batch_size": 8}),
+        "sequence 4096": (4096, {}),
+        "2 x 2048, no recompute": (2048, {"learner.micro_batch_size": 2, "learner.recompute": "none"}),
+        "2 x 2048, full recompute": (2048, {"learner.micro_batch_size": 2, "learner.recompute": "full"}),
     }
-    for name, (sim, p) in variants.items():
-        sim_ratio, plan_ratio = sim.peak / base.peak, p["total"] / plan["total"]
-        assert (sim_ratio > 1) == (plan_ratio > 1), name
-        assert sim_ratio == pytest.approx(plan_ratio, rel=0.10), (name, sim.phases, p)
+    peaks = {}
+    for name, (seq, overrides) in cases.items():
+        sim, plan = _sim(seq, **overrides)
+        at = sim.phases
+        assert sum(v for k, v in at["train_step"].items() if k not in ("total", "rounding")) == \
+            at["train_step"]["total"], name
+        for part in ("weights", "gradients", "optimizer"):  # the persistent state: the planner's formulas
+            assert at["train_step"][part] == pytest.approx(plan["train_step"][part], rel=0.01), (name, part)
+        peaks[name] = (_peak(at), _peak(plan))
+        assert peaks[name][0] == peaks[name][1], (name, {p: v["total"] for p, v in at.items()},
+                                                  {p: v["total"] for p, v in plan.items()})
+        assert at[peaks[name][0]]["total"] == pytest.approx(plan[peaks[name][1]]["total"], rel=0.10), name
+    assert peaks["1 x 1024 tokens, selective"][0] == "sync_sender"
+    for moved in ("micro-batch 8 x 1024", "sequence 4096", "2 x 2048, no recompute"):
+        assert peaks[moved][0] == "train_step", moved
+    assert peaks["2 x 2048, full recompute"][0] == "sync_sender"
 
 
 def test_extrapolation_is_the_line_through_two_layer_counts():
     from megatron_qarl.plan.simulate import SimResult
+    from megatron_qarl.plan.tracker import LABELS
 
-    a = SimResult(layers=2, peak=10, at_peak={"weights": 4, "activations": 6}, seconds=0,
+    def phase(**kw):
+        return {**dict.fromkeys(LABELS, 0), **kw, "total": sum(kw.values())}
+
+    a = SimResult(layers=2, phases={"train_step": phase(weights=4, act_layer=6)}, sync={"bytes": 10}, seconds=0,
                   micro_batch_tokens=1)
-    b = SimResult(layers=4, peak=16, at_peak={"weights": 6, "activations": 10}, seconds=0,
+    b = SimResult(layers=4, phases={"train_step": phase(weights=6, act_layer=10)}, sync={"bytes": 14}, seconds=0,
                   micro_batch_tokens=1)
     got = extrapolate(a, b, 48)
-    assert got["weights"] == 4 + 2 * 46 / 2 and got["activations"] == 6 + 4 * 46 / 2 and got["total"] == 10 + 6 * 23
+    step = got["phases"]["train_step"]
+    assert step["weights"] == 4 + 2 * 46 / 2 and step["act_layer"] == 6 + 4 * 46 / 2 and step["total"] == 10 + 6 * 23
+    assert got["sync"]["bytes"] == 10 + 2 * 46
+    assert a.terms()["activations"] == 6 and a.terms()["total"] == 10

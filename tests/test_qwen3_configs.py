@@ -170,13 +170,17 @@ def test_plan_config_text_says_whether_it_fits(capsys):
             "attention flash") in text
     assert ("  micro-batch: 1 sequence x 9216 tokens = 9216 tokens per forward/backward (learner.micro_batch_size); "
             "a data-parallel rank's 128 sequences in 128 micro-batches") in text
-    assert "  activation memory: 17.11 GiB per GPU" in text and "optimizer 0.0 + activations 17.11" in text
+    assert "  activation memory (train step): 17.11 GiB per GPU" in text
+    assert "peak phase train_step: weights 7.49 + gradients 14.97 + activations 17.11 = 39.56 GiB" in text
+    assert "phases (GiB per GPU): logprob_forward" in text and "fixed costs (GiB, plan/fixed_costs.py)" in text
+    assert "weight sync: 56.87 GiB per sync" in text
     assert "host memory of the offloaded optimizer: 56.94 GiB per rank, 455.52 GiB per learner node" in text
     assert "rollout: 4 servers x 2 GPU (SGLang --tp-size 2)" in text and "=> FITS on 79.65 GiB GPUs" in text
     assert "layouts of 2 x 8 GPUs that fit" in text and "split 1+1: learner on 8, rollout on 8" in text
     # without offload the 8-GPU learner needs an H200 (launch.gpu_gib or --gpu-gib: the GPU it gets)
     assert cli.main(["plan", "--config", path, "learner.optimizer_cpu_offload=false"]) == 0
     assert "optimizer 42.71 + activations 17.11" in (text := capsys.readouterr().out) and "-> DOES NOT FIT" in text
+    assert "margin -" in text
     assert cli.main(["plan", "--config", path, "learner.optimizer_cpu_offload=false", "launch.gpu_gib=140.4"]) == 0
     assert "=> FITS on 140.4 GiB GPUs" in capsys.readouterr().out
     assert cli.main(["plan", "--config", path, "--no-optimizer-cpu-offload", "--gpu-gib", "140"]) == 0
@@ -207,18 +211,18 @@ def test_train_refuses_a_gpu_config_that_does_not_fit_before_starting_anything(t
     """The acceptance: a 30B config edited to micro-batches of 32 sequences is refused by qarl train with the
     plan's figures, before any output is written or any process starts (CPU-only here: the learner's attention is
     the local spec's, as model.impl=auto resolves without transformer_engine)."""
-    from megatron_qarl.plan.cli import PlanOptions, config_plan
+    from megatron_qarl.plan.cli import PlanOptions, config_plan, learner_memory_line
 
     path = REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml"
     out = tmp_path / "run"
     overrides = ["learner.micro_batch_size=32", f"train.output_dir={out}"]
     assert cli.main(["train", "--config", str(path), *overrides]) == 2
     err = capsys.readouterr().err
-    le = config_plan(load_config(path, overrides), PlanOptions(te_available=False), alternatives=False)["learner"]
+    plan = config_plan(load_config(path, overrides), PlanOptions(te_available=False), alternatives=False)
+    le = plan["learner"]
     assert f"{path}: does not fit 79.65 GiB GPUs (qarl plan --config {path} --attention unfused)" in err
-    assert (f"the learner (tp4/ep8 on 8 GPUs) needs weights {le['weights_gib']} + gradients {le['gradients_gib']} + "
-            f"optimizer 0.0 + activations {le['activations_gib']} + qat cache {le['qat_cache_gib']} = "
-            f"{le['total_gib']} GiB per GPU (usable 77.65)") in err
+    assert f"the learner (tp4/ep8 on 8 GPUs) needs {learner_memory_line(le, plan)}" in err
+    assert le["step"]["peak_phase"] == "train_step" and le["step"]["margin_gib"] < 0
     assert "micro-batch: 32 sequences x 9216 tokens = 294912 tokens per forward/backward" in err
     assert "attention unfused (model.impl=auto without transformer_engine" in err
     assert le["activations_gib"] > 500 and not out.exists()
@@ -246,18 +250,16 @@ def test_qwen3_235b_w4a16_layout_on_8x8_h100_fits_with_full_recompute_and_train_
     """Qwen3-235B-A22B (configs/models/qwen3-235b-a22b, the public model card's numbers): learner tp4/ep32 on 32
     H100s with optimizer CPU offload and full recompute fits (TE spec); with selective recompute qarl train
     refuses it with the plan's figures, before anything starts."""
-    from megatron_qarl.plan.cli import PlanOptions, config_plan
+    from megatron_qarl.plan.cli import PlanOptions, config_plan, learner_memory_line
 
     path = REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_4x8.yaml"
     fits = config_plan(load_config(path, [*QWEN3_235B_8X8, "learner.recompute=full"]), PlanOptions(te_available=True),
                        alternatives=False)
-    assert fits["fits"] and fits["learner"]["total_gib"] < 77.65 and fits["rollout"]["tp"] == 4
+    assert fits["fits"] and fits["learner"]["step"]["margin_gib"] > 0 and fits["rollout"]["tp"] == 4
     out = tmp_path / "run"
     overrides = [*QWEN3_235B_8X8, "learner.recompute=selective", f"train.output_dir={out}"]
     assert cli.main(["train", "--config", str(path), *overrides]) == 2
     err = capsys.readouterr().err
-    le = config_plan(load_config(path, overrides), PlanOptions(te_available=False), alternatives=False)["learner"]
-    assert (f"the learner (tp4/ep32 on 32 GPUs) needs weights {le['weights_gib']} + gradients {le['gradients_gib']} + "
-            f"optimizer 0.0 + activations {le['activations_gib']} + qat cache {le['qat_cache_gib']} = "
-            f"{le['total_gib']} GiB per GPU (usable 77.65)") in err
+    plan = config_plan(load_config(path, overrides), PlanOptions(te_available=False), alternatives=False)
+    assert f"the learner (tp4/ep32 on 32 GPUs) needs {learner_memory_line(plan['learner'], plan)}" in err
     assert not out.exists()

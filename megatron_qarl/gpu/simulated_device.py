@@ -347,11 +347,26 @@ def _run_shapes(func, args, kwargs):
     a real mask; ``topk`` of unknown scores returns real, balanced indices (``_balanced_topk``: the router's
     choice); ``.item()`` returns ``_scalar_stand_in``; a copy to the host, zeros. c10d collectives run on the
     stand-in process group of the other ranks (plan.simulate): a collective with real inputs gets real outputs."""
-    name = func.overloadpacket.__name__
-    wrappers: dict[int, SimTensor] = {}
     leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, SimTensor)]
     meta = any(a._data.is_meta for a in leaves)
+    answer = _data_dependent(func, args, kwargs, meta)
+    if answer is not _NOT_HANDLED:
+        return answer
+    if func.overloadpacket.__name__ in _FACTORIES:
+        return _run_factory(func, args, kwargs)
+    collective = func.namespace == "c10d"
+    if collective:
+        meta = _collective_operands(leaves)
+        if meta:  # a large buffer among them: values unknown, outputs keep their shapes (no meta kernels for c10d)
+            return _collective_stand_in(func, args)
+    elif meta:
+        _written_turn_meta(func, args, kwargs)
+    return _run_on_backing(func, args, kwargs, meta=meta, collective=collective)
 
+
+def _data_dependent(func, args, kwargs, meta: bool):
+    """The stand-ins for ops whose result depends on values a meta operand does not have (``_run_shapes``):
+    ``.item()``, a copy to the host, the router's top-k; ``_NOT_HANDLED`` for any other op."""
     if func is _aten._local_scalar_dense.default and meta:
         return _scalar_stand_in(args[0]._data)
     if func is _aten._to_copy.default and kwargs.get("device") is not None and not _is_sim(kwargs["device"]):
@@ -366,45 +381,57 @@ def _run_shapes(func, args, kwargs):
             raise RuntimeError(f"simulated_cuda(shapes_only): topk of unknown values over dim {dim} of a "
                                f"{args[0].dim()}-d tensor: only the router's [tokens, experts] has a stand-in")
         return SimTensor(values), SimTensor(_balanced_topk(args[0]._data, k))
+    return _NOT_HANDLED
 
-    collective = func.namespace == "c10d"
-    if name in _FACTORIES:
-        def unwrap_factory(a):
-            if isinstance(a, SimTensor):
-                return a._data
-            if isinstance(a, torch.device) and a == _BACKING:
-                return torch.device("meta")
-            return a
 
-        out = func(*tree_map(unwrap_factory, args), **tree_map(unwrap_factory, kwargs))
-        if out.numel() * out.element_size() <= SMALL_BYTES:  # small: real values (zeros, arange, full, ...)
-            real = dict(kwargs, device=torch.device("cpu")) if "device" in kwargs else kwargs
-            out = func(*tree_map(lambda a: _meta_stand_in(unwrap_factory(a)), args),
-                       **tree_map(lambda a: _meta_stand_in(unwrap_factory(a)), real))
-            if out.device.type != "cpu":
-                out = out.to("cpu")
-        return SimTensor(out)
+def _run_factory(func, args, kwargs) -> SimTensor:
+    """A factory on the device: meta, or real values (zeros, arange, full, ...) when at most ``SMALL_BYTES``."""
+    def unwrap_factory(a):
+        if isinstance(a, SimTensor):
+            return a._data
+        if isinstance(a, torch.device) and a == _BACKING:
+            return torch.device("meta")
+        return a
 
-    written = _written(func)
-    if collective:
-        real_inputs = any(not a._data.is_meta for a in leaves)
-        if real_inputs:  # the other ranks' answer to a collective of values: values (small buffers get real ones)
-            for a in leaves:
-                if a._data.is_meta and a._data.numel() * a._data.element_size() <= SMALL_BYTES:
-                    a._data = torch.zeros(a.shape, dtype=a.dtype)
-            meta = any(a._data.is_meta for a in leaves)
-        if meta:  # a large buffer among them: values unknown, outputs keep their shapes (no meta kernels for c10d)
-            for a in leaves:
-                if not a._data.is_meta:
-                    a._data = a._data.to("meta")
-            return _collective_stand_in(func, args)
-    elif meta:  # real operands this op writes turn meta (their values are now unknown)
-        flat = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
-        for i in written:
-            targets = flat[i] if i < len(flat) else None
-            for t in (targets if isinstance(targets, (list, tuple)) else [targets]):
-                if isinstance(t, SimTensor) and not t._data.is_meta:
-                    t._data = t._data.to("meta")
+    out = func(*tree_map(unwrap_factory, args), **tree_map(unwrap_factory, kwargs))
+    if out.numel() * out.element_size() <= SMALL_BYTES:
+        real = dict(kwargs, device=torch.device("cpu")) if "device" in kwargs else kwargs
+        out = func(*tree_map(lambda a: _meta_stand_in(unwrap_factory(a)), args),
+                   **tree_map(lambda a: _meta_stand_in(unwrap_factory(a)), real))
+        if out.device.type != "cpu":
+            out = out.to("cpu")
+    return SimTensor(out)
+
+
+def _collective_operands(leaves: list[SimTensor]) -> bool:
+    """A collective's operands before it runs; True when any stays meta (its values are unknown). With a real input,
+    the other ranks' answer is values: small meta buffers get real zeros; a large one turns every operand meta."""
+    if any(not a._data.is_meta for a in leaves):
+        for a in leaves:
+            if a._data.is_meta and a._data.numel() * a._data.element_size() <= SMALL_BYTES:
+                a._data = torch.zeros(a.shape, dtype=a.dtype)
+    meta = any(a._data.is_meta for a in leaves)
+    if meta:
+        for a in leaves:
+            if not a._data.is_meta:
+                a._data = a._data.to("meta")
+    return meta
+
+
+def _written_turn_meta(func, args, kwargs) -> None:
+    """Real operands an op with a meta operand writes turn meta (their values are now unknown)."""
+    flat = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+    for i in _written(func):
+        targets = flat[i] if i < len(flat) else None
+        for t in (targets if isinstance(targets, (list, tuple)) else [targets]):
+            if isinstance(t, SimTensor) and not t._data.is_meta:
+                t._data = t._data.to("meta")
+
+
+def _run_on_backing(func, args, kwargs, *, meta: bool, collective: bool):
+    """Run ``func`` on the backing tensors (meta when ``meta``, else CPU) and wrap what it returns: an output that
+    is an operand's backing comes back as that operand's SimTensor."""
+    wrappers: dict[int, SimTensor] = {}
 
     def unwrap(a):
         if isinstance(a, SimTensor):

@@ -47,7 +47,10 @@ from megatron_qarl.plan.memory import (
     rollout_memory,
     rollout_weight_bytes,
     step_shape,
+    weight_summary,
 )
+from megatron_qarl.plan.step import train_activations
+from megatron_qarl.plan.verdict import step_shape_of, verdict
 from megatron_qarl.preflight.rules import load_config, validate_run
 from megatron_qarl.qat.config import SCHEMES, QuantConfig
 
@@ -69,8 +72,8 @@ RECIPE = {
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     """What a plan needs beyond the run config, and what-if overrides of it. ``gpu_gib``: memory the driver
-    reports; the learner keeps ``reserve_gib`` free (CUDA context, cuBLAS/NCCL buffers, allocator
-    fragmentation). Every learner option left None is the config's own (``learner_settings``):
+    reports; a learner layout fits when its step's peak phase and the GPU's itemised fixed costs
+    (``plan.fixed_costs``) fit it. Every learner option left None is the config's own (``learner_settings``):
     ``micro_batch_tokens`` (tokens per data-parallel rank, else learner.micro_batch_size sequences),
     ``distributed_optimizer``, ``optimizer_cpu_offload``, ``recompute`` (none / selective / full), ``attention``
     (flash / unfused, else ``learner_attention``). ``te_available``: whether transformer_engine is installed where
@@ -78,7 +81,6 @@ class PlanOptions:
     balanced share."""
 
     gpu_gib: float = H100_GIB
-    reserve_gib: float = 2.0
     micro_batch_tokens: int | None = None
     distributed_optimizer: bool | None = None
     optimizer_cpu_offload: bool | None = None
@@ -160,7 +162,6 @@ def _gib(x: float) -> float:
 
 def learner_rows(cfg: QarlConfig, arch: Qwen3MoeArch, gpus: int, opts: PlanOptions) -> tuple[list[dict], list[str]]:
     """(one row per runnable learner layout on ``gpus`` GPUs, reasons the other candidates were rejected)."""
-    usable = (opts.gpu_gib - opts.reserve_gib) * GIB
     rows, rejected = [], []
     eps = [e for e in range(1, arch.num_experts + 1) if arch.num_experts % e == 0 and e <= gpus]
     for tp in TP_CHOICES:
@@ -173,18 +174,34 @@ def learner_rows(cfg: QarlConfig, arch: Qwen3MoeArch, gpus: int, opts: PlanOptio
                     rejected.append(str(err))
                 continue
             mem = _learner_memory(cfg, arch, lay, opts)
+            v = _verdict(cfg, arch, lay, opts)
             rows.append({"tp": tp, "ep": ep, "etp": lay.etp, "dp": lay.dp, "edp": lay.edp, "sp": lay.sp,
-                         **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": mem["total"] <= usable})
+                         **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "peak_phase": v["peak_phase"],
+                         "peak_gib": v["peak_gib"], "fixed_gib": v["fixed_gib"]["total"],
+                         "margin_gib": v["margin_gib"], "fits": v["fits"]})
     return rows, sorted(set(rejected))
 
 
 def _learner_memory(cfg: QarlConfig, arch: Qwen3MoeArch, lay: LearnerLayout, opts: PlanOptions) -> dict[str, float]:
+    """The train step's memory by term: ``learner_memory``'s persistent terms and ``plan.step``'s activations."""
     st = learner_settings(cfg, opts)
-    return learner_memory(arch, cfg.quant, lay, micro_batch_tokens=micro_batch_tokens(cfg, lay.dp, opts),
-                          seq_len=step_shape(cfg)[1], attention=st.attention,
-                          distributed_optimizer=st.distributed_optimizer, offload_fraction=st.offload_fraction,
-                          recompute=st.recompute, recompute_num_layers=st.recompute_num_layers,
-                          expert_imbalance=opts.expert_imbalance)
+    tokens = micro_batch_tokens(cfg, lay.dp, opts)
+    mem = learner_memory(arch, cfg.quant, lay, micro_batch_tokens=tokens, seq_len=step_shape(cfg)[1],
+                         attention=st.attention, distributed_optimizer=st.distributed_optimizer,
+                         offload_fraction=st.offload_fraction, recompute=st.recompute,
+                         recompute_num_layers=st.recompute_num_layers, expert_imbalance=opts.expert_imbalance)
+    shape = dataclasses.replace(step_shape_of(cfg, tokens, step_shape(cfg)[1], st),
+                                expert_imbalance=opts.expert_imbalance)
+    mem["activations"] = int(train_activations(arch, lay, shape)["activations"])
+    mem["total"] = sum(v for k, v in mem.items() if k != "total")
+    return mem
+
+
+def _verdict(cfg: QarlConfig, arch: Qwen3MoeArch, lay: LearnerLayout, opts: PlanOptions) -> dict:
+    """``plan.verdict.verdict`` of ``lay`` with the config's (or the what-if) learner settings."""
+    st = learner_settings(cfg, opts)
+    shape = step_shape_of(cfg, micro_batch_tokens(cfg, lay.dp, opts), step_shape(cfg)[1], st)
+    return verdict(cfg, arch, lay, shape, opts.gpu_gib, opts.expert_imbalance)
 
 
 def _rollout_memory(cfg: QarlConfig, arch: Qwen3MoeArch, srv: ServerLayout, seqs: int, opts: PlanOptions):
@@ -256,7 +273,7 @@ def make_plan(cfg: QarlConfig, *, nodes: Sequence[int], gpus_per_node: int, opts
                          "prompt_len": cfg.data.max_prompt_tokens, "max_response_len": s.max_new_tokens,
                          "micro_batch_tokens": opts.micro_batch_tokens},
             "cluster": {"nodes": list(nodes), "gpus_per_node": gpn, "gpu_gib": opts.gpu_gib,
-                        "reserve_gib": opts.reserve_gib, "mem_fraction_static": cfg.rollout.mem_fraction_static},
+                        "mem_fraction_static": cfg.rollout.mem_fraction_static},
             "learner": {**dataclasses.asdict(learner_settings(cfg, opts)), "expert_imbalance": opts.expert_imbalance},
         },
         "clusters": clusters,
@@ -284,7 +301,7 @@ def _table(rows: list[dict], cols: list[str]) -> list[str]:
 
 
 _LEARNER_COLS = ["tp", "ep", "etp", "dp", "edp", "weights_gib", "gradients_gib", "optimizer_gib", "activations_gib",
-                 "qat_cache_gib", "total_gib", "fits"]
+                 "qat_cache_gib", "total_gib", "peak_phase", "peak_gib", "fixed_gib", "margin_gib", "fits"]
 _ROLLOUT_COLS = ["tp", "ep", "moe_tp", "servers", "seqs_per_server", "weights_gib", "kv_pool_gib", "kv_needed_gib",
                  "kv_tokens", "seqs_at_full_length", "fits", "fits_all"]
 
@@ -298,7 +315,8 @@ def render_text(plan: dict, model: str) -> str:
         f"model {model}: {p['total'] / 1e9:.2f}B params ({p['active'] / 1e9:.2f}B active per token), scheme "
         f"{plan['scheme']}",
         f"rollout checkpoint: {ckpt}",
-        f"GPU {cl['gpu_gib']:.2f} GiB (learner keeps {cl['reserve_gib']} GiB free; SGLang mem_fraction_static "
+        f"GPU {cl['gpu_gib']:.2f} GiB (learner: its step's peak phase + the GPU's fixed costs; SGLang "
+        f"mem_fraction_static "
         f"{cl['mem_fraction_static']}); {w['prompts_per_step']} prompts x {w['samples_per_prompt']} samples, "
         f"prompt {w['prompt_len']} + response {w['max_response_len']} tokens, micro-batch "
         f"{w['micro_batch_tokens'] or w['prompt_len'] + w['max_response_len']} tokens per DP rank",
@@ -333,14 +351,14 @@ def config_plan(cfg: QarlConfig, opts: PlanOptions, *, alternatives: bool = True
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
     st = learner_settings(cfg, opts)
     mem = _learner_memory(cfg, arch, lay, opts)
-    usable = (opts.gpu_gib - opts.reserve_gib) * GIB
+    step = _verdict(cfg, arch, lay, opts)
     host = optimizer_host_bytes(arch, lay, st.offload_fraction)
     learner = {"gpus": lay.gpus, "tp": lay.tp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp, "edp": lay.edp,
                "sp": lay.sp, "micro_batch_tokens": micro_batch_tokens(cfg, lay.dp, opts),
                "micro_batch_sequences": None if opts.micro_batch_tokens else micro_batch_sequences(cfg, lay.dp),
                "sequences_per_dp_rank": sequences // lay.dp,
-               **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": mem["total"] <= usable,
-               "optimizer_host_gib_per_rank": _gib(host)}
+               **{f"{k}_gib": _gib(v) for k, v in mem.items()}, "fits": step["fits"],
+               "optimizer_host_gib_per_rank": _gib(host), "step": step}
     srv = ServerLayout(tp=max(r.gpus_per_server, 1), ep=r.ep_size)
     seqs = min(r.max_batch_size, math.ceil(sequences / r.servers))
     rollout = {"servers": r.servers, "gpus_per_server": r.gpus_per_server, "tp": srv.tp, "seqs_per_server": seqs,
@@ -351,7 +369,7 @@ def config_plan(cfg: QarlConfig, opts: PlanOptions, *, alternatives: bool = True
         "scheme": cfg.quant.scheme,
         "params": param_counts(arch),
         "rollout_checkpoint_gib": checkpoint,
-        "gpu_gib": round(opts.gpu_gib, 2), "reserve_gib": opts.reserve_gib,
+        "gpu_gib": round(opts.gpu_gib, 2),
         "cluster": {"nodes": la.nodes, "gpus_per_node": la.gpus_per_node,
                     "gpus_used": lay.gpus + r.servers * r.gpus_per_server},
         "workload": {"sequences": sequences, "seq_len": seq_len},
@@ -359,6 +377,7 @@ def config_plan(cfg: QarlConfig, opts: PlanOptions, *, alternatives: bool = True
         "learner": learner,
         "rollout": rollout,
         "fits": learner["fits"] and rollout["fits"],
+        "sync": sync_estimate(arch, cfg.quant, lay, la.gpus_per_node or 8),
     }
     if alternatives:
         others = make_plan(cfg, nodes=(la.nodes,), gpus_per_node=la.gpus_per_node or 8, opts=opts)
@@ -368,6 +387,18 @@ def config_plan(cfg: QarlConfig, opts: PlanOptions, *, alternatives: bool = True
              "rollout_fit": [f"tp{x['tp']}/ep{x['ep']}" for x in pl["rollout"] if x["fits"]]}
             for pl in others["clusters"][0]["placements"]]
     return plan
+
+
+def sync_estimate(arch: Qwen3MoeArch, quant: QuantConfig, lay: LearnerLayout, gpus_per_node: int) -> dict:
+    """The weight sync's payload (the rollout checkpoint's bytes, ``rollout_weight_bytes``; its low-bit share) and
+    ``plan.sync``'s seconds of a full and a delta sync over each stated link."""
+    from megatron_qarl.plan.sync import sync_table
+
+    summary = weight_summary(arch, quant)
+    payload = rollout_weight_bytes(arch, quant)
+    low_bit = sum(ks.bytes - 2 * (ks.numel - ks.q_numel) for ks in summary.values() if ks.q_numel)
+    return {"payload_gib": _gib(payload), "low_bit_gib": _gib(low_bit),
+            "rows": sync_table(payload, low_bit, [lay], gpus_per_node=gpus_per_node)}
 
 
 def _micro_batch_text(le: dict) -> str:
@@ -382,10 +413,23 @@ def _micro_batch_text(le: dict) -> str:
 
 
 def learner_memory_line(le: dict, plan: dict) -> str:
-    """weights + gradients + optimizer + activations + qat cache = total (usable) -> FITS / DOES NOT FIT."""
-    return (f"weights {le['weights_gib']} + gradients {le['gradients_gib']} + optimizer {le['optimizer_gib']} + "
-            f"activations {le['activations_gib']} + qat cache {le['qat_cache_gib']} = {le['total_gib']} GiB per GPU "
-            f"(usable {plan['gpu_gib'] - plan['reserve_gib']:.2f})")
+    """The step's peak phase, its terms, the fixed costs and the margin on the GPU."""
+    st = le["step"]
+    terms = st["phases_gib"][st["peak_phase"]]
+    parts = " + ".join(f"{k.replace('_', ' ')} {v}" for k, v in terms.items() if k != "total" and v)
+    return (f"peak phase {st['peak_phase']}: {parts} = {st['peak_gib']} GiB, + fixed costs "
+            f"{st['fixed_gib']['total']} GiB = {round(st['peak_gib'] + st['fixed_gib']['total'], 2)} GiB per GPU of "
+            f"{plan['gpu_gib']}: margin {st['margin_gib']} GiB")
+
+
+def step_lines(le: dict) -> list[str]:
+    """Every phase's total, the peak, and the fixed costs item by item (``qarl plan --config``)."""
+    st = le["step"]
+    out = ["  phases (GiB per GPU): " + ", ".join(f"{p} {t['total']}" + (" <- peak" if p == st["peak_phase"] else "")
+                                               for p, t in st["phases_gib"].items())]
+    fixed = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st["fixed_gib"].items() if k != "total")
+    out.append(f"  fixed costs (GiB, plan/fixed_costs.py): {fixed}")
+    return out
 
 
 def render_config_text(plan: dict, config: str) -> str:
@@ -401,7 +445,8 @@ def render_config_text(plan: dict, config: str) -> str:
         f"etp{le['etp']}, dense DP {le['dp']}, expert DP {le['edp']}",
         f"  settings: {_settings_text(st)}",
         f"  micro-batch: {_micro_batch_text(le)}",
-        f"  activation memory: {le['activations_gib']} GiB per GPU",
+        f"  activation memory (train step): {le['activations_gib']} GiB per GPU",
+        *step_lines(le),
         f"  {learner_memory_line(le, plan)} -> {'FITS' if le['fits'] else 'DOES NOT FIT'}",
     ]
     if st.offload_fraction:
@@ -417,7 +462,14 @@ def render_config_text(plan: dict, config: str) -> str:
         f"{'FITS' if ro['fits'] else 'DOES NOT FIT'}"
         f"{'' if ro['fits_all'] or not ro['fits'] else ' (some requests queue)'}",
         f"\n=> {'FITS' if plan['fits'] else 'DOES NOT FIT'} on {plan['gpu_gib']} GiB GPUs",
+        f"\nweight sync: {plan['sync']['payload_gib']} GiB per sync ({plan['sync']['low_bit_gib']} GiB low-bit), "
+        "seconds (plan/sync.py):",
     ]
+    for row in plan["sync"]["rows"]:
+        deltas = ", ".join(f"{k.removeprefix('delta ').removesuffix('_s')} {v}" for k, v in row.items()
+                           if k.startswith("delta "))
+        out.append(f"  {row['layout']} over {row['link']}: full {row['full_s']} s (EP gather {row['gather_s']} s); "
+                   f"delta: {deltas} s")
     if "alternatives" in plan:
         out.append(f"\nlayouts of {cl['nodes']} x {cl['gpus_per_node'] or 8} GPUs that fit with these settings "
                    "(qarl plan --model for the tables):")
@@ -474,41 +526,49 @@ def _options(args: argparse.Namespace, gpu_gib: float) -> PlanOptions:
                        attention=args.attention)
 
 
-SIM_PHASES = ("weights", "gradients", "optimizer", "activations", "qat_cache", "total")
-
-
 def simulation_check(cfg: QarlConfig, opts: PlanOptions, layers: Sequence[int] = (2, 4)) -> dict:
-    """``qarl plan --simulate``: the planner's learner figures beside ``plan.simulate``'s simulation of one learner rank
-    (extrapolated to the model's layers from ``layers``), per phase, bytes, with the relative difference
-    (plan - simulated) / simulated. The simulation runs Megatron's local spec (Transformer Engine is not installed
-    where it runs), so the planner is asked for that attention (``unfused``)."""
+    """``qarl plan --simulate``: ``plan.simulate``'s simulation of one learner rank (every phase, at ``layers`` layers,
+    extrapolated to the model's) beside the planner's figures, term by term (``plan.sim_check.compare``). The
+    simulation runs Megatron's local spec (Transformer Engine is not installed where it runs), so the planner is
+    asked for that attention (``unfused``)."""
     from megatron_qarl.plan.simulate import simulate_config
+
+    sim = simulate_config(cfg, layers=tuple(layers))
+    return {"layout": {"gpus": cfg.world_size, "tp": cfg.parallel.tp, "ep": cfg.parallel.ep}, "simulation": sim,
+            **check_against_plan(cfg, opts, sim)}
+
+
+def check_against_plan(cfg: QarlConfig, opts: PlanOptions, sim: dict) -> dict:
+    """``plan.sim_check.compare`` of a saved or fresh simulation of ``cfg`` with this checkout's planner."""
+    from megatron_qarl.plan.sim_check import compare
 
     arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
-    planned = _learner_memory(cfg, arch, lay, dataclasses.replace(opts, attention="unfused"))
-    sim = simulate_config(cfg, layers=tuple(layers))
-    got = sim["extrapolated"]
-    rows = [{"phase": k, "plan": planned[k], "simulated": got[k],
-             "diff": (planned[k] - got[k]) / got[k] if got[k] else (0.0 if not planned[k] else None)}
-            for k in SIM_PHASES]
-    return {"layout": {"gpus": lay.gpus, "tp": lay.tp, "ep": lay.ep}, "rows": rows, "simulation": sim}
+    st = learner_settings(cfg, opts)
+    shape = step_shape_of(cfg, micro_batch_tokens(cfg, lay.dp, opts), step_shape(cfg)[1], st)
+    return compare(arch, cfg.quant, lay, shape, sim)
 
 
 def render_simulation_text(check: dict) -> str:
     sim = check["simulation"]
     runs = ", ".join(f"{s['layers']} layers {s['seconds']} s" for s in sim["simulated"])
-    out = [f"\nsimulated learner rank (simulated: rank 0 of tp{check['layout']['tp']}/ep{check['layout']['ep']} on "
-           f"{check['layout']['gpus']} GPUs, local spec, shape-only device; {runs}; extrapolated to "
-           f"{sim['model_layers']} layers):",
-           f"  {'phase':<12} {'plan GiB':>9} {'sim GiB':>9} {'plan-sim':>9}"]
+    out = [f"\nsimulated learner rank (rank 0 of tp{check['layout']['tp']}/ep{check['layout']['ep']} on "
+           f"{check['layout']['gpus']} GPUs, local spec, shape-only device; {runs}; phases linear in the layers "
+           f"extrapolated to {sim['model_layers']}, the sync's at the simulated counts):",
+           f"  {'phase':<16} {'layers':>6} {'term':<11} {'plan GiB':>9} {'sim GiB':>9} {'plan-sim':>9}"]
     for r in check["rows"]:
         diff = "n/a" if r["diff"] is None else f"{r['diff']:+.1%}"
-        out.append(f"  {r['phase']:<12} {r['plan'] / GIB:>9.2f} {r['simulated'] / GIB:>9.2f} {diff:>9}")
-    for c in sim["layer_check"]:
-        out.append(f"  layer check: {c['layers']} layers simulated {c['simulated_total'] / GIB:.3f} GiB, extrapolated "
-                   f"from {sim['layers'][0]} and {sim['layers'][1]}: {c['extrapolated_total'] / GIB:.3f} GiB "
-                   f"({(c['extrapolated_total'] - c['simulated_total']) / c['simulated_total']:+.2%})")
+        out.append(f"  {r['phase']:<16} {r['layers']:>6} {r['term']:<11} {r['plan'] / GIB:>9.2f} "
+                   f"{r['simulated'] / GIB:>9.2f} {diff:>9}")
+    for key, what in (("largest", "the phases but the sync"), ("largest_sync", "the sync (a bound)")):
+        worst = check[key]
+        if worst:
+            out.append(f"  largest relative error of a non-trivial term, {what}: {worst['diff']:+.1%} "
+                       f"({worst['phase']}, {worst['term']}, {worst['layers']} layers)")
+    sync = sim["extrapolated"]["sync"]
+    if sync:
+        out.append(f"  sync payload at {sim['model_layers']} layers: {sync['bytes'] / GIB:.2f} GiB in "
+                   f"{sync['tensors']} tensors ({sync['low_bit'] / GIB:.2f} GiB low-bit)")
     return "\n".join(out)
 
 

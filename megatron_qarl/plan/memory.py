@@ -245,6 +245,18 @@ def local_spec_activation_parts(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: 
     return {"layer": layer, "scores": scores, "mask": seq_len**2, "final": t * (8 * h + 4)}
 
 
+def flash_layer_bytes(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, expert_imbalance: float = 1.0) -> float:
+    """One layer's saved activations on the TE spec (``activation_bytes``' flash estimate): 2 B per element of
+    attention 2h + (a+2g)d + (a+g)d + a*d + 2a, router 2h + 2E (per token, over TP) and 2h + 3F/etp per (token,
+    expert) pair, T*k*etp/tp * expert_imbalance pairs per rank."""
+    h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    attn = (2 * h + (a + 2 * g) * d + (a + g) * d + a * d + 2 * a) * tokens / lay.tp
+    router = (2 * h + 2 * arch.num_experts) * tokens / lay.tp
+    pairs = tokens * arch.num_experts_per_tok * lay.etp / lay.tp * expert_imbalance
+    experts = pairs * (2 * h + 3 * arch.moe_intermediate_size / lay.etp)
+    return 2 * (attn + router + experts)
+
+
 def activation_bytes(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, *, seq_len: int | None = None,
                      attention: str = "flash", recompute: str = "none", recompute_num_layers: int = 1,
                      expert_imbalance: float = 1.0) -> int:
@@ -280,15 +292,11 @@ def activation_bytes(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, *, seq
         raise ValueError(f"attention: {attention!r} is not one of {', '.join(ATTENTIONS)}")
     if recompute not in RECOMPUTES:
         raise ValueError(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTES)}")
-    h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    h = arch.hidden_size
     seq_len = seq_len or tokens
     logits = tokens * padded_vocab(arch.vocab_size, lay.tp) / lay.tp * 6
     if attention == "flash":
-        attn = (2 * h + (a + 2 * g) * d + (a + g) * d + a * d + 2 * a) * tokens / lay.tp
-        router = (2 * h + 2 * arch.num_experts) * tokens / lay.tp
-        pairs = tokens * arch.num_experts_per_tok * lay.etp / lay.tp * expert_imbalance
-        experts = pairs * (2 * h + 3 * arch.moe_intermediate_size / lay.etp)
-        layer = 2 * (attn + router + experts)
+        layer = flash_layer_bytes(arch, lay, tokens, expert_imbalance)
         layer_selective, scores, once = layer, 0.0, 0.0
     else:
         parts = local_spec_activation_parts(arch, lay, tokens, seq_len=seq_len, expert_imbalance=expert_imbalance)

@@ -3,9 +3,11 @@ CUDA device, with every byte it allocates counted; what ``qarl plan --simulate``
 
 ``simulate_learner(cfg, layers=L)`` runs the REAL learner code of one rank: the ``Learner`` that ``qarl train``
 builds from ``cfg`` (Megatron's model from ``cfg.model.path``'s config.json with ``L`` layers, our ModelOpt fake
-quant, Megatron's DDP and (distributed) optimizer, the configured recompute and micro-batch) and two
-``train_step``s with the config's policy loss on one micro-batch of full-length sequences per data-parallel rank;
-the second step, whose optimizer state exists before it starts, is the one measured.
+quant, Megatron's DDP and (distributed) optimizer, the configured recompute and micro-batch), a first ``train_step``
+with the config's policy loss on one micro-batch of full-length sequences per data-parallel rank (after it the
+optimizer's state exists), then every phase of a training step the config runs (``plan.phases.PHASES``: the
+log-prob forward, the R3 forward, the train step, the weight sync's payload on rank 0 and on another rank, the
+checkpoint's state dicts, the evaluation-time forward), each measured on its own.
 
 - **Device.** ``simulated_device.simulated_cuda(shapes_only=True)``: device tensors are meta tensors (shape,
   dtype, strides), except small bookkeeping ones with real values (routing maps, token counts, split sizes).
@@ -20,20 +22,18 @@ the second step, whose optimizer state exists before it starts, is the one measu
   rank, receives the mean number of (token, expert) pairs: T*k/E per expert. What it changes: real routing is
   imbalanced; the busiest rank's expert activations grow by its imbalance factor (the planner's
   ``expert_imbalance`` = 1.0 is this case); the dispatch is dropless, so no capacity padding is simulated.
-- **The tracker** (``AllocationTracker``): told of every tensor the device holds (``simulated_device`` reports each
-  one it creates), it counts each storage once while any tensor holding it lives (a weakref finalizer on the
-  device-side tensor), so its live bytes are what a caching allocator would have handed out (no rounding, no
-  fragmentation: the planner's reserve). Each storage is labelled by what allocated it: ``weights`` (the model's
-  parameters, and the DDP parameter buffer), ``gradients`` (the DDP gradient buffers), ``optimizer`` (allocated
-  while the optimizer is built or steps: fp32 master copies, Adam's moments, and its transient buffers),
-  ``qat_cache`` (while ``FakeQuant`` refreshes its codes: the fake-quant cache), ``activations`` (everything
-  else during the forward / backward: activations, saved tensors, gradients in flight, logits), ``other``
-  (rotary tables, RNG states, the batch: what was live before the step that is none of the above).
-  ``peak`` is the highest live total of the measured step; ``at_peak`` its breakdown by label, which sums to it.
+- **The tracker** (``plan.tracker.AllocationTracker``): told of every tensor the device holds (``simulated_device``
+  reports each one it creates), it counts each storage once while any tensor holding it lives (a weakref finalizer
+  on the device-side tensor), so its live bytes are what a caching allocator would have handed out, and beside them
+  the allocator's rounding. Each storage is labelled by what allocated it (``plan.tracker.LABELS``: the persistent
+  state, and the activation kinds: core attention, experts, logits, communication buffers, the rest of a layer).
+  Each phase's peak is the highest live total during it; its breakdown by label sums to it.
 
-Layers: the per-layer terms of every phase are linear in L (a layer's parameters, its fake-quant cache, its saved
-activations; full recompute: one kept input per chunk), so ``extrapolate`` fits a line through simulations at two
-layer counts and evaluates it at the model's L; ``qarl plan --simulate --check-layers`` compares 2 / 4 / 8.
+Layers: the per-layer terms of every phase but the sync are linear in L (a layer's parameters, its fake-quant cache,
+its saved activations; full recompute: a kept input and a gradient per chunk), so ``extrapolate`` fits a line
+through simulations at two layer counts and evaluates it at the model's L; the sync's peak is bounded by its bucket
+(``plan.sim_check`` compares it at the simulated counts), its byte counts are linear. ``qarl plan --simulate
+--simulate-layers 2 4 8`` checks the line at 8.
 """
 
 from __future__ import annotations
@@ -41,108 +41,39 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import weakref
-from collections import defaultdict
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import torch
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.plan.memory import micro_batch_sequences, step_shape
-
-LABELS = ("weights", "gradients", "optimizer", "qat_cache", "activations", "other")
-
-
-class AllocationTracker:
-    """Live bytes of the storages of the simulated device's tensors, in total and by label, and their peak."""
-
-    def __init__(self) -> None:
-        self.label = "other"
-        self.live = 0
-        self.by_label: dict[str, int] = defaultdict(int)
-        self.peak = 0
-        self.at_peak: dict[str, int] = {}
-        self._storages: dict[int, list] = {}  # storage key -> [nbytes, tensors holding it, label]
-
-    def add(self, data: torch.Tensor) -> None:
-        """A tensor the device holds: its storage counts from now until the last such tensor of it is gone."""
-        storage = data.untyped_storage()
-        key = storage._cdata
-        entry = self._storages.get(key)
-        if entry is None:
-            entry = self._storages[key] = [storage.nbytes(), 0, self.label, (tuple(data.shape), data.dtype)]
-            self.live += entry[0]
-            self.by_label[entry[2]] += entry[0]
-            if self.live > self.peak:
-                self.peak = self.live
-                self.at_peak = dict(self.by_label)
-        entry[1] += 1
-        weakref.finalize(data, self._release, key)
-
-    def _release(self, key: int) -> None:
-        entry = self._storages.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self._storages[key]
-            self.live -= entry[0]
-            self.by_label[entry[2]] -= entry[0]
-
-    def relabel(self, tensors, label: str) -> None:
-        """Move the storages of ``tensors`` (device tensors) to ``label``."""
-        from megatron_qarl.gpu.simulated_device import SimTensor
-
-        for t in tensors:
-            data = t._data if isinstance(t, SimTensor) else t
-            entry = self._storages.get(data.untyped_storage()._cdata)
-            if entry is not None and entry[2] != label:
-                self.by_label[entry[2]] -= entry[0]
-                entry[2] = label
-                self.by_label[label] += entry[0]
-
-    @contextlib.contextmanager
-    def labelled(self, label: str) -> Iterator[None]:
-        """Storages allocated inside the block get ``label`` (one of LABELS)."""
-        if label not in LABELS:
-            raise ValueError(f"label {label!r} is not one of {', '.join(LABELS)}")
-        saved, self.label = self.label, label
-        try:
-            yield
-        finally:
-            self.label = saved
-
-    def largest(self, n: int = 10, label: str | None = None) -> list[tuple[int, str, tuple]]:
-        """The ``n`` largest live storages (of ``label``): (bytes, label, (shape, dtype) of the first tensor)."""
-        rows = [(e[0], e[2], e[3]) for e in self._storages.values() if label is None or e[2] == label]
-        return sorted(rows, key=lambda r: -r[0])[:n]
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-        self.at_peak = dict(self.by_label)
-
+from megatron_qarl.plan.phases import PHASE_NAMES, phases_of
+from megatron_qarl.plan.tracker import ACTIVATION_KINDS, LABELS, PERSISTENT, AllocationTracker
 
 
 @dataclasses.dataclass
 class SimResult:
-    """One simulated rank: bytes by label live at the peak of the measured step (``at_peak``, summing to ``peak``),
+    """One simulated rank: per phase (``plan.phases``), the bytes by label live at that phase's peak (summing to its
+    ``total``); the weight sync's payload as rank 0 sent it (``sync``: bytes, tensors, buckets, low-bit bytes);
     and the run's facts."""
 
     layers: int
-    peak: int
-    at_peak: dict[str, int]
+    phases: dict[str, dict[str, int]]
+    sync: dict[str, int]
     seconds: float
     micro_batch_tokens: int
 
-    @property
-    def phases(self) -> dict[str, int]:
-        """The planner's parts: weights, gradients, optimizer, activations, qat_cache (``other`` goes with the
-        activations: what the step holds beyond the persistent state), and ``total`` = ``peak``."""
-        p = {k: self.at_peak.get(k, 0) for k in ("weights", "gradients", "optimizer", "qat_cache")}
-        p["activations"] = self.at_peak.get("activations", 0) + self.at_peak.get("other", 0)
-        p["total"] = self.peak
-        return p
+    def terms(self, phase: str = "train_step") -> dict[str, int]:
+        """``phase``'s peak by the planner's terms: the persistent ones, ``activations`` (every activation kind),
+        each kind on its own, and ``total``."""
+        at = self.phases[phase]
+        out = {k: at.get(k, 0) for k in PERSISTENT}
+        out["activations"] = sum(at.get(k, 0) for k in ACTIVATION_KINDS)
+        out.update({k: at.get(k, 0) for k in ACTIVATION_KINDS})
+        out["total"] = at["total"]
+        return out
 
 
 def _arch(cfg: QarlConfig, layers: int | None) -> Qwen3MoeArch:
@@ -196,26 +127,27 @@ def _batch(cfg: QarlConfig, dp: int, micro_sequences: int, seq_len: int):
 
 @contextlib.contextmanager
 def _labels(tracker: AllocationTracker) -> Iterator[None]:
-    """Label what the optimizer and the fake-quant refresh allocate (their methods wrapped for the block)."""
+    """Label what the optimizer and the fake-quant refresh allocate, and the vocab-parallel cross entropy's
+    tensors (``act_logits``): their functions wrapped for the block."""
     from megatron.core import optimizer as mopt
+    from megatron.core import tensor_parallel
 
     from megatron_qarl.qat.modules import FakeQuant
 
-    refresh, get_opt = FakeQuant._refresh, mopt.get_megatron_optimizer
+    saved = (FakeQuant._refresh, mopt.get_megatron_optimizer, tensor_parallel.vocab_parallel_cross_entropy)
+    refresh = saved[0]
 
     def labelled_refresh(self, t):
         with tracker.labelled("qat_cache"):
             return refresh(self, t)
 
-    def labelled_get_opt(*args, **kwargs):
-        with tracker.labelled("optimizer"):
-            return get_opt(*args, **kwargs)
-
-    FakeQuant._refresh, mopt.get_megatron_optimizer = labelled_refresh, labelled_get_opt
+    FakeQuant._refresh = labelled_refresh
+    mopt.get_megatron_optimizer = _labelled_call(tracker, "optimizer", saved[1])
+    tensor_parallel.vocab_parallel_cross_entropy = _labelled_call(tracker, "act_logits", saved[2])
     try:
         yield
     finally:
-        FakeQuant._refresh, mopt.get_megatron_optimizer = refresh, get_opt
+        FakeQuant._refresh, mopt.get_megatron_optimizer, tensor_parallel.vocab_parallel_cross_entropy = saved
 
 
 def _wrap_optimizer(learner, tracker: AllocationTracker) -> None:
@@ -261,86 +193,205 @@ def _relabel_model(learner, tracker: AllocationTracker) -> None:
             tracker.relabel([buf.grad_data], "gradients")
 
 
-def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_tokens: int | None = None,
-                     steps: int = 2, debug: bool = False) -> SimResult:
-    """One rank of ``cfg``'s learner at full width with ``layers`` layers (None: the model's), shape-only (module
-    docstring); ``micro_batch_tokens`` overrides the sequence length of the one-sequence-per-rank micro-batch."""
-    from megatron_qarl.gpu.simulated_device import simulated_cuda
-    from megatron_qarl.learner.rank import Learner, policy_loss_fn
-    from megatron_qarl.moe.parallelize import destroy_parallel, init_parallel
+_KIND_OF_MODULE = (("core_attention", "act_attention"), ("mlp.experts", "act_experts"), ("output_layer", "act_logits"))
+
+
+def _label_kinds(learner, tracker: AllocationTracker) -> None:
+    """What the core attention, the routed experts and the output layer allocate (in a forward, or its recompute in
+    the backward) gets their activation kind; the MoE dispatcher's all-to-alls ``comm_buffers``; the vocab-parallel
+    cross entropy ``act_logits`` (``_labels``). Hooks on the modules set and restore the tracker's label."""
+    saved: list[str] = []
+
+    def enter(label):
+        def pre(*_):
+            saved.append(tracker.label)
+            tracker.label = label
+        return pre
+
+    def leave(*_):
+        tracker.label = saved.pop()
+
+    for name, module in learner.module.named_modules():
+        for suffix, label in _KIND_OF_MODULE:
+            if name.endswith(suffix):
+                module.register_forward_pre_hook(enter(label))
+                module.register_forward_hook(leave)
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if dispatcher is not None:
+            for method in ("token_dispatch", "token_combine"):
+                setattr(dispatcher, method, _labelled_call(tracker, "comm_buffers", getattr(dispatcher, method)))
+
+
+def _labelled_call(tracker: AllocationTracker, label: str, fn):
+    def call(*args, **kwargs):
+        with tracker.labelled(label):
+            return fn(*args, **kwargs)
+    return call
+
+
+def _sync_payload(learner, cfg: QarlConfig, sender: bool, tracker: AllocationTracker) -> dict[str, int]:
+    """The weight sync's payload (``sync.payload.iter_sync_tensors``) as one learner rank lives it: rank 0
+    (``sender``) fills ``BroadcastTransport.session``'s buckets of rollout.sync.bucket_mb, each dropped once sent
+    (the broadcast itself moves no device memory); another rank takes part in the gathers only. Returns what rank 0
+    sent: bytes, tensors, buckets, and the bytes of the low-bit tensors (codes, scales, shapes)."""
+    from megatron_qarl.sync.payload import iter_sync_tensors
+    from megatron_qarl.sync.transport import BroadcastTransport
     from megatron_qarl.wire import parse_dtype
+
+    if learner.fake_quant:  # as after the train step that precedes every sync: the cache refills as it goes
+        learner.fake_quant.invalidate()
+    with tracker.labelled("comm_buffers"):
+        tensors = iter_sync_tensors(learner, parse_dtype(cfg.rollout.dtype))
+        if not sender:
+            for _ in tensors:
+                pass
+            return {}
+        report = SimpleNamespace(bytes=0, tensors=0, buckets=0, low_bit=0)
+        high = (torch.bfloat16, torch.float16, torch.float32)
+
+        def send(bucket, version, report, checksums, load_format=None):
+            for name, t in bucket:
+                n = t.numel() * t.element_size()
+                report.bytes += n
+                report.tensors += 1
+                report.low_bit += n if t.dtype not in high or "weight_" in name.rsplit(".", 1)[-1] else 0
+            report.buckets += 1
+
+        transport = BroadcastTransport([], master_port=1, bucket_bytes=cfg.rollout.sync.bucket_mb << 20)
+        transport.send = send
+        transport.session(([item] for item in tensors), "v1", report, None, None)
+    return {"bytes": report.bytes, "tensors": report.tensors, "buckets": report.buckets, "low_bit": report.low_bit}
+
+
+def _checkpoint_state(learner, cfg: QarlConfig, tracker: AllocationTracker):
+    """What ``learner.checkpoint.save_learner`` builds on the device before dist-checkpointing writes it (through
+    host memory): the model's and the optimizer's sharded state dicts, returned so that they live to the phase's
+    end. With optimizer CPU offload the optimizer's state is host tensors (whose Adam step ``_skip_host_adam`` does
+    not run, so it has no state to build here): its state dict allocates nothing on the device and is left out."""
+    from megatron_qarl.learner.checkpoint import OPTIMIZER_METADATA, allocate_optimizer_state
+
+    with tracker.labelled("act_checkpoint"):
+        model_sd = learner.module.sharded_state_dict()
+        if cfg.learner.optimizer_cpu_offload:
+            return model_sd
+        allocate_optimizer_state(learner.optimizer)
+        return model_sd, learner.optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
+
+
+def _phase_runs(learner, cfg: QarlConfig, batch, loss_fn, tracker: AllocationTracker, sync: dict) -> dict:
+    """Each phase of ``plan.phases.PHASES`` as the simulation runs it (a callable per phase name)."""
+    def r3():
+        _, own = learner.forward_routes(batch.tokens_BS)
+        learner.forward_routes(batch.tokens_BS, own)
+
+    return {
+        "logprob_forward": lambda: learner.forward_logprobs(batch.tokens_BS),
+        "r3_forward": r3,
+        "train_step": lambda: learner.train_step(batch, loss_fn),
+        "sync_sender": lambda: sync.update(_sync_payload(learner, cfg, True, tracker)),
+        "sync_peer": lambda: _sync_payload(learner, cfg, False, tracker),
+        "checkpoint_save": lambda: _checkpoint_state(learner, cfg, tracker),
+        "eval_forward": lambda: learner.forward_logprobs(batch.tokens_BS, temperature=1.0),
+    }
+
+
+def _build_learner(cfg: QarlConfig, arch: Qwen3MoeArch, micro: int):
+    from megatron_qarl.learner.rank import Learner
+    from megatron_qarl.wire import parse_dtype
+
+    le = cfg.learner
+    return Learner(arch, cfg.parallel, cfg.optim, dtype=parse_dtype(cfg.model.dtype), quant=cfg.quant,
+                   aligned=le.aligned, micro_batch_size=micro, temperature=cfg.rollout.sampling.temperature,
+                   routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl if cfg.model.impl != "auto" else "local",
+                   distributed_optimizer=le.distributed_optimizer, optimizer_cpu_offload=le.optimizer_cpu_offload,
+                   optimizer_offload_fraction=le.optimizer_offload_fraction, recompute=le.recompute,
+                   recompute_num_layers=le.recompute_num_layers)
+
+
+def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_tokens: int | None = None,
+                     phases: tuple[str, ...] | None = None, debug: bool = False) -> SimResult:
+    """One rank of ``cfg``'s learner at full width with ``layers`` layers (None: the model's), shape-only (module
+    docstring): a first ``train_step`` (the optimizer's state exists after it), then each of ``phases`` (None: the
+    ones ``cfg`` runs, ``plan.phases.phases_of``) in the table's order, each with its own peak.
+    ``micro_batch_tokens`` overrides the sequence length of a one-sequence-per-rank micro-batch."""
+    from megatron_qarl.gpu.simulated_device import simulated_cuda
+    from megatron_qarl.learner.rank import policy_loss_fn
+    from megatron_qarl.moe.parallelize import destroy_parallel, init_parallel
 
     t0 = time.perf_counter()
     arch = _arch(cfg, layers)
-    par = cfg.parallel
-    dp = cfg.world_size // par.tp
+    dp = cfg.world_size // cfg.parallel.tp
     seq_len = step_shape(cfg)[1]
     micro = micro_batch_sequences(cfg, dp)
     if micro_batch_tokens is not None:
         micro, seq_len = 1, micro_batch_tokens
+    wanted = [p.name for p in phases_of(cfg)] if phases is None else [p for p in PHASE_NAMES if p in phases]
     tracker = AllocationTracker()
     _fake_world(cfg.world_size)
+    measured, sync = {}, {}
     try:
         with simulated_cuda(shapes_only=True, tracker=tracker), _labels(tracker):
             with _fake_side_groups():
-                init_parallel(tp=par.tp, ep=par.ep, seed=cfg.seed)
+                init_parallel(tp=cfg.parallel.tp, ep=cfg.parallel.ep, seed=cfg.seed)
             with tracker.labelled("weights"):
-                le = cfg.learner
-                learner = Learner(arch, par, cfg.optim, dtype=parse_dtype(cfg.model.dtype), quant=cfg.quant,
-                                  aligned=le.aligned, micro_batch_size=micro,
-                                  temperature=cfg.rollout.sampling.temperature, routing_replay=cfg.algo.wants_routes,
-                                  impl=cfg.model.impl if cfg.model.impl != "auto" else "local",
-                                  distributed_optimizer=le.distributed_optimizer,
-                                  optimizer_cpu_offload=le.optimizer_cpu_offload,
-                                  optimizer_offload_fraction=le.optimizer_offload_fraction,
-                                  recompute=le.recompute, recompute_num_layers=le.recompute_num_layers)
+                learner = _build_learner(cfg, arch, micro)
             _relabel_model(learner, tracker)
             _wrap_optimizer(learner, tracker)
             _skip_host_adam(learner)
+            _label_kinds(learner, tracker)
             batch = _batch(cfg, dp, micro, seq_len)
             loss_fn = policy_loss_fn(cfg.algo.loss, batch)
-            for step in range(steps):
-                if step == steps - 1:
-                    if debug:
-                        print("live before the measured step:", tracker.largest(12))
+            runs = _phase_runs(learner, cfg, batch, loss_fn, tracker, sync)
+            with tracker.labelled("act_layer"):
+                learner.train_step(batch, loss_fn)
+                tracker.keep_peak_storages = debug
+                for name in wanted:
                     tracker.reset_peak()
-                with tracker.labelled("activations"):
-                    learner.train_step(batch, loss_fn)
-            result = SimResult(layers=arch.num_hidden_layers, peak=tracker.peak, at_peak=dict(tracker.at_peak),
-                               seconds=0.0, micro_batch_tokens=micro * seq_len)
-            del learner, loss_fn
+                    kept = runs[name]()
+                    measured[name] = tracker.phase_peak()
+                    if debug:
+                        print(f"{name}: the largest storages at its peak:", tracker.peak_storages[:12])
+                    del kept
+            del learner, loss_fn, runs
             from megatron.core import parallel_state as ps
 
             ps.destroy_model_parallel()
     finally:
         destroy_parallel()
-    result.seconds = round(time.perf_counter() - t0, 1)
-    return result
+    return SimResult(layers=arch.num_hidden_layers, phases=measured, sync=sync,
+                     seconds=round(time.perf_counter() - t0, 1), micro_batch_tokens=micro * seq_len)
 
 
-PHASES = ("weights", "gradients", "optimizer", "activations", "qat_cache", "total")
+def _line(xa: float, xb: float, la: int, lb: int, layers: int) -> int:
+    return int(round(xa + (xb - xa) * (layers - la) / (lb - la)))
 
 
-def extrapolate(a: SimResult, b: SimResult, layers: int) -> dict[str, int]:
-    """Each phase (and the peak) at ``layers`` layers from simulations at two layer counts La < Lb, on the line
-    through them: x(L) = x(La) + (x(Lb) - x(La)) * (L - La) / (Lb - La) (module docstring: every term is linear
-    in L)."""
+def extrapolate(a: SimResult, b: SimResult, layers: int) -> dict:
+    """Every phase's bytes by label (and total), and the sync's counts, at ``layers`` layers from simulations at two
+    layer counts La < Lb, on the line through them: x(L) = x(La) + (x(Lb) - x(La)) * (L - La) / (Lb - La) (module
+    docstring: every term is linear in L)."""
     if a.layers == b.layers:
         raise ValueError("extrapolate: two simulations with different layer counts are needed")
-    pa, pb = a.phases, b.phases
-    return {k: int(round(pa[k] + (pb[k] - pa[k]) * (layers - a.layers) / (b.layers - a.layers))) for k in PHASES}
+    phases = {name: {k: _line(a.phases[name][k], b.phases[name][k], a.layers, b.layers, layers)
+                     for k in (*LABELS, "total", "rounding") if k in a.phases[name]} for name in a.phases}
+    sync = {k: _line(a.sync[k], b.sync[k], a.layers, b.layers, layers) for k in a.sync}
+    return {"phases": phases, "sync": sync}
+
+
+def _record(s: SimResult) -> dict:
+    return {"layers": s.layers, "seconds": s.seconds, "micro_batch_tokens": s.micro_batch_tokens,
+            "phases": s.phases, "sync": s.sync}
 
 
 def simulate_config(cfg: QarlConfig, *, layers: tuple[int, ...] = (2, 4)) -> dict:
-    """Simulations of ``cfg``'s learner rank at each of ``layers`` (full width), the figures at the model's layer
+    """Simulations of ``cfg``'s learner rank at each of ``layers`` (full width), every phase at the model's layer
     count extrapolated from the first two, and (three or more) each further count's extrapolated vs simulated
-    peak: a JSON-ready dict, bytes."""
+    peaks: a JSON-ready dict, bytes."""
     full = Qwen3MoeArch.from_model_dir(cfg.model.path).num_hidden_layers
     sims = [simulate_learner(cfg, layers=n) for n in layers]
-    out = {"model_layers": full, "layers": list(layers),
-           "simulated": [{"layers": s.layers, "seconds": s.seconds, "micro_batch_tokens": s.micro_batch_tokens,
-                          **s.phases} for s in sims],
+    out = {"model_layers": full, "layers": list(layers), "simulated": [_record(s) for s in sims],
            "extrapolated": extrapolate(sims[0], sims[1], full)}
-    out["layer_check"] = [{"layers": s.layers, "simulated_total": s.peak,
-                           "extrapolated_total": extrapolate(sims[0], sims[1], s.layers)["total"]} for s in sims[2:]]
+    out["layer_check"] = [{"layers": s.layers, "phase": name, "simulated_total": s.phases[name]["total"],
+                           "extrapolated_total": extrapolate(sims[0], sims[1], s.layers)["phases"][name]["total"]}
+                          for s in sims[2:] for name in s.phases]
     return out

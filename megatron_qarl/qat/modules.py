@@ -291,7 +291,10 @@ class FakeQuant:
             hf = shards_to_hf(t.pm, shards, self.arch)
             pairs = {name: fake_quantize_weight(tensor, self.cfg, name, self.compiled) for name, tensor in hf.items()}
             t.quantized = {name: qw for name, (qw, _) in pairs.items()}
-            t.local_fq = hf_to_shard(t.pm, lambda name: pairs[name][1], self.arch, self.layout).contiguous()
+            # a copy of this rank's shard: hf_to_shard may return a view of the whole gathered tensor (the fused
+            # qkv's TP chunk), which would keep every TP rank's bf16 weights alive in the cache (docs/plan.md)
+            t.local_fq = hf_to_shard(t.pm, lambda name: pairs[name][1], self.arch, self.layout).clone(
+                memory_format=torch.contiguous_format)
         t.version = version
 
     def invalidate(self) -> None:
