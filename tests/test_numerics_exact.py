@@ -212,3 +212,16 @@ def test_a_request_alone_in_a_batch_and_after_a_retract_gets_the_same_bits(check
         assert req.input_logprobs[len(prompts[0]):] == logps  # prefill == decode, bit for bit (as Python floats)
     finally:
         engine.shutdown()
+
+
+def test_bf16_master_weights_with_w8a8_are_refused_under_exact_numerics():
+    """Review finding: a bf16 master rounds the dequantized W8A8 weight to bf16, the server's stays float32, so the
+    log-probs would differ; the rule refuses it naming model.dtype (W4A16's dequantized values fit bf16 exactly)."""
+    from megatron_qarl.errors import ConfigError
+    from megatron_qarl.preflight.rules import load_config
+
+    for cfg in ("configs/cpu_w8a8_int8.yaml", "configs/cpu_w8a8_fp8.yaml"):
+        with pytest.raises(ConfigError, match=r"^model\.dtype: 'bfloat16' .*numerics=exact"):
+            load_config(cfg, ["numerics=exact", "model.dtype=bfloat16"])
+        assert load_config(cfg, ["numerics=exact"]).model.dtype == "float32"
+    assert load_config("configs/cpu_default.yaml", ["numerics=exact", "model.dtype=bfloat16"]).numerics == "exact"

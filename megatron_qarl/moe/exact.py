@@ -135,7 +135,9 @@ class ExactForward:
         """[T, k, H]: each (token, slot) through its expert where this rank holds it, zeros elsewhere."""
         local = mlp.experts.local_experts
         first = self.ep.rank * len(local)
-        y = torch.zeros(*ids.shape, n.shape[1])
+        # tied to n even when none of this rank's experts is chosen: the backward's collectives (the rows' gather and
+        # the owner's select) then run on every EP rank alike (adding 0 * x keeps every zero +0.0)
+        y = torch.zeros(*ids.shape, n.shape[1]) + n[:1, :1].sum() * 0
         for e in torch.unique(ids).tolist():
             if not first <= e < first + len(local):
                 continue
