@@ -36,6 +36,9 @@ DEVICE_HELPER = PACKAGE / "moe" / "parallelize.py"
 # Code that runs inside vLLM's own workers and environment (torch + vllm, never megatron_qarl, so it cannot call the
 # helper): it places its receive buffers itself, on the group's device (QarlWeightTransferEngine.group_is_nccl).
 OUTSIDE_THE_PACKAGE_ENV = PACKAGE / "rollout" / "vllm_ext"
+# preflight's probe receives a bucket the way a server does, inside the servers' environment (which may lack
+# megatron-core, which the helper imports): it places its buffers on the group's device itself
+SERVER_SIDE_PROBE = PACKAGE / "preflight" / "probe.py"
 # torch.distributed's collectives and point-to-point calls
 COLLECTIVES = {
     "broadcast", "broadcast_object_list", "all_gather", "all_gather_into_tensor", "all_gather_object",
@@ -71,7 +74,8 @@ def _direct_collective_calls(path: Path, root: Path = REPO) -> list[str]:
 
 
 def test_no_module_but_the_device_helper_calls_torch_distributed_collectives():
-    calls = [c for p in sorted(PACKAGE.rglob("*.py")) if p != DEVICE_HELPER and OUTSIDE_THE_PACKAGE_ENV not in p.parents
+    calls = [c for p in sorted(PACKAGE.rglob("*.py"))
+             if p not in (DEVICE_HELPER, SERVER_SIDE_PROBE) and OUTSIDE_THE_PACKAGE_ENV not in p.parents
              for c in _direct_collective_calls(p)]
     assert not calls, f"call the wrappers in megatron_qarl/moe/parallelize.py instead: {calls}"
 
