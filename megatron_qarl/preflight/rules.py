@@ -141,8 +141,8 @@ def check_numerics(cfg: QarlConfig) -> None:
                           "learner would compute with other weights than the servers; set it true")
     if cfg.quant.scheme.startswith("w8a8") and cfg.model.dtype != "float32":
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r} with quant.scheme={cfg.quant.scheme!r} and "
-                          "numerics=exact: the learner's master weights would round the dequantized W8A8 weights to their dtype, "
-                          "which the server (float32 dequantization) does not; use model.dtype float32")
+                          "numerics=exact: the learner's master weights would round the dequantized W8A8 weights to "
+                          "their dtype, which the server (float32 dequantization) does not; use model.dtype float32")
     arch, tp = _arch(cfg.model.path), cfg.parallel.tp
     rows = {"num_attention_heads x head_dim": arch.num_attention_heads * arch.head_dim}
     if cfg.parallel.ep == 1:
