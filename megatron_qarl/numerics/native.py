@@ -12,20 +12,16 @@ import ctypes
 import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from megatron_qarl.utils.cbuild import cache_dir, compile_shared
+
 SOURCE = Path(__file__).with_name("exact.c")
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _LIB: list[ctypes.CDLL] = []
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("QARL_KERNEL_CACHE", Path.home() / ".cache" / "megatron_qarl" / "kernels"))
 
 
 def build(out_dir: Path | None = None) -> Path:
@@ -35,20 +31,8 @@ def build(out_dir: Path | None = None) -> Path:
         raise RuntimeError("numerics: exact needs a C compiler (cc / gcc) on PATH to build megatron_qarl/numerics/"
                            "exact.c")
     key = hashlib.sha256(SOURCE.read_bytes() + cc.encode()).hexdigest()[:12]
-    out_dir = out_dir or _cache_dir()
-    lib = out_dir / f"qarl_exact-{key}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        tmp_lib = Path(tmp) / lib.name
-        cmd = [cc, "-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC", "-o",
-               str(tmp_lib), str(SOURCE), "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-800:]}")
-        os.replace(tmp_lib, lib)
-    return lib
+    lib = (out_dir or cache_dir()) / f"qarl_exact-{key}.so"
+    return compile_shared(cc, ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"], [SOURCE], lib)
 
 
 def lib() -> ctypes.CDLL:

@@ -36,11 +36,12 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from megatron_qarl.utils.cbuild import cache_dir, compile_shared
 
 log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
@@ -215,10 +216,6 @@ def _is_bf16(x: Tensor, name: str) -> int:
 _LOADED: dict[str, Kernels | None] = {}
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("QARL_KERNEL_CACHE", Path.home() / ".cache" / "megatron_qarl" / "kernels"))
-
-
 def _cpu_id() -> str:
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
@@ -234,20 +231,8 @@ def build(out_dir: Path | None = None) -> Path:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
     src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(src + cc.encode()).hexdigest()[:12]
-    out_dir = out_dir or cache_dir()
-    lib = out_dir / f"qarl_kernels-{key}-{_cpu_id()}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        tmp_lib = Path(tmp) / lib.name
-        cmd = [cc, "-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp_lib),
-               *map(str, SOURCES), "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-800:]}")
-        os.replace(tmp_lib, lib)  # atomic: a concurrent build writes the same bytes
-    return lib
+    lib = (out_dir or cache_dir()) / f"qarl_kernels-{key}-{_cpu_id()}.so"
+    return compile_shared(cc, ["-O3", "-ffp-contract=off", "-fopenmp"], SOURCES, lib)
 
 
 def load() -> Kernels | None:
