@@ -225,3 +225,18 @@ def test_bf16_master_weights_with_w8a8_are_refused_under_exact_numerics():
             load_config(cfg, ["numerics=exact", "model.dtype=bfloat16"])
         assert load_config(cfg, ["numerics=exact"]).model.dtype == "float32"
     assert load_config("configs/cpu_default.yaml", ["numerics=exact", "model.dtype=bfloat16"]).numerics == "exact"
+
+
+def test_a_learner_built_off_the_cpu_is_refused_before_its_first_forward():
+    """A CPU config started where CUDA is visible builds the learner on the GPU; ``exact_forward`` refuses it when
+    the learner is built (naming the device and the key), not at the first forward after the servers started. The
+    meta device stands in for CUDA here."""
+    import types
+
+    from megatron_qarl.moe.exact import exact_forward
+
+    learner = types.SimpleNamespace(impl="local", routing_replay=False,
+                                    module=torch.nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match=r"numerics: exact computes on the CPU.*parameters are on meta.*"
+                                         r"CUDA_VISIBLE_DEVICES"):
+        exact_forward("exact", learner, torch.bfloat16, None, True)

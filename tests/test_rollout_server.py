@@ -353,8 +353,9 @@ def test_openapi_fuzz_never_500(model_dir, monkeypatch):
         assert {"/generate", "/update_weights_from_distributed", "/init_weights_update_group",
                 "/pause_generation", "/update_weights_from_disk"} <= paths, paths
         for op, mode in itertools.product(ops, GenerationMode):  # valid bodies, then schema-violating ones
+            # derandomize: the same cases on every run (CI once drew only 3 valid /generate bodies of 100)
             @settings(max_examples=100 if op.path == "/generate" else 20, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))
+                      derandomize=True, suppress_health_check=list(HealthCheck))
             @given(case=op.as_strategy(generation_mode=mode))
             def check(case):
                 response = case.call()

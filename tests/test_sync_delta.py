@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -149,3 +151,57 @@ def test_engine_model_applying_a_delta_equals_loading_the_full_tensors(tiny_mode
             torch.tensor([10**6]), torch.ones(1, 1, dtype=torch.bfloat16))})
     with pytest.raises(ValueError, match="no.such.weight: not a tensor of this server's checkpoint"):
         by_delta.apply_deltas({"no.such.weight": (torch.tensor([0]), torch.ones(1, 1))})
+
+
+class _Work:
+    """A broadcast handle that completes ``after`` seconds from now (None: never)."""
+
+    def __init__(self, after: float | None):
+        import time
+
+        self.at = None if after is None else time.monotonic() + after
+
+    def is_completed(self) -> bool:
+        import time
+
+        return self.at is not None and time.monotonic() >= self.at
+
+    def wait(self) -> None:
+        assert self.is_completed()
+
+
+@pytest.mark.parametrize("lag, kept", [(0.3, True), (None, False)])
+def test_a_refusal_that_outruns_the_last_send_keeps_the_group(lag, kept, monkeypatch):
+    """CI's failure on a loaded 2-core machine: the server refused a bad delta after receiving the whole bucket,
+    and its answer came before this side's communication thread marked the sends complete; the transport took
+    it for a refusal before receiving and destroyed the group, and the next bucket met no group. A refusal while
+    the sends complete within ``ANSWER_GRACE_S`` keeps the group; sends that never complete (the server refused
+    before receiving) still end it. Either way the error names the server's refusal."""
+    from megatron_qarl.sync import transport as transport_mod
+    from megatron_qarl.sync.weight_update import Engine, SyncError, WeightUpdateAPI
+
+    class Refusing(WeightUpdateAPI):
+        def update_weights_from_distributed(self, *args, **kwargs):
+            return {"success": False, "message": "model.x.delta_values: dtype differs"}
+
+    monkeypatch.setattr(transport_mod, "to_group_device", lambda t, group: t)
+    monkeypatch.setattr(transport_mod, "broadcast", lambda *a, **k: _Work(lag))
+    monkeypatch.setattr(transport_mod, "ANSWER_GRACE_S", 2.0)
+    t = transport_mod.BroadcastTransport([Engine("http://server.test")], api_cls=Refusing, master_port=1)
+    group = t.group = object()
+    closed = []
+    monkeypatch.setattr(t, "close", lambda: closed.append(True))
+    report = types.SimpleNamespace(bytes=0, tensors=0, buckets=0)
+    with pytest.raises(SyncError, match="model.x.delta_values: dtype differs") as err:
+        t.send([("model.x.delta_values", torch.zeros(2))], "v1", report, None, delta.LOAD_FORMAT)
+    assert ("abandoned" in str(err.value)) is not kept
+    assert (t.group is group and not closed) if kept else closed == [True]
+
+
+def test_a_bucket_without_a_group_is_refused_naming_it():
+    from megatron_qarl.sync.transport import BroadcastTransport
+    from megatron_qarl.sync.weight_update import Engine, SyncError
+
+    t = BroadcastTransport([Engine("http://server.test")], group_name="g1", master_port=1)
+    with pytest.raises(SyncError, match="no weight-update group 'g1'.*connect"):
+        t.send([("w", torch.zeros(1))], "v1", None, None)

@@ -193,4 +193,11 @@ def exact_forward(numerics: str, learner: Any, act: torch.dtype, quant: QuantCon
     if quant is not None and quant.enabled and not aligned:
         raise ValueError("numerics: exact needs learner.aligned true with a quantized scheme (the servers' low-bit "
                          "weights in the learner's forward)")
+    device = next(learner.module.parameters()).device
+    if device.type != "cpu":
+        # a CPU config started where CUDA is visible builds its learner on the GPU (Megatron places the model on
+        # the current CUDA device); the kernels would refuse only at the first forward, after the servers started
+        raise ValueError(f"numerics: exact computes on the CPU (megatron_qarl/numerics/ is C), but this learner's "
+                         f"parameters are on {device}: CUDA is visible to a CPU run; hide it "
+                         "(CUDA_VISIBLE_DEVICES='') or run with numerics default (docs/numerics.md, 'On GPUs')")
     return ExactForward(learner.module, learner.arch, act, learner.fake_quant)

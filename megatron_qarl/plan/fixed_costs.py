@@ -17,11 +17,21 @@ public source; the planner counts them instead of a lump reserve (``qarl plan`` 
                                                                       GEMMs (transformer_engine/pytorch/module/base.py:
                                                                       get_cublas_workspace_size_bytes, 4 streams);
                                                                       the TE spec only
-    nccl_buffers         per communicator: channels x NCCL_BUFFSIZE   NCCL's documented default NCCL_BUFFSIZE = 4 MiB
-                         x 2 (a ring channel's two connections);      (docs.nvidia.com/deeplearning/nccl/user-guide/
-                         all-to-all: + peers x NCCL_BUFFSIZE          docs/env.html); ``nccl_channels`` (16 here, up
-                                                                      to NCCL's maxCTAs default of 32) is a stated
-                                                                      assumption, NCCL picks it per topology
+    nccl_buffers         per communicator: channels x 2 (a ring       a connection holds one buffer per protocol
+                         channel's two connections) x CONNECTION;     (NCCL src/include/device.h, ncclConnInfo.buffs
+                         all-to-all: + peers x CONNECTION, where      [NCCL_NUM_PROTOCOLS]; sizes in src/init.cc
+                         CONNECTION = Simple 4 MiB (NCCL_BUFFSIZE)    computeBuffSizes): Simple = NCCL_BUFFSIZE,
+                         + LL 512 KiB + LL128 4.69 MiB = 9.19 MiB     documented default 4 MiB (docs.nvidia.com/
+                                                                      deeplearning/nccl/user-guide/docs/env.html);
+                                                                      LL = 8 lines/thread x 512 threads x 8 steps x
+                                                                      16 B; LL128 = 120 elements/thread x 640
+                                                                      threads x 8 steps x 8 B (LL128 is on for
+                                                                      Hopper's NVLink); ``nccl_channels`` (16 here,
+                                                                      up to NCCL's maxCTAs default of 32) is a stated
+                                                                      assumption, NCCL picks it per topology; NCCL
+                                                                      >= 2.22 connects lazily (NCCL_RUNTIME_CONNECT),
+                                                                      so a protocol a communicator never runs costs
+                                                                      nothing there: this is the upper bound
     allocator_rounding   what the caching allocator reserves beyond   PyTorch CUDA semantics, memory management
                          the live bytes (``tracker.allocator_         (pytorch.org/docs/stable/notes/cuda.html):
                          rounding``: allocations >= 10 MiB round up   requests round to 512 B, large segments to
@@ -44,7 +54,10 @@ CUDA_CONTEXT = 768 * MIB
 CUBLAS_WORKSPACE = 32 * MIB
 TE_WORKSPACE = 32 * MIB
 TE_CUBLAS_STREAMS = 4
-NCCL_BUFFSIZE = 4 * MIB
+NCCL_BUFFSIZE = 4 * MIB  # Simple protocol
+NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16  # NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x a 16-B line
+NCCL_LL128_BUFFSIZE = 120 * 640 * 8 * 8  # NCCL_LL128_ELEMS_PER_THREAD x NCCL_LL128_MAX_NTHREADS x NCCL_STEPS x 8 B
+NCCL_CONNECTION = NCCL_BUFFSIZE + NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE
 # the allocator's rounding at a phase's peak, measured by the simulation (``tracker.allocator_rounding``): at most 2 MiB
 # per layer (Qwen3-30B-A3B bf16, tp4/ep8: 4.7 MiB at 2 layers, 8.7 at 4) and 7.7 MiB once (the sync's peak); Qwen3-235B
 # 3.8-7.4 MiB at 2 and 4 layers alike
@@ -71,8 +84,8 @@ def fixed_costs(lay: LearnerLayout, *, layers: int, te: bool, opts: FixedCostOpt
                 rank0: bool = True) -> dict[str, int]:
     """Bytes per learner GPU by item (module docstring), with ``total``."""
     comms = communicators(lay, rank0)
-    nccl = sum(opts.nccl_channels * NCCL_BUFFSIZE * 2 for _ in comms)
-    nccl += (lay.ep - 1) * NCCL_BUFFSIZE if lay.ep > 1 else 0
+    nccl = sum(opts.nccl_channels * NCCL_CONNECTION * 2 for _ in comms)
+    nccl += (lay.ep - 1) * NCCL_CONNECTION if lay.ep > 1 else 0
     out = {"cuda_context": CUDA_CONTEXT, "cublas_workspaces": CUBLAS_WORKSPACE * opts.compute_streams,
            "te_workspaces": TE_WORKSPACE * (1 + TE_CUBLAS_STREAMS) if te else 0, "nccl_buffers": nccl,
            "allocator_rounding": ROUNDING_PER_LAYER * layers + ROUNDING_ONCE}

@@ -32,7 +32,10 @@ def _routes(cfg: QarlConfig) -> bool:
 
 
 def _unscaled(cfg: QarlConfig) -> bool:
-    return cfg.rollout.sampling.temperature != 1.0
+    """The trainer's mismatch split (train.async on, train.mismatch_split) at a temperature other than 1: only
+    then does it run one more forward at temperature 1 (Trainer._mismatch_split)."""
+    return (cfg.train.async_mode != "off" and cfg.train.mismatch_split
+            and cfg.rollout.sampling.temperature != 1.0)
 
 
 def _peers(cfg: QarlConfig) -> bool:
