@@ -202,7 +202,6 @@ def test_a_vllm_server_killed_mid_rollout_loses_no_prompt(vllm_server, tmp_path)
     """Runs last in the module (it kills the shared server). Two servers: the vLLM one and an embedded one; vLLM
     gets SIGKILL once its requests are in flight; they are re-sent to the other and every sample comes back."""
     import signal
-    import threading
 
     from megatron_qarl.moe.parallelize import free_port
     from megatron_qarl.rollout.client import SGLangClient
@@ -218,7 +217,19 @@ def test_a_vllm_server_killed_mid_rollout_loses_no_prompt(vllm_server, tmp_path)
 
     async def go():
         async with VLLMClient(url, api_key=KEY) as v, SGLangClient(other.url) as e:
-            threading.Timer(0.5, lambda: os.kill(pid, signal.SIGKILL)).start()
+            real_generate, killed = v.generate, []
+
+            async def generate_then_kill(*args, **kwargs):
+                # the kill lands once vLLM's first request is in flight (a fixed 0.5 s timer once fired after
+                # vLLM had answered everything: the whole rollout took 1.0 s on a quiet machine)
+                task = asyncio.ensure_future(real_generate(*args, **kwargs))
+                if not killed:
+                    killed.append(True)
+                    await asyncio.sleep(0.05)
+                    os.kill(pid, signal.SIGKILL)
+                return await task
+
+            v.generate = generate_then_kill
             t0 = time.monotonic()
             groups = await manager.generate([v, e], PROMPTS * 2, 3)
             return groups, time.monotonic() - t0
