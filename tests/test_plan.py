@@ -309,3 +309,20 @@ def test_cli_errors(tmp_path, capsys):
     assert "--mem-fraction-static" in capsys.readouterr().err
     assert cli.main(["plan", "--model", str(QWEN3_30B), "--optimizer-cpu-offload", "--no-distributed-optimizer"]) == 2
     assert "--no-distributed-optimizer: optimizer CPU offload" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, runs", [
+    (["rollout.sampling.temperature=0.7"], False),  # train.async off: no mismatch split, no forward at T = 1
+    (["rollout.sampling.temperature=0.7", "train.async=one_step", "train.mismatch_split=true"], True),
+    (["rollout.sampling.temperature=0.7", "train.async=one_step", "train.mismatch_split=false"], False),
+    (["rollout.sampling.temperature=1.0", "train.async=one_step", "train.mismatch_split=true"], False),
+])
+def test_the_temperature_1_forward_is_planned_only_where_the_trainer_runs_it(overrides, runs):
+    """train/trainer.py runs Learner.forward_logprobs(temperature=1.0) for the mismatch split only (train.async on,
+    train.mismatch_split, a temperature other than 1); the planner counted it whenever the temperature was not 1,
+    which set Qwen3-235B's peak (docs/plan.md) in a phase an async-off run never reaches."""
+    from megatron_qarl.plan.phases import phases_of
+    from megatron_qarl.preflight.rules import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "cpu_default.yaml", overrides)
+    assert ("eval_forward" in [p.name for p in phases_of(cfg)]) is runs
