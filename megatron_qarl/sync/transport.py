@@ -133,7 +133,7 @@ class BroadcastTransport:
         try:
             while not all(w.is_completed() for w in works):
                 early = calls.failed()
-                if early and not _complete_within(works, ANSWER_GRACE_S):
+                if early and not (all(map(_after_receiving, early)) and _complete_within(works, ANSWER_GRACE_S)):
                     raise SyncError(f"broadcast of a bucket of {len(bucket)} tensors abandoned: {'; '.join(early)}")
                 time.sleep(0.002)
             for w in works:
@@ -144,7 +144,14 @@ class BroadcastTransport:
                 raise
             calls.join(timeout=5.0, cause=err)  # a peer died mid-broadcast: name the servers that did not answer
             raise SyncError(f"broadcast of a bucket of {len(bucket)} tensors failed: {err}") from err
-        calls.join()
+        try:
+            calls.join()
+        except SyncError:
+            problems = calls.failed() + ["no answer"] * sum(r is None for r in calls.results)
+            if not all(map(_after_receiving, problems)):
+                self.close()  # a server that refused before receiving leaves the group out of step (NCCL's root can
+                # complete a small bucket into the connection buffers; gloo's tree relays through the other servers)
+            raise
         for name, tensor in bucket:
             report.bytes += tensor.numel() * tensor.element_size()
             report.tensors += 1
@@ -155,12 +162,19 @@ class BroadcastTransport:
             self.progress(report.buckets, report.bytes)
 
 
-# A server that refuses a bucket after receiving all of it (a bad delta, a tensor it does not hold) can answer
-# before this side's communication thread marks the last send complete (seen on a loaded 2-core CI machine):
-# that refusal leaves no broadcast pending, so the group must survive it. A send is completed only once the
-# receiver posted its receive (gloo's unbound-buffer rendezvous; NCCL's collective), so sends still pending after
-# the grace belong to a server that refused before receiving, and the group is destroyed.
+# A server that refuses a bucket after receiving all of it (a bad delta, a tensor it does not hold: SGLang's "Failed
+# to update parameter online", or its unflushed cache) can answer before this side's communication thread marks the
+# last send complete (seen on a loaded 2-core CI machine): that refusal leaves no broadcast pending, so the group
+# survives it once the sends complete within the grace. Any other refusal came before receiving: the group is
+# destroyed, even where the root's sends completed (NCCL's root can finish a small bucket into the connection
+# buffers; gloo's broadcast tree relays through the other servers).
 ANSWER_GRACE_S = 5.0
+AFTER_RECEIVING = ("Failed to update parameter online", "Weights were updated, but the cache was not flushed")
+
+
+def _after_receiving(problem: str) -> bool:
+    """Whether a server's refusal came after it had received the whole bucket (AFTER_RECEIVING)."""
+    return any(marker in problem for marker in AFTER_RECEIVING)
 
 
 def _complete_within(works: list, seconds: float) -> bool:
