@@ -23,6 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+# SGLang's answers to /update_weights_from_distributed that come after the whole bucket was received (its
+# model_runner.update_weights_from_distributed, and the flush that follows): the broadcast left nothing pending
+LOAD_FAILED = "Failed to update parameter online"
+NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+               "queued. Retract or finish them, then call /flush_cache.")
+
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in ("bfloat16", "float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64",

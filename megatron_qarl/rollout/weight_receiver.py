@@ -31,8 +31,6 @@ OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weigh
                    "end_weight_update()")
 SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
 NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
-NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
-               "queued. Retract or finish them, then call /flush_cache.")
 
 
 class _Body(BaseModel):
@@ -239,11 +237,11 @@ class WeightReceiver:
             else:
                 engine.weights.load_tensors(received, body.weight_version)
         except ValueError as err:
-            return _answer(False, f"Failed to update parameter online: {err}. The full weights of the ModelRunner "
+            return _answer(False, f"{wire.LOAD_FAILED}: {err}. The full weights of the ModelRunner "
                                   "are partially updated. Please discard the whole weights.")
         # SGLang's flush: the waiting requests of a paused engine (retracted ones) do not count
         if body.flush_cache and engine.scheduler.num_unflushable():
-            return _answer(False, NOT_FLUSHED)
+            return _answer(False, wire.NOT_FLUSHED)
         return _answer(True, "Succeeded to update parameter online.")
 
     def update_weight_version(self, body: UpdateWeightVersionReq) -> JSONResponse:

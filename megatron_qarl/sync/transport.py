@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_qarl import wire
 from megatron_qarl.moe.parallelize import broadcast, dist_backend, free_port, to_group_device
 from megatron_qarl.sync.checksum import ChecksumAccumulator
 from megatron_qarl.sync.weight_update import Engine, SyncError, WeightUpdateAPI
@@ -147,8 +148,7 @@ class BroadcastTransport:
         try:
             calls.join()
         except SyncError:
-            problems = calls.failed() + ["no answer"] * sum(r is None for r in calls.results)
-            if not all(map(_after_receiving, problems)):
+            if not all(map(_after_receiving, calls.problems(unanswered=True))):
                 self.close()  # a server that refused before receiving leaves the group out of step (NCCL's root can
                 # complete a small bucket into the connection buffers; gloo's tree relays through the other servers)
             raise
@@ -169,7 +169,7 @@ class BroadcastTransport:
 # destroyed, even where the root's sends completed (NCCL's root can finish a small bucket into the connection
 # buffers; gloo's broadcast tree relays through the other servers).
 ANSWER_GRACE_S = 5.0
-AFTER_RECEIVING = ("Failed to update parameter online", "Weights were updated, but the cache was not flushed")
+AFTER_RECEIVING = (wire.LOAD_FAILED, wire.NOT_FLUSHED)
 
 
 def _after_receiving(problem: str) -> bool:
@@ -207,25 +207,25 @@ class _Concurrent:
 
     def failed(self) -> list[str]:
         """The problems of the calls that have already answered with a failure (non-blocking)."""
+        return self.problems(unanswered=False)
+
+    def problems(self, unanswered: bool) -> list[str]:
+        """Each failed call's problem; with ``unanswered``, a call that has not answered is one too."""
         out = []
         for api, result in zip(self.owner.apis, self.results, strict=True):
             if isinstance(result, SyncError):
                 out.append(str(result))
-            elif isinstance(result, dict) and result.get("success") is False:
+            elif result is None:
+                if unanswered:
+                    out.append(f"{api.url}{self.path}: no answer")
+            elif result.get("success") is False:
                 out.append(f"{api.url}{self.path}: refused: {result.get('message')}")
         return out
 
     def join(self, timeout: float | None = None, cause: BaseException | None = None) -> list[dict]:
         for t in self.threads:
             t.join(timeout if timeout is not None else self.owner.timeout_s)
-        problems = []
-        for api, result in zip(self.owner.apis, self.results, strict=True):
-            if isinstance(result, SyncError):
-                problems.append(str(result))
-            elif result is None:
-                problems.append(f"{api.url}{self.path}: no answer")
-            elif result.get("success") is False:
-                problems.append(f"{api.url}{self.path}: refused: {result.get('message')}")
+        problems = self.problems(unanswered=True)
         if problems:
             raise SyncError("; ".join(problems)) from cause
         return self.results
