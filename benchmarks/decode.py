@@ -389,7 +389,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3,
                     help="interleaved runs per point (tokens/s: the best; ratios: the median)")
-    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/decode_t{threads}.md")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: benchmarks/results/decode_t{threads}.md, with _avx2 before .md where the engine's "
+                         "kernels run without AVX-512 (an AVX2 machine, or --emulate-avx2)")
     ap.add_argument("--skip-kernels", action="store_true", help="leave out table (1)")
     ap.add_argument("--emulate-avx2", action="store_true",
                     help="cap torch, oneDNN and the engine's kernels at AVX2 (" +
@@ -398,7 +400,7 @@ def main() -> None:
     if args.emulate_avx2 and any(os.environ.get(k) != v for k, v in EMULATE_AVX2.items()):
         sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, **EMULATE_AVX2}))
     torch.set_num_threads(args.threads)
-    out = args.out or RESULTS / f"decode_t{args.threads}{'_avx2' if args.emulate_avx2 else ''}.md"
+    out = args.out or RESULTS / f"decode_t{args.threads}{'' if _avx512_kernels() else '_avx2'}.md"
     arch = Qwen3MoeArch.from_hf_config(CONFIG)
     context = PROMPT_LEN + args.steps // 2
     start = time.perf_counter()
@@ -444,6 +446,13 @@ def isa_line() -> str:
     return (f"Instruction sets: torch CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 kernels "
             f"{'yes' if _mkldnn_bf16() else 'no'}, engine native kernels: {kern}" +
             (f" (capped: `{caps}`)." if caps else "."))
+
+
+def _avx512_kernels() -> bool:
+    """Whether the engine's native kernels run an AVX-512 variant on this machine (its results file is the plain
+    decode_t{threads}.md; an AVX2 machine's must not overwrite it)."""
+    lib = native.load()
+    return bool(lib) and any(lib.isas(f)[0].startswith("avx512") for f in ("int8", "int4", "fp8"))
 
 
 def speed_check_rows() -> list[str]:
