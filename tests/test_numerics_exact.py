@@ -126,6 +126,7 @@ def test_kernels_match_their_torch_references_and_are_row_independent():
     y = ops.linear(x, w)
     assert torch.allclose(y, x @ w.T, atol=1e-4)
     assert all(torch.equal(ops.linear(x[i : i + 1], w)[0], y[i]) for i in range(64))
+    assert torch.equal(ops.linear(x[3:10], w), y[3:10])  # an odd row count: rows in pairs and one alone
     parts = ops.linear_partials(x, w)
     assert parts.shape == (64, 40, 3) and torch.equal(ops.sum_chunks(parts), y)
     assert torch.allclose(ops.rms_norm(x, w[0], 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w[0],

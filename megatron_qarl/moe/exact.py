@@ -138,6 +138,7 @@ class ExactForward:
         # tied to n even when none of this rank's experts is chosen: the backward's collectives (the rows' gather and
         # the owner's select) then run on every EP rank alike (adding 0 * x keeps every zero +0.0)
         y = torch.zeros(*ids.shape, n.shape[1]) + n[:1, :1].sum() * 0
+        outs, at_rows, at_slots = [], [], []
         for e in torch.unique(ids).tolist():
             if not first <= e < first + len(local):
                 continue
@@ -147,8 +148,14 @@ class ExactForward:
             gu = self._column(n[rows], fc1, self.etp)
             half = gu.shape[-1] // 2
             h = ops.round_to(ops.silu_mul(gu[:, :half], gu[:, half:]), self.act)
-            y = y.index_put((rows, slot), self._row_parallel(h, expert.linear_fc2.weight, self.etp))
-        return y
+            outs.append(self._row_parallel(h, expert.linear_fc2.weight, self.etp))
+            at_rows.append(rows)
+            at_slots.append(slot)
+        if not outs:
+            return y
+        # one scatter of every expert's rows (each (token, slot) is written once): an index_put per expert would
+        # copy the whole [T, k, H] tensor once per expert, forward and backward
+        return y.index_put((torch.cat(at_rows), torch.cat(at_slots)), torch.cat(outs))
 
     def _moe(self, mlp: torch.nn.Module, n: Tensor) -> Tensor:
         a = self.arch

@@ -56,28 +56,61 @@ static void qx_block(const float *xr, const float *wt, int64_t N, int64_t n0, in
     }
 }
 
+/* Two rows at once over a full block (len == NB): rows m and m + 1 share each weight load, and their 2 x NB
+ * accumulators are independent chains (twice the additions in flight); each output's order is qx_block's. */
+__attribute__((target_clones("avx2", "default")))
+static void qx_block2(const float *x0, const float *x1, const float *wt, int64_t N, int64_t n0, int64_t k0,
+                      int64_t k1, float *acc0, float *acc1) {
+    float a[NB], b[NB];
+    for (int j = 0; j < NB; j++) a[j] = b[j] = 0.0f;
+    for (int64_t k = k0; k < k1; k++) {
+        const float xv0 = x0[k], xv1 = x1[k];
+        const float *wr = wt + k * N + n0;
+        for (int j = 0; j < NB; j++) {
+            a[j] += xv0 * wr[j];
+            b[j] += xv1 * wr[j];
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        acc0[j] = a[j];
+        acc1[j] = b[j];
+    }
+}
+
+/* Chunk c's sums acc of row m, outputs n0 .. n0 + len: written as partials, or added to the row's running total. */
+static inline void qx_take(float *out, float *tot, const float *acc, int64_t m, int64_t N, int64_t n0, int64_t len,
+                           int64_t c, int64_t nc, int partials) {
+    if (partials) {
+        for (int64_t j = 0; j < len; j++) out[(m * N + n0 + j) * nc + c] = acc[j];
+    } else if (c == 0) {
+        for (int64_t j = 0; j < len; j++) tot[j] = acc[j];
+    } else {
+        for (int64_t j = 0; j < len; j++) tot[j] = tot[j] + acc[j];
+    }
+}
+
 int qx_linear(const float *x, int64_t M, int64_t K, const float *wt, int64_t N, int64_t chunk, int partials,
               float *out, int threads) {
     if (chunk <= 0 || K % chunk) return -1;
-    const int64_t nc = K / chunk, nblocks = (N + NB - 1) / NB;
+    const int64_t nc = K / chunk, nblocks = (N + NB - 1) / NB, pairs = (M + 1) / 2;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t mp = 0; mp < pairs; mp++)
         for (int64_t bi = 0; bi < nblocks; bi++) {
+            const int64_t m0 = 2 * mp, rows = M - m0 < 2 ? 1 : 2;
             const int64_t n0 = bi * NB, len = N - n0 < NB ? N - n0 : NB;
-            const float *xr = x + m * K;
-            float acc[NB], tot[NB];
+            float acc[2][NB], tot[2][NB];
             for (int64_t c = 0; c < nc; c++) {
-                qx_block(xr, wt, N, n0, len, c * chunk, (c + 1) * chunk, acc);
-                if (partials) {
-                    for (int64_t j = 0; j < len; j++) out[(m * N + n0 + j) * nc + c] = acc[j];
-                } else if (c == 0) {
-                    for (int64_t j = 0; j < len; j++) tot[j] = acc[j];
-                } else {
-                    for (int64_t j = 0; j < len; j++) tot[j] = tot[j] + acc[j];
-                }
+                if (rows == 2 && len == NB)
+                    qx_block2(x + m0 * K, x + (m0 + 1) * K, wt, N, n0, c * chunk, (c + 1) * chunk, acc[0], acc[1]);
+                else
+                    for (int64_t r = 0; r < rows; r++)
+                        qx_block(x + (m0 + r) * K, wt, N, n0, len, c * chunk, (c + 1) * chunk, acc[r]);
+                for (int64_t r = 0; r < rows; r++)
+                    qx_take(out, tot[r], acc[r], m0 + r, N, n0, len, c, nc, partials);
             }
             if (!partials)
-                for (int64_t j = 0; j < len; j++) out[m * N + n0 + j] = tot[j];
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t j = 0; j < len; j++) out[(m0 + r) * N + n0 + j] = tot[r][j];
         }
     return 0;
 }

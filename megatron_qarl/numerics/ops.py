@@ -6,8 +6,8 @@ reference: gradients are those of the formula, not bit-exact) and which the test
 Activations are float32 tensors; ``round_to(x, act)`` is the one rounding point to the servers' activation dtype
 (``act`` bfloat16 or float32), applied at the same places on both sides (see ``megatron_qarl/numerics/__init__.py``).
 
-    linear(x, w)        y = x @ w.T, K reduced in chunks of CHUNK (32) added in chunk order, each chunk in 8
-                        float32 lanes (exact.c ``qx_linear``); ``linear_partials`` returns the chunks, and
+    linear(x, w)        y = x @ w.T, K reduced in chunks of CHUNK (32) added in chunk order, each chunk one
+                        float32 sum in ascending k (exact.c ``qx_linear``); ``linear_partials`` returns the chunks, and
                         ``sum_chunks`` adds them in order (tensor-parallel row-parallel sums)
     rms_norm(x, w)      (x * 1/sqrt(mean(x^2) + eps)) * w
     silu_mul(g, u)      g / (1 + exp(-g)) * u

@@ -74,10 +74,19 @@ class ExactForward:
         a = model.arch
         self.cos, self.sin = ops.rope_tables(a.max_position_embeddings, a.head_dim, a.rope_theta)
         self._w: dict[int, Tensor] = {}
+        self._v: dict[str, Tensor] = {}
 
     def invalidate(self) -> None:
         """Forget the float32 weights (after a weight update)."""
         self._w.clear()
+        self._v.clear()
+
+    def vec(self, name: str) -> Tensor:
+        """A norm's weight from the store as float32, kept until the next weight update (a decode step would
+        otherwise convert every norm of every layer again)."""
+        if name not in self._v:
+            self._v[name] = self.m.store[name].float()
+        return self._v[name]
 
     def w(self, lin: Linear) -> Tensor:
         if id(lin) not in self._w:
@@ -95,8 +104,8 @@ class ExactForward:
         norm = f"{layer.prefix}.self_attn"
         q, k = layers.qk_norm_rope(qkv[:, : hq * d].reshape(-1, hq, d),
                                    qkv[:, hq * d : (hq + hkv) * d].reshape(-1, hkv, d),
-                                   self.m.store[f"{norm}.q_norm.weight"].float(),
-                                   self.m.store[f"{norm}.k_norm.weight"].float(), self.cos[pos_R], self.sin[pos_R],
+                                   self.vec(f"{norm}.q_norm.weight"), self.vec(f"{norm}.k_norm.weight"),
+                                   self.cos[pos_R], self.sin[pos_R],
                                    a.rms_norm_eps, self.act)
         v = qkv[:, (hq + hkv) * d :].reshape(-1, hkv, d)
         kc, vc = self.m.k_cache[layer.index], self.m.v_cache[layer.index]  # [slots, Hkv, S, D] float32
@@ -127,13 +136,14 @@ class ExactForward:
         m, a = self.m, self.m.arch
         b, t = tokens_BT.shape
         s, eps, act = m.store, a.rms_norm_eps, self.act
-        x = ops.round_to(s["model.embed_tokens.weight"].float()[tokens_BT.reshape(-1)], act)
+        x = ops.round_to(s["model.embed_tokens.weight"][tokens_BT.reshape(-1)].float(), act)  # the rows only
         slots_R, pos_R = slots_B[:, None].expand(b, t).reshape(-1), pos_BT.reshape(-1)
         for layer in m.layers:
-            x = ops.round_to(x + self._attention(layer, layers.norm(x, layer.ln_in.float(), eps, act), slots_R, pos_R),
-                             act)
-            x = ops.round_to(x + self._moe(layer, layers.norm(x, layer.ln_post.float(), eps, act)), act)
+            ln_in, ln_post = (self.vec(f"{layer.prefix}.{n}.weight")
+                              for n in ("input_layernorm", "post_attention_layernorm"))
+            x = ops.round_to(x + self._attention(layer, layers.norm(x, ln_in, eps, act), slots_R, pos_R), act)
+            x = ops.round_to(x + self._moe(layer, layers.norm(x, ln_post, eps, act)), act)
         x = x.view(b, t, -1) if all_logits else x.view(b, t, -1)[:, -1:]
-        x = layers.norm(x.reshape(-1, a.hidden_size), s["model.norm.weight"].float(), eps, act)
+        x = layers.norm(x.reshape(-1, a.hidden_size), self.vec("model.norm.weight"), eps, act)
         logits = ops.linear(x, self.w(m.lm_head))
         return logits.view(b, -1, a.vocab_size) if all_logits else logits
