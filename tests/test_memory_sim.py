@@ -39,6 +39,36 @@ def test_the_tracker_counts_each_storage_once_while_a_tensor_of_it_lives():
         assert tracker.live == 4 * 2**20 and tracker.peak == 36 * 2**20
 
 
+def test_a_collective_neither_copies_a_view_nor_relabels_the_tensors_it_touches():
+    """An all-gather with a real operand gives small meta operands real values, but not a view of another tensor's
+    storage (real zeros would be a second copy while the base lives: the FP8 QAT cache's codes were counted twice
+    after a sync), and a tensor whose backing it swaps keeps its label (the INT8 cache's codes stayed qat_cache)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    tracker = AllocationTracker()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with simulated_cuda(shapes_only=True, tracker=tracker):
+            with tracker.labelled("qat_cache"):
+                base = torch.empty(32 * 2**20, dtype=torch.int8, device="cuda")  # beyond SMALL_BYTES: meta
+                view = base[: 2**20]  # a small meta view of it
+                own = base[: 2**20].clone()  # a small meta tensor with its own storage
+            assert view._data.is_meta and own._data.is_meta
+            with tracker.labelled("comm_buffers"):
+                for t in (view, own):
+                    before = tracker.live
+                    out = [torch.empty_like(t) for _ in range(2)]  # small factories: real
+                    dist.all_gather(out, t)
+                    grown = tracker.live - before
+                    assert grown == 2 * 2**20, grown  # the outputs only (own's zeros replace its meta storage)
+                    del out
+            assert view._data.is_meta and not own._data.is_meta  # the view stayed meta; own got real zeros
+            assert tracker.by_label["qat_cache"] == 33 * 2**20 and tracker.by_label["comm_buffers"] == 0
+    finally:
+        dist.destroy_process_group()
+
+
 def test_shape_only_moe_bookkeeping_is_real_and_balanced():
     """The router's top-k of unknown scores is the balanced stand-in; counts derived from it are real values."""
     with simulated_cuda(shapes_only=True):

@@ -82,9 +82,14 @@ class SimTensor(torch.Tensor):
 
     @_data.setter
     def _data(self, data: torch.Tensor) -> None:
+        tracker, old = _STATE.tracker, self.__dict__.get("_sim_data")
+        # a tensor whose backing is swapped (a meta buffer given real zeros before a collective, a real one turned
+        # meta) stays what it was: its new storage keeps the old one's label (the QAT cache's codes stay qat_cache
+        # when a weight sync gathers them, not the sync's comm_buffers)
+        label = tracker.label_of(old) if tracker is not None and old is not None else None
         self.__dict__["_sim_data"] = data
-        if _STATE.tracker is not None:  # every tensor the device holds passes here: the allocation tracker's view
-            _STATE.tracker.add(data)
+        if tracker is not None:  # every tensor the device holds passes here: the allocation tracker's view
+            tracker.add(data, label)
 
     def __repr__(self) -> str:
         return f"SimTensor({self._data!r}, device='{DEVICE}')"
@@ -403,12 +408,20 @@ def _run_factory(func, args, kwargs) -> SimTensor:
     return SimTensor(out)
 
 
+def _shares_storage(data: torch.Tensor) -> bool:
+    """Whether another tensor the allocation tracker counts holds ``data``'s storage too (a view of it)."""
+    return _STATE.tracker is not None and _STATE.tracker.holders(data) > 1
+
+
 def _collective_operands(leaves: list[SimTensor]) -> bool:
     """A collective's operands before it runs; True when any stays meta (its values are unknown). With a real input,
-    the other ranks' answer is values: small meta buffers get real zeros; a large one turns every operand meta."""
+    the other ranks' answer is values: small meta buffers get real zeros; a large one, or a view of another
+    tensor's storage (real zeros would be a second copy of it while the base lives on: the FP8 QAT cache's codes,
+    a view of their blocked form, were counted twice after a weight sync gathered them), turns every operand meta."""
     if any(not a._data.is_meta for a in leaves):
         for a in leaves:
-            if a._data.is_meta and a._data.numel() * a._data.element_size() <= SMALL_BYTES:
+            if (a._data.is_meta and not _shares_storage(a._data)
+                    and a._data.numel() * a._data.element_size() <= SMALL_BYTES):
                 a._data = torch.zeros(a.shape, dtype=a.dtype)
     meta = any(a._data.is_meta for a in leaves)
     if meta:

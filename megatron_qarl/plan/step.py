@@ -188,17 +188,6 @@ def unreleased(arch: Qwen3MoeArch, lay: LearnerLayout, sh: StepShape) -> float:
     return residue + 2 * chunks * 2 * sh.tokens * arch.hidden_size / lay.tp
 
 
-AFTER_SYNC = ("checkpoint_save", "eval_forward")
-
-
-def sync_residue(arch: Qwen3MoeArch, quant: QuantConfig) -> float:
-    """Under W8A8 (quantized attention) the sync leaves 2 B per quantized attention parameter (every head) allocated
-    until the next optimizer step frees the QAT cache: measured by the simulation (0.035 GiB per Qwen3-30B-A3B layer,
-    w8a8_fp8 tp4/ep16), the tensors of the attention's export that stay referenced; not traced to the line."""
-    s = weight_summary(arch, quant)
-    return 2 * sum(s[k].q_numel for k in ("attn_q", "attn_kv", "attn_o"))
-
-
 def step_memory(arch: Qwen3MoeArch, quant: QuantConfig, lay: LearnerLayout, sh: StepShape,
                 phases: tuple[str, ...] = PHASE_NAMES) -> dict[str, dict[str, int]]:
     """Per phase: the persistent terms, the phase's transients (``activations``, ``comm_buffers``, and for the unfused
@@ -225,8 +214,6 @@ def step_memory(arch: Qwen3MoeArch, quant: QuantConfig, lay: LearnerLayout, sh: 
             terms["attention_buffer"] = buffer
         if name in AFTER_TRAIN_STEP:
             terms["unreleased"] = unreleased(arch, lay, sh)
-        if name in AFTER_SYNC:
-            terms["sync_residue"] = sync_residue(arch, quant)
         terms = {k: int(v) for k, v in terms.items()}
         terms["total"] = sum(terms.values())
         out[name] = terms

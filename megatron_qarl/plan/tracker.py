@@ -53,13 +53,14 @@ class AllocationTracker:
         self.rounding = 0  # allocator_rounding of the live storages
         self.rounding_at_peak = 0
 
-    def add(self, data: torch.Tensor) -> None:
-        """A tensor the device holds: its storage counts from now until the last such tensor of it is gone."""
+    def add(self, data: torch.Tensor, label: str | None = None) -> None:
+        """A tensor the device holds: its storage counts from now until the last such tensor of it is gone. A new
+        storage gets ``label``, by default the current one."""
         storage = data.untyped_storage()
         key = storage._cdata
         entry = self._storages.get(key)
         if entry is None:
-            entry = self._storages[key] = [storage.nbytes(), 0, self.label, (tuple(data.shape), data.dtype)]
+            entry = self._storages[key] = [storage.nbytes(), 0, label or self.label, (tuple(data.shape), data.dtype)]
             self.live += entry[0]
             self.rounding += allocator_rounding(entry[0])
             self.by_label[entry[2]] += entry[0]
@@ -82,6 +83,16 @@ class AllocationTracker:
             self.live -= entry[0]
             self.rounding -= allocator_rounding(entry[0])
             self.by_label[entry[2]] -= entry[0]
+
+    def label_of(self, data: torch.Tensor) -> str | None:
+        """The label of ``data``'s storage (a backing tensor), None where it is not counted."""
+        entry = self._storages.get(data.untyped_storage()._cdata)
+        return entry[2] if entry is not None else None
+
+    def holders(self, data: torch.Tensor) -> int:
+        """How many live backing tensors hold ``data``'s storage (0 where it is not counted)."""
+        entry = self._storages.get(data.untyped_storage()._cdata)
+        return entry[1] if entry is not None else 0
 
     def relabel(self, tensors, label: str) -> None:
         """Move the storages of ``tensors`` (device tensors) to ``label``."""
