@@ -454,8 +454,10 @@ def table(found: dict[Cell, list[SeedRun]]) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------- plots
 def _colors() -> dict[str, str]:
+    """A colour per arm (every arm of ARMS: tests/test_repro_mini.py)."""
     return {"fp": "0.45", "unaligned_tis": "tab:red", "qarl_grpo": "tab:blue", "qarl_tbpo": "tab:green",
-            "unaligned_tis_r3": "tab:orange", "qarl_tbpo_r3": "tab:olive"}
+            "unaligned_tis_r3": "tab:orange", "qarl_tbpo_r3": "tab:olive", "qarl_grpo_exact": "tab:purple",
+            "qarl_tbpo_exact": "tab:cyan"}
 
 
 def plot_curves(found: dict[Cell, list[SeedRun]], setting: Setting, png: Path, key: str, ylabel: str,

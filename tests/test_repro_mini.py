@@ -70,6 +70,11 @@ def test_every_cell_is_a_valid_qarl_config(repro, cell_args, tmp_path):
     assert cfg.algo.loss.mismatch == ("tis_token" if arm == "unaligned_tis" else "none")
 
 
+def test_every_arm_has_a_plot_colour(repro):
+    """The report's plots colour each arm (the exact arms once had none: their report crashed after 27 minutes)."""
+    assert set(repro._colors()) == set(repro.ARMS)
+
+
 def test_bad_arguments_are_named(repro):
     with pytest.raises(SystemExit, match="--bits: 5"):
         _setting(repro, ["bits=4,5"])
