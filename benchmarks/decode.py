@@ -391,7 +391,7 @@ def main() -> None:
                     help="interleaved runs per point (tokens/s: the best; ratios: the median)")
     ap.add_argument("--out", type=Path, default=None,
                     help="default: benchmarks/results/decode_t{threads}.md, with _avx2 before .md where the engine's "
-                         "kernels run without AVX-512 (an AVX2 machine, or --emulate-avx2)")
+                         "best kernels are AVX2 (an AVX2 machine, or --emulate-avx2), _plain without native ones")
     ap.add_argument("--skip-kernels", action="store_true", help="leave out table (1)")
     ap.add_argument("--emulate-avx2", action="store_true",
                     help="cap torch, oneDNN and the engine's kernels at AVX2 (" +
@@ -400,7 +400,7 @@ def main() -> None:
     if args.emulate_avx2 and any(os.environ.get(k) != v for k, v in EMULATE_AVX2.items()):
         sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, **EMULATE_AVX2}))
     torch.set_num_threads(args.threads)
-    out = args.out or RESULTS / f"decode_t{args.threads}{'' if _avx512_kernels() else '_avx2'}.md"
+    out = args.out or RESULTS / f"decode_t{args.threads}{_results_suffix()}.md"
     arch = Qwen3MoeArch.from_hf_config(CONFIG)
     context = PROMPT_LEN + args.steps // 2
     start = time.perf_counter()
@@ -448,11 +448,14 @@ def isa_line() -> str:
             (f" (capped: `{caps}`)." if caps else "."))
 
 
-def _avx512_kernels() -> bool:
-    """Whether the engine's native kernels run an AVX-512 variant on this machine (its results file is the plain
-    decode_t{threads}.md; an AVX2 machine's must not overwrite it)."""
+def _results_suffix() -> str:
+    """What the default results file is named after: the engine's best native kernels on this machine ("" for
+    AVX-512, "_avx2", "_plain" without native kernels), so that one machine's run never overwrites another's."""
     lib = native.load()
-    return bool(lib) and any(lib.isas(f)[0].startswith("avx512") for f in ("int8", "int4", "fp8"))
+    if not lib:
+        return "_plain"
+    best = {lib.isas(f)[0] for f in ("int8", "int4", "fp8")}
+    return "" if any(i.startswith("avx512") for i in best) else "_avx2" if "avx2" in best else "_plain"
 
 
 def speed_check_rows() -> list[str]:

@@ -112,7 +112,7 @@ class _State:
     """What the active ``simulated_cuda`` block asked for: shape-only backing, and the tracker told of every tensor."""
 
     shapes_only: bool = False
-    tracker = None  # an object with add(tensor): plan.simulate.AllocationTracker
+    tracker = None  # add(tensor, label), label_of(tensor), holders(tensor): plan.tracker.AllocationTracker
 
 
 _STATE = _State()
