@@ -84,14 +84,18 @@ class AllocationTracker:
             self.rounding -= allocator_rounding(entry[0])
             self.by_label[entry[2]] -= entry[0]
 
+    def _entry(self, data: torch.Tensor) -> list | None:
+        """The count of ``data``'s storage (a backing tensor), None where it is not counted."""
+        return self._storages.get(data.untyped_storage()._cdata)
+
     def label_of(self, data: torch.Tensor) -> str | None:
-        """The label of ``data``'s storage (a backing tensor), None where it is not counted."""
-        entry = self._storages.get(data.untyped_storage()._cdata)
+        """The label of ``data``'s storage, None where it is not counted."""
+        entry = self._entry(data)
         return entry[2] if entry is not None else None
 
     def holders(self, data: torch.Tensor) -> int:
         """How many live backing tensors hold ``data``'s storage (0 where it is not counted)."""
-        entry = self._storages.get(data.untyped_storage()._cdata)
+        entry = self._entry(data)
         return entry[1] if entry is not None else 0
 
     def relabel(self, tensors, label: str) -> None:
@@ -100,7 +104,7 @@ class AllocationTracker:
 
         for t in tensors:
             data = t._data if isinstance(t, SimTensor) else t
-            entry = self._storages.get(data.untyped_storage()._cdata)
+            entry = self._entry(data)
             if entry is not None and entry[2] != label:
                 self.by_label[entry[2]] -= entry[0]
                 entry[2] = label
