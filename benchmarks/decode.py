@@ -438,10 +438,15 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+def best_kernels() -> dict[str, str]:
+    """The engine's native kernel per format (int8, int4, fp8) that this machine runs first; {} without the library."""
+    lib = native.load()
+    return {f: lib.isas(f)[0] for f in ("int8", "int4", "fp8")} if lib else {}
+
+
 def isa_line() -> str:
     """Which instruction sets each library runs here (and what capped them)."""
-    lib = native.load()
-    kern = ", ".join(f"{f} {lib.isas(f)[0]}" for f in ("int8", "int4", "fp8")) if lib else "none (not built)"
+    kern = ", ".join(f"{f} {isa}" for f, isa in best_kernels().items()) or "none (not built)"
     caps = " ".join(f"{k}={os.environ[k]}" for k in EMULATE_AVX2 if k in os.environ)
     return (f"Instruction sets: torch CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 kernels "
             f"{'yes' if _mkldnn_bf16() else 'no'}, engine native kernels: {kern}" +
@@ -451,10 +456,7 @@ def isa_line() -> str:
 def _results_suffix() -> str:
     """What the default results file is named after: the engine's best native kernels on this machine ("" for
     AVX-512, "_avx2", "_plain" without native kernels), so that one machine's run never overwrites another's."""
-    lib = native.load()
-    if not lib:
-        return "_plain"
-    best = {lib.isas(f)[0] for f in ("int8", "int4", "fp8")}
+    best = set(best_kernels().values())
     return "" if any(i.startswith("avx512") for i in best) else "_avx2" if "avx2" in best else "_plain"
 
 
