@@ -140,6 +140,73 @@ def test_kernels_match_their_torch_references_and_are_row_independent():
     assert ids.tolist() == [[1, 2]] and order.tolist() == [[1, 2]] and torch.allclose(wts, torch.tensor([[0.5, 0.5]]))
 
 
+def _attention_composed(x, ln, w_qkv, qkv_q, qn, kn, cos, sin, kc, vc, hq, w_o, o_q, act, slots, pos):
+    """The engine's attention block as numerics/layers.py composes it (the learner's path, minus TP)."""
+    from megatron_qarl.numerics import layers
+
+    _, hkv, seq, d = kc.shape
+    h = layers.norm(x, ln, 1e-6, act)
+    qkv = layers.dense(ops.quant_act(h, *qkv_q), w_qkv, act)
+    q, k = layers.qk_norm_rope(qkv[:, : hq * d].reshape(-1, hq, d), qkv[:, hq * d : (hq + hkv) * d].reshape(-1, hkv, d),
+                               qn, kn, cos[pos], sin[pos], 1e-6, act)
+    kc[slots, :, pos] = k
+    vc[slots, :, pos] = qkv[:, (hq + hkv) * d :].reshape(-1, hkv, d)
+    o = native.attention(q.contiguous(), kc, vc, slots * (hkv * seq * d), pos + 1, hkv, d, seq * d, d**-0.5)
+    o = ops.round_to(o, act).reshape(-1, hq * d)
+    return ops.round_to(x + layers.dense(ops.quant_act(o, *o_q), w_o, act), act)
+
+
+def _moe_composed(x, ln, w_router, top_k, w_gu, w_down, gu_q, down_q, act):
+    from megatron_qarl.numerics import layers
+
+    n = layers.norm(x, ln, 1e-6, act)
+    ids, w, order = layers.moe_route(n, w_router, top_k, True)
+    y = torch.zeros(*ids.shape, x.shape[1])
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.nonzero(ids == e, as_tuple=True)
+        h = layers.expert_hidden(n[rows], w_gu[e], *gu_q, act)
+        y[rows, slot] = layers.dense(ops.quant_act(h, *down_q), w_down[e], act)
+    return ops.round_to(x + ops.round_to(ops.combine(w, y), act), act), order
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("quant", [("bf16", None), ("w8a8_int8", None), ("w8a8_fp8", 8)])
+def test_the_engines_fused_blocks_equal_the_composition_of_the_kernels(act, quant):
+    """exact.c's attention and MoE blocks (the engine's decode and prefill) against numerics/layers.py's composition
+    (the learner's), bit for bit: rows of different slots, two rows of one sequence in one call (the second reads the
+    first's key), K not a multiple of the chunk (hidden 40), W8A8 activations, a router tie."""
+    g = torch.Generator().manual_seed(2)
+    hid, hq, hkv, d, ffn, experts, seq = 40, 4, 2, 8, 24, 6, 16
+
+    def rnd(*shape, scale=0.3):
+        return ops.round_to(torch.randn(*shape, generator=g) * scale, act)
+
+    x = rnd(5, hid, scale=1.0)
+    ln, qn, kn = rnd(hid) + 1, rnd(d) + 1, rnd(d) + 1
+    ln[1::8] = ops.round_to(torch.tensor(1e-6), act)  # inputs tiny beside their group's max: fp8's subnormal codes
+    w_qkv, w_o = rnd((hq + 2 * hkv) * d, hid), rnd(hid, hq * d)
+    cos, sin = ops.rope_tables(seq, d, 10000.0)
+    slots, pos = torch.tensor([2, 0, 0, 3, 1]), torch.tensor([5, 3, 4, 0, 9])
+    kc = rnd(4, hkv, seq, d)
+    vc = rnd(4, hkv, seq, d)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = _attention_composed(x, ln, w_qkv, quant, qn, kn, cos, sin, kc, vc, hq, w_o, quant, act, slots, pos)
+    got = x.clone()
+    attn = native.AttnBlock(ln, 1e-6, w_qkv, quant, qn, kn, cos, sin, kc2, vc2, hq, w_o, quant, ops.CHUNK, act)
+    attn(got, pos, slots)
+    assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+
+    w_gu, w_down = [rnd(2 * ffn, hid) for _ in range(experts)], [rnd(hid, ffn) for _ in range(experts)]
+    for w_router in (rnd(experts, hid), torch.ones(experts, hid)):  # the second: every expert ties
+        want, order = _moe_composed(x, ln, w_router, 3, w_gu, w_down, quant, quant, act)
+        got = x.clone()
+        block = native.MoeBlock(ln, 1e-6, w_router, 3, True, w_gu, w_down, quant, quant, ops.CHUNK, act)
+        assert torch.equal(block(got), order) and torch.equal(got, want)
+        alone = x[2:3].clone()
+        assert torch.equal(block(alone), order[2:3]) and torch.equal(alone[0], want[2])  # a row alone
+    assert order.tolist() == [[0, 1, 2]] * 5
+
+
 def test_gradients_are_those_of_the_references():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(5, 64, generator=g, requires_grad=True), torch.randn(8, 64, generator=g, requires_grad=True)

@@ -123,21 +123,20 @@ class ExactForward:
         a = self.arch
         d, rep = a.head_dim, a.num_attention_heads // a.num_key_value_heads
         qkv = self._column(h, attn.linear_qkv.weight, self.tp)
-        per_group = qkv.view(b * s, -1, rep + 2, d)  # [T, local KV groups, rep q heads + k + v, D]
-        q, k = layers.qk_norm_rope(per_group[:, :, :rep].reshape(b * s, -1, d), per_group[:, :, rep],
-                                   self.w(attn.q_layernorm.weight), self.w(attn.k_layernorm.weight), self.cos[pos],
-                                   self.sin[pos], a.rms_norm_eps, self.act)
-        g = per_group.shape[1]
-        o = ops.attention_causal(q.view(b, s, -1, d), k.view(b, s, g, d), per_group[:, :, rep + 1].reshape(b, s, g, d))
+        # [T, local KV groups, rep q heads + k + v, D], split in one op: three slices would each take a zero-filled
+        # gradient of the whole qkv in the backward
+        q_part, k_part, v_part = qkv.view(b * s, -1, rep + 2, d).split([rep, 1, 1], dim=2)
+        q, k = layers.qk_norm_rope(q_part.reshape(b * s, -1, d), k_part.squeeze(2), self.w(attn.q_layernorm.weight),
+                                   self.w(attn.k_layernorm.weight), self.cos[pos], self.sin[pos], a.rms_norm_eps,
+                                   self.act)
+        g = q_part.shape[1]
+        o = ops.attention_causal(q.view(b, s, -1, d), k.view(b, s, g, d), v_part.reshape(b, s, g, d))
         return self._row_parallel(ops.round_to(o, self.act).reshape(b * s, -1), attn.linear_proj.weight, self.tp)
 
     def _experts(self, mlp: torch.nn.Module, n: Tensor, ids: Tensor) -> Tensor:
         """[T, k, H]: each (token, slot) through its expert where this rank holds it, zeros elsewhere."""
         local = mlp.experts.local_experts
         first = self.ep.rank * len(local)
-        # tied to n even when none of this rank's experts is chosen: the backward's collectives (the rows' gather and
-        # the owner's select) then run on every EP rank alike (adding 0 * x keeps every zero +0.0)
-        y = torch.zeros(*ids.shape, n.shape[1]) + n[:1, :1].sum() * 0
         outs, at_rows, at_slots = [], [], []
         for e in torch.unique(ids).tolist():
             if not first <= e < first + len(local):
@@ -152,10 +151,14 @@ class ExactForward:
             at_rows.append(rows)
             at_slots.append(slot)
         if not outs:
-            return y
+            # tied to n when none of this rank's experts is chosen: the backward's collectives (the rows' gather and
+            # the owner's select) then run on every EP rank alike (adding 0 * x keeps every zero +0.0)
+            return torch.zeros(*ids.shape, n.shape[1]) + n[:1, :1].sum() * 0
         # one scatter of every expert's rows (each (token, slot) is written once): an index_put per expert would
-        # copy the whole [T, k, H] tensor once per expert, forward and backward
-        return y.index_put((torch.cat(at_rows), torch.cat(at_slots)), torch.cat(outs))
+        # copy the whole [T, k, H] tensor once per expert, forward and backward. With every expert here (EP 1)
+        # every (token, slot) is written, so the target need not be zeroed first.
+        y = (torch.empty if self.ep.size == 1 else torch.zeros)(*ids.shape, n.shape[1])
+        return y.index_put_((torch.cat(at_rows), torch.cat(at_slots)), torch.cat(outs))
 
     def _moe(self, mlp: torch.nn.Module, n: Tensor) -> Tensor:
         a = self.arch

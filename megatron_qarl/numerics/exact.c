@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define LANES 8
 
@@ -34,8 +35,7 @@ static inline float qx_dot(const float *a, const float *b, int64_t n) {
 #define NB 32
 
 /* acc[j] = sum over k in [k0, k1) in ascending k of xr[k] * wt[k * N + n0 + j], j < len (len <= NB). */
-__attribute__((target_clones("avx2", "default")))
-static void qx_block(const float *xr, const float *wt, int64_t N, int64_t n0, int64_t len, int64_t k0, int64_t k1,
+static inline __attribute__((always_inline)) void qx_block(const float *xr, const float *wt, int64_t N, int64_t n0, int64_t len, int64_t k0, int64_t k1,
                      float *acc) {
     if (len == NB) {  /* a constant trip count: the accumulators stay in vector registers */
         float a[NB];
@@ -56,25 +56,47 @@ static void qx_block(const float *xr, const float *wt, int64_t N, int64_t n0, in
     }
 }
 
-/* Two rows at once over a full block (len == NB): rows m and m + 1 share each weight load, and their 2 x NB
- * accumulators are independent chains (twice the additions in flight); each output's order is qx_block's. */
-__attribute__((target_clones("avx2", "default")))
-static void qx_block2(const float *x0, const float *x1, const float *wt, int64_t N, int64_t n0, int64_t k0,
-                      int64_t k1, float *acc0, float *acc1) {
-    float a[NB], b[NB];
-    for (int j = 0; j < NB; j++) a[j] = b[j] = 0.0f;
-    for (int64_t k = k0; k < k1; k++) {
-        const float xv0 = x0[k], xv1 = x1[k];
-        const float *wr = wt + k * N + n0;
-        for (int j = 0; j < NB; j++) {
-            a[j] += xv0 * wr[j];
-            b[j] += xv1 * wr[j];
+/* One or two rows (two: rows x0 and x1 share each weight load, twice the additions in flight) of nv x 8 outputs n0 ..
+ * over every chunk of K, each output's order qx_block's: out0/out1 the chunks summed in order (t = a_0; t = t + a_c),
+ * or the partials part0/part1 ([outputs, nc], when not NULL). Written with GCC's generic vectors (8 floats: one AVX2
+ * register, two SSE ones) and inlined with constant ``two`` and ``nv``, so that the accumulators stay in registers:
+ * qx_block's array form spills them, and ran at a quarter of the adders' rate. */
+typedef float qx_v8 __attribute__((vector_size(32), aligned(4)));
+
+static inline __attribute__((always_inline)) qx_v8 qx_load8(const float *p) {
+    qx_v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void qx_tile(const float *x, int64_t K, const int nr, const int nv,
+                                                          const float *wt, int64_t N, int64_t n0, int64_t chunk,
+                                                          float *out, int64_t ld, float *part) {
+    const int64_t nc = K / chunk;
+    qx_v8 t[4][4] = {{{0}}};
+    for (int64_t c = 0; c < nc; c++) {
+        qx_v8 a[4][4] = {{{0}}};
+        for (int64_t k = c * chunk; k < (c + 1) * chunk; k++) {
+            const float *wr = wt + k * N + n0;
+            qx_v8 w[4];
+            for (int i = 0; i < nv; i++) w[i] = qx_load8(wr + 8 * i);
+            for (int r = 0; r < nr; r++) {
+                const float s = x[r * K + k];
+                const qx_v8 u = {s, s, s, s, s, s, s, s};
+                for (int i = 0; i < nv; i++) a[r][i] += u * w[i];
+            }
         }
+        for (int r = 0; r < nr; r++)
+            for (int i = 0; i < nv; i++) {
+                if (part)
+                    for (int j = 0; j < 8; j++) part[(r * ld + 8 * i + j) * nc + c] = a[r][i][j];
+                else
+                    t[r][i] = c == 0 ? a[r][i] : t[r][i] + a[r][i];
+            }
     }
-    for (int j = 0; j < NB; j++) {
-        acc0[j] = a[j];
-        acc1[j] = b[j];
-    }
+    if (!part)
+        for (int r = 0; r < nr; r++)
+            for (int i = 0; i < nv; i++) memcpy(out + r * ld + 8 * i, &t[r][i], sizeof t[r][i]);
 }
 
 /* Chunk c's sums acc of row m, outputs n0 .. n0 + len: written as partials, or added to the row's running total. */
@@ -89,28 +111,52 @@ static inline void qx_take(float *out, float *tot, const float *acc, int64_t m, 
     }
 }
 
+/* Rows m0 .. m0 + rows - 1 (rows 1 to 4) of outputs n0 .. n0 + len - 1 over every chunk: the chunks summed in order
+ * into out [M, N], or the partials. One call per such item (the blocks inlined, compiled for AVX2 and for plain
+ * x86-64, chosen per CPU): a call per chunk cost as much as its arithmetic at small K. */
+__attribute__((target_clones("avx2", "default")))
+static void qx_item(const float *x, int64_t K, const float *wt, int64_t N, int64_t m0, int64_t rows, int64_t n0,
+                    int64_t len, int64_t chunk, int partials, float *out) {
+    const int64_t nc = K / chunk;
+    if (len % 8 == 0) {
+        const float *xm = x + m0 * K;
+        float *o = out + m0 * N + n0, *p = partials ? out + (m0 * N + n0) * nc : NULL;
+#define QX_TILE(nr, nv, at) qx_tile(xm, K, nr, nv, wt, N, n0 + (at), chunk, o + (at), N, p ? p + (at) * nc : NULL)
+        if (rows == 4 && len == NB) { /* four rows share each weight vector: two halves of 16 outputs */
+            QX_TILE(4, 2, 0);
+            QX_TILE(4, 2, 16);
+            return;
+        }
+        for (int64_t r = 0; r < rows; r++, xm += K, o += N, p = p ? p + N * nc : NULL)
+            switch (len / 8) {
+            case 1: QX_TILE(1, 1, 0); break;
+            case 2: QX_TILE(1, 2, 0); break;
+            case 3: QX_TILE(1, 3, 0); break;
+            default: QX_TILE(1, 4, 0); break;
+            }
+#undef QX_TILE
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) { /* a block of fewer than 8 outputs or not a multiple of 8: row by row */
+        float acc[NB], tot[NB];
+        for (int64_t c = 0; c < nc; c++) {
+            qx_block(x + (m0 + r) * K, wt, N, n0, len, c * chunk, (c + 1) * chunk, acc);
+            qx_take(out, tot, acc, m0 + r, N, n0, len, c, nc, partials);
+        }
+        if (!partials)
+            for (int64_t j = 0; j < len; j++) out[(m0 + r) * N + n0 + j] = tot[j];
+    }
+}
+
 int qx_linear(const float *x, int64_t M, int64_t K, const float *wt, int64_t N, int64_t chunk, int partials,
               float *out, int threads) {
     if (chunk <= 0 || K % chunk) return -1;
-    const int64_t nc = K / chunk, nblocks = (N + NB - 1) / NB, pairs = (M + 1) / 2;
+    const int64_t nblocks = (N + NB - 1) / NB, quads = (M + 3) / 4;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-    for (int64_t mp = 0; mp < pairs; mp++)
-        for (int64_t bi = 0; bi < nblocks; bi++) {
-            const int64_t m0 = 2 * mp, rows = M - m0 < 2 ? 1 : 2;
-            const int64_t n0 = bi * NB, len = N - n0 < NB ? N - n0 : NB;
-            float acc[2][NB], tot[2][NB];
-            for (int64_t c = 0; c < nc; c++) {
-                if (rows == 2 && len == NB)
-                    qx_block2(x + m0 * K, x + (m0 + 1) * K, wt, N, n0, c * chunk, (c + 1) * chunk, acc[0], acc[1]);
-                else
-                    for (int64_t r = 0; r < rows; r++)
-                        qx_block(x + (m0 + r) * K, wt, N, n0, len, c * chunk, (c + 1) * chunk, acc[r]);
-                for (int64_t r = 0; r < rows; r++)
-                    qx_take(out, tot[r], acc[r], m0 + r, N, n0, len, c, nc, partials);
-            }
-            if (!partials)
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t j = 0; j < len; j++) out[(m0 + r) * N + n0 + j] = tot[r][j];
+    for (int64_t bi = 0; bi < nblocks; bi++) /* a block's K x NB weights stay in L1 while row quads pass */
+        for (int64_t mq = 0; mq < quads; mq++) {
+            const int64_t m0 = 4 * mq, n0 = bi * NB;
+            qx_item(x, K, wt, N, m0, M - m0 < 4 ? M - m0 : 4, n0, N - n0 < NB ? N - n0 : NB, chunk, partials, out);
         }
     return 0;
 }
@@ -209,6 +255,288 @@ int qx_attention(const float *q, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, 
             }
         free(e);
         free(acc);
+    }
+    return failed ? -2 : 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+ * The engine's fused blocks (rollout/exact_forward.py): one call per attention block and one per MoE block of a
+ * layer, each row computed with the functions above in the order megatron_qarl/numerics/layers.py and ops.py
+ * compose them (the learner's moe/exact.py calls those), so the bits are the same; what goes is the Python
+ * between the kernels, which costs more than the arithmetic of a decode step.
+ * ------------------------------------------------------------------------------------------------------------ */
+
+/* ops.round_to to bfloat16: round to nearest even, widened back (c10's round_to_nearest_even; a NaN stays NaN). */
+static inline float qx_round_bf16_1(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ops.round_to(x, bfloat16) of n floats, out of place (in place when out == x). */
+int qx_round_bf16(const float *x, int64_t n, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n; i++) out[i] = qx_round_bf16_1(x[i]);
+    return 0;
+}
+
+static inline void qx_round_row(float *x, int64_t n, int act_bf16) {
+    if (act_bf16)
+        for (int64_t i = 0; i < n; i++) x[i] = qx_round_bf16_1(x[i]);
+}
+
+/* One row of qx_linear (the same blocks, chunks and additions): out[N] = x[K] @ wt[K, N]; the chunk is ``chunk``
+ * where it divides K, else K (ops.chunk_of). */
+static void qx_row_linear(const float *xr, int64_t K, const float *wt, int64_t N, int64_t chunk, float *out) {
+    const int64_t c = K % chunk == 0 ? chunk : K;
+    for (int64_t n0 = 0; n0 < N; n0 += NB) qx_item(xr, K, wt, N, 0, 1, n0, N - n0 < NB ? N - n0 : NB, c, 0, out);
+}
+
+/* One row of qx_rmsnorm. */
+static inline void qx_row_rmsnorm(const float *xr, int64_t H, const float *w, float eps, float *out) {
+    const float ms = qx_dot(xr, xr, H) / (float)H;
+    const float r = 1.0f / sqrtf(ms + eps);
+    for (int64_t h = 0; h < H; h++) out[h] = (xr[h] * r) * w[h];
+}
+
+#define QX_ACT_EPS 1e-10f /* qat/quantizer.py ACT_EPS */
+#define QX_FP8_MAX 448.0f
+
+/* float8_e4m3fn rounding of |f| <= 448 (c10's fp8e4m3fn_from_fp32_value, widened back): below 2^-6 in steps of
+ * 2^-9 (one fp32 addition of 2^14 rounds there), above to 3 mantissa bits, nearest even; the sign kept. */
+static inline float qx_e4m3(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    const uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    float r;
+    if (b >= (1087u << 20)) {
+        r = NAN; /* a NaN input (finite ones are clamped to 448 first) */
+    } else if (b < (121u << 23)) {
+        float a;
+        memcpy(&a, &b, 4);
+        r = (a + 16384.0f) - 16384.0f;
+    } else {
+        b = (b + 0x7ffffu + ((b >> 20) & 1u)) & 0xfff00000u;
+        memcpy(&r, &b, 4);
+    }
+    return sign ? -r : r;
+}
+
+static inline float qx_amax(const float *x, int64_t n) {
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(x[i]);
+        if (isnan(a)) return a;
+        m = a > m ? a : m;
+    }
+    return m < QX_ACT_EPS ? QX_ACT_EPS : m;
+}
+
+/* ops.quant_act into out: quant 0 none (a copy), 1 INT8 per token (quant_act_int8_per_token then its dequant:
+ * q = trunc(2t) - trunc(t), t = x * (127 / a), times a / 127), 2 FP8 per token and group of g
+ * (quant_act_fp8_per_token_group: e4m3(clamp(x * (448 / a), +-448)) times a * fp32(1 / 448)). */
+static void qx_quant_act(const float *x, int64_t K, int quant, int64_t g, float *out) {
+    if (quant == 1) {
+        const float a = qx_amax(x, K), mult = 127.0f / a, s = a / 127.0f;
+        for (int64_t k = 0; k < K; k++) {
+            const float t = x[k] * mult;
+            out[k] = (truncf(t * 2.0f) - truncf(t)) * s;
+        }
+    } else if (quant == 2) {
+        const float inv448 = (float)(1.0 / 448.0);
+        for (int64_t k0 = 0; k0 < K; k0 += g) {
+            const float a = qx_amax(x + k0, g), inv = QX_FP8_MAX / a, s = a * inv448;
+            for (int64_t k = k0; k < k0 + g; k++) {
+                float v = x[k] * inv;
+                v = v < -QX_FP8_MAX ? -QX_FP8_MAX : (v > QX_FP8_MAX ? QX_FP8_MAX : v);
+                out[k] = qx_e4m3(v) * s;
+            }
+        }
+    } else {
+        memcpy(out, x, sizeof(float) * (size_t)K);
+    }
+}
+
+/* layers.dense of one row: round(quant_act(x) @ W.T); tmp holds K floats. */
+static inline void qx_row_dense(const float *x, int64_t K, int quant, int64_t g, const float *wt, int64_t N,
+                                int64_t chunk, int act_bf16, float *tmp, float *out) {
+    const float *in = x;
+    if (quant) {
+        qx_quant_act(x, K, quant, g, tmp);
+        in = tmp;
+    }
+    qx_row_linear(in, K, wt, N, chunk, out);
+    qx_round_row(out, N, act_bf16);
+}
+
+/* An attention block of the engine (rollout/exact_forward.py; numerics/layers.py's composition, with the residual):
+ *   n = round(rmsnorm(x, ln)); [q | k | v] = dense(n, W_qkv); per head q, k = round(rope(round(rmsnorm(., qn|kn))));
+ *   the row's k, v written at (slot, position) of the float32 caches [slots, Hkv, S, D]; then (every row's keys
+ *   written) o = round(qx_attention over keys 0 .. pos); x = round(x + dense(o, W_o)).
+ * x [R, H] is updated in place; wt operands K-major; cos, sin the rope tables [L, D]; quant / g per linear as
+ * qx_quant_act. */
+int qx_attn_block(float *x, int64_t R, int64_t H, const float *ln, float eps, const float *qkv_t, int qkv_quant,
+                  int64_t qkv_g, const float *qn, const float *kn, const float *cos_t, const float *sin_t,
+                  const int64_t *pos, const int64_t *slot, float *kc, float *vc, int64_t S, int64_t Hq, int64_t Hkv,
+                  int64_t D, float scale, const float *o_t, int o_quant, int64_t o_g, int64_t chunk, int act_bf16,
+                  int threads) {
+    if (Hkv <= 0 || Hq % Hkv || D % 2 || R <= 0) return -1;
+    const int64_t NQKV = (Hq + 2 * Hkv) * D, HO = Hq * D, half = D / 2;
+    const int64_t wide = (H > NQKV ? H : NQKV) > HO ? (H > NQKV ? H : NQKV) : HO;
+    float *Q = malloc(sizeof(float) * (size_t)(R * HO)), *O = malloc(sizeof(float) * (size_t)(R * HO));
+    int64_t *kbase = malloc(sizeof(int64_t) * (size_t)R), *nkeys = malloc(sizeof(int64_t) * (size_t)R);
+    int failed = !Q || !O || !kbase || !nkeys;
+    for (int64_t r = 0; r < R && !failed; r++) {
+        if (pos[r] < 0 || pos[r] >= S) failed = -1;
+        kbase[r] = slot[r] * (Hkv * S * D);
+        nkeys[r] = pos[r] + 1;
+    }
+    if (!failed) {
+#pragma omp parallel num_threads(threads)
+        {
+            float *n = malloc(sizeof(float) * (size_t)wide), *tmp = malloc(sizeof(float) * (size_t)wide),
+                  *qkv = malloc(sizeof(float) * (size_t)NQKV), *hd = malloc(sizeof(float) * (size_t)D);
+            if (!n || !tmp || !qkv || !hd) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++) {
+                if (!n || !tmp || !qkv || !hd) continue;
+                qx_row_rmsnorm(x + r * H, H, ln, eps, n);
+                qx_round_row(n, H, act_bf16);
+                qx_row_dense(n, H, qkv_quant, qkv_g, qkv_t, NQKV, chunk, act_bf16, tmp, qkv);
+                const float *cs = cos_t + pos[r] * D, *sn = sin_t + pos[r] * D;
+                for (int64_t h = 0; h < Hq + Hkv; h++) { /* q heads, then k heads: norm, round, rope, round */
+                    const float *src = qkv + h * D;
+                    qx_row_rmsnorm(src, D, h < Hq ? qn : kn, eps, hd);
+                    qx_round_row(hd, D, act_bf16);
+                    float *dst = h < Hq ? Q + r * HO + h * D : kc + kbase[r] + (h - Hq) * S * D + pos[r] * D;
+                    for (int64_t i = 0; i < D; i++) {
+                        const float a = hd[i] * cs[i], b = hd[i < half ? i + half : i - half] * sn[i];
+                        dst[i] = a + b;
+                    }
+                    qx_round_row(dst, D, act_bf16);
+                }
+                for (int64_t g = 0; g < Hkv; g++)
+                    memcpy(vc + kbase[r] + g * S * D + pos[r] * D, qkv + (Hq + Hkv + g) * D, sizeof(float) * (size_t)D);
+            }
+            free(n);
+            free(tmp);
+            free(qkv);
+            free(hd);
+        }
+    }
+    if (!failed) failed = qx_attention(Q, R, Hq, Hkv, D, kc, vc, kbase, nkeys, D, S * D, scale, O, threads);
+    if (!failed) {
+#pragma omp parallel num_threads(threads)
+        {
+            float *tmp = malloc(sizeof(float) * (size_t)HO), *a = malloc(sizeof(float) * (size_t)H);
+            if (!tmp || !a) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++) {
+                if (!tmp || !a) continue;
+                float *o = O + r * HO;
+                qx_round_row(o, HO, act_bf16);
+                qx_row_dense(o, HO, o_quant, o_g, o_t, H, chunk, act_bf16, tmp, a);
+                float *xr = x + r * H;
+                for (int64_t h = 0; h < H; h++) xr[h] = xr[h] + a[h];
+                qx_round_row(xr, H, act_bf16);
+            }
+            free(tmp);
+            free(a);
+        }
+    }
+    free(Q);
+    free(O);
+    free(kbase);
+    free(nkeys);
+    return failed == 1 ? -2 : failed;
+}
+
+/* A MoE block of the engine (rollout/exact_forward.py; numerics/layers.py's composition, with the residual), row by
+ * row:
+ *   n = round(rmsnorm(x, ln)); p = softmax(n @ W_router.T) (not rounded); the top k of p by a stable descending
+ *   order (a tie to the lower expert id), order[k] written to order_out [R, k]; w = p_top / (p_1 + ... + p_k)
+ *   (summed in top-k order) with norm_topk; experts taken in ascending id: h = round(silu(g) * u) with [g | u] =
+ *   dense(n, W_gu[e]), y_e = dense(h, W_down[e]); acc = w_0 y_0, acc = acc + w_j y_j; x = round(x + round(acc)).
+ * gu_t[e] [H, 2F] and down_t[e] [F, H] K-major; router_t [H, E]. */
+int qx_moe_block(float *x, int64_t R, int64_t H, const float *ln, float eps, const float *router_t, int64_t E,
+                 int64_t topk, int norm_topk, const float *const *gu_t, const float *const *down_t, int64_t F,
+                 int gu_quant, int64_t gu_g, int down_quant, int64_t down_g, int64_t chunk, int act_bf16,
+                 int64_t *order_out, int threads) {
+    if (R <= 0 || topk <= 0 || topk > E) return -1;
+    const int64_t wide = H > 2 * F ? H : 2 * F;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *n = malloc(sizeof(float) * (size_t)H), *p = malloc(sizeof(float) * (size_t)E),
+              *tmp = malloc(sizeof(float) * (size_t)(wide > E ? wide : E)),
+              *gu = malloc(sizeof(float) * (size_t)(2 * F)), *hh = malloc(sizeof(float) * (size_t)F),
+              *y = malloc(sizeof(float) * (size_t)H), *acc = malloc(sizeof(float) * (size_t)H),
+              *top = malloc(sizeof(float) * (size_t)topk);
+        int64_t *order = malloc(sizeof(int64_t) * (size_t)topk), *ids = malloc(sizeof(int64_t) * (size_t)topk);
+        char *taken = malloc((size_t)E);
+        const int ok = n && p && tmp && gu && hh && y && acc && top && order && ids && taken;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            if (!ok) continue;
+            float *xr = x + r * H;
+            qx_row_rmsnorm(xr, H, ln, eps, n);
+            qx_round_row(n, H, act_bf16);
+            qx_row_linear(n, H, router_t, E, chunk, tmp);
+            float mx;
+            const float s = qx_row_expsum(tmp, E, &mx);
+            for (int64_t e = 0; e < E; e++) p[e] = expf(tmp[e] - mx) / s;
+            memset(taken, 0, (size_t)E);
+            for (int64_t i = 0; i < topk; i++) { /* stable descending: the first of the largest not yet taken */
+                int64_t best = -1;
+                for (int64_t e = 0; e < E; e++)
+                    if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+                taken[best] = 1;
+                order[i] = best;
+                top[i] = p[best];
+            }
+            if (norm_topk) {
+                float sum = top[0];
+                for (int64_t i = 1; i < topk; i++) sum = sum + top[i];
+                for (int64_t i = 0; i < topk; i++) top[i] = top[i] / sum;
+            }
+            for (int64_t i = 0; i < topk; i++) order_out[r * topk + i] = order[i];
+            int64_t m = 0; /* ids ascending: taken[] marks them */
+            for (int64_t e = 0; e < E; e++)
+                if (taken[e]) ids[m++] = e;
+            for (int64_t j = 0; j < topk; j++) {
+                const int64_t e = ids[j];
+                float w = 0.0f;
+                for (int64_t i = 0; i < topk; i++)
+                    if (order[i] == e) w = top[i];
+                qx_row_dense(n, H, gu_quant, gu_g, gu_t[e], 2 * F, chunk, act_bf16, tmp, gu);
+                for (int64_t f = 0; f < F; f++) hh[f] = (gu[f] / (1.0f + expf(-gu[f]))) * gu[F + f];
+                qx_round_row(hh, F, act_bf16);
+                qx_row_dense(hh, F, down_quant, down_g, down_t[e], H, chunk, act_bf16, tmp, y);
+                if (j == 0)
+                    for (int64_t h = 0; h < H; h++) acc[h] = w * y[h];
+                else
+                    for (int64_t h = 0; h < H; h++) acc[h] = acc[h] + w * y[h];
+            }
+            qx_round_row(acc, H, act_bf16);
+            for (int64_t h = 0; h < H; h++) xr[h] = xr[h] + acc[h];
+            qx_round_row(xr, H, act_bf16);
+        }
+        free(n), free(p), free(tmp), free(gu), free(hh), free(y), free(acc), free(top), free(order), free(ids);
+        free(taken);
     }
     return failed ? -2 : 0;
 }

@@ -44,6 +44,11 @@ def lib() -> ctypes.CDLL:
         cdll.qx_silu_mul.argtypes = [_P, _P, _I64, _P, _INT]
         cdll.qx_softmax.argtypes = [_P, _I64, _I64, _INT, _P, _INT]
         cdll.qx_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _F, _P, _INT]
+        cdll.qx_round_bf16.argtypes = [_P, _I64, _P, _INT]
+        cdll.qx_attn_block.argtypes = [_P, _I64, _I64, _P, _F, _P, _INT, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64,
+                                       _I64, _I64, _I64, _F, _P, _INT, _I64, _I64, _INT, _INT]
+        cdll.qx_moe_block.argtypes = [_P, _I64, _I64, _P, _F, _P, _I64, _I64, _INT, _P, _P, _I64, _INT, _I64, _INT,
+                                      _I64, _I64, _INT, _P, _INT]
         _LIB.append(cdll)
     return _LIB[0]
 
@@ -112,6 +117,14 @@ def silu_mul(g: Tensor, u: Tensor) -> Tensor:
     return out
 
 
+def round_bf16(x: Tensor) -> Tensor:
+    """``qx_round_bf16``: x rounded to bfloat16 (nearest even) and held in float32, the bits of x.to(bf16).float()."""
+    x = _f32(x, "round input")
+    out = torch.empty_like(x)
+    _check(lib().qx_round_bf16(x.data_ptr(), x.numel(), out.data_ptr(), _threads(x.numel() * 4)), "round")
+    return out
+
+
 def softmax(x_MV: Tensor, log: bool) -> Tensor:
     x_MV = _f32(x_MV, "softmax input")
     out = torch.empty_like(x_MV)
@@ -134,3 +147,97 @@ def attention(q_RHD: Tensor, k: Tensor, v: Tensor, kbase_R: Tensor, nkeys_R: Ten
                               nkeys_R.data_ptr(), ls, hs, scale, out.data_ptr(),
                               _threads(int(nkeys_R.sum()) * hq * d * 2)), "attention")
     return out
+
+
+_QUANT = {"bf16": 0, "w8a8_int8": 1, "w8a8_fp8": 2}  # exact.c qx_quant_act's codes
+
+
+def _quant(scheme: str, group: int | None, k: int, what: str) -> tuple[int, int]:
+    """(code, group) of ``ops.quant_act``'s scheme for exact.c; ValueError where the group does not divide K."""
+    code = _QUANT[scheme]
+    if code == 2 and (not group or k % group):
+        raise ValueError(f"{what}: fp8 activation group {group} does not divide K={k}")
+    return code, int(group or 0)
+
+
+def _kmajor(w_NK: Tensor, k: int, what: str) -> Tensor:
+    w_NK = _f32(w_NK, what)
+    if w_NK.dim() != 2 or w_NK.shape[1] != k:
+        raise ValueError(f"{what}: expected a float32 [N, {k}] weight, got {list(w_NK.shape)}")
+    return transposed(w_NK)
+
+
+class AttnBlock:
+    """``qx_attn_block`` of one layer, its operands set up once (the engine keeps one per layer until the next
+    weight update): ``block(x_RH, pos_R, slot_R)`` updates the residual stream ``x_RH`` in place and writes the rows'
+    keys and values into the float32 caches ``kc``, ``vc`` [slots, Hkv, S, D]. ``*_q``: ``ops.quant_act``'s
+    (scheme, group) of the linear's input."""
+
+    def __init__(self, ln: Tensor, eps: float, w_qkv: Tensor, qkv_q: tuple[str, int | None], q_norm: Tensor,
+                 k_norm: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, hq: int, w_o: Tensor,
+                 o_q: tuple[str, int | None], chunk: int, act: torch.dtype):
+        hidden = ln.shape[0]
+        slots, hkv, seq, d = kc.shape
+        if vc.shape != kc.shape or not (kc.is_contiguous() and vc.is_contiguous()) or kc.dtype != torch.float32:
+            raise ValueError("attention block: the caches must be contiguous float32 tensors of one shape")
+        if cos.shape[1] != d or sin.shape != cos.shape:
+            raise ValueError(f"attention block: rope tables {list(cos.shape)} for head dim {d}")
+        qkv_t, o_t = _kmajor(w_qkv, hidden, "qkv weight"), _kmajor(w_o, hq * d, "o weight")
+        if qkv_t.shape[1] != (hq + 2 * hkv) * d or o_t.shape[1] != hidden:
+            raise ValueError(f"attention block: qkv {list(w_qkv.shape)} / o {list(w_o.shape)} for {hq} + 2 x {hkv} "
+                             f"heads of {d}, hidden {hidden}")
+        self.keep = [_f32(t, n) for t, n in ((ln, "norm"), (q_norm, "q norm"), (k_norm, "k norm"), (cos, "cos"),
+                                             (sin, "sin"))] + [qkv_t, o_t, kc, vc]
+        ln, q_norm, k_norm, cos, sin = self.keep[:5]
+        self.hidden, self.slots, self.seq = hidden, slots, seq
+        self.work = hidden * (hq + 2 * hkv) * d * 2
+        self.head = (ln.data_ptr(), eps, qkv_t.data_ptr(), *_quant(*qkv_q, hidden, "qkv input"), q_norm.data_ptr(),
+                     k_norm.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        self.tail = (kc.data_ptr(), vc.data_ptr(), seq, hq, hkv, d, d**-0.5, o_t.data_ptr(),
+                     *_quant(*o_q, hq * d, "o input"), chunk, int(act == torch.bfloat16))
+
+    def __call__(self, x_RH: Tensor, pos_R: Tensor, slot_R: Tensor) -> None:
+        r = x_RH.shape[0]
+        if x_RH.dtype != torch.float32 or not x_RH.is_contiguous() or x_RH.shape[1] != self.hidden:
+            raise ValueError(f"attention block: x must be contiguous float32 [R, {self.hidden}]")
+        pos, slot = pos_R.to(torch.int64).contiguous(), slot_R.to(torch.int64).contiguous()
+        if r and (int(slot.min()) < 0 or int(slot.max()) >= self.slots):
+            raise ValueError(f"attention block: slots {slot.tolist()} outside 0..{self.slots - 1}")
+        _check(lib().qx_attn_block(x_RH.data_ptr(), r, self.hidden, *self.head, pos.data_ptr(), slot.data_ptr(),
+                                   *self.tail, _threads(r * self.work)), f"attention block (positions < {self.seq})")
+
+
+class MoeBlock:
+    """``qx_moe_block`` of one layer, its operands set up once: ``block(x_RH)`` updates the residual stream in place
+    and returns the experts each row chose in top-k order (int64 [R, k])."""
+
+    def __init__(self, ln: Tensor, eps: float, w_router: Tensor, top_k: int, norm_topk: bool, w_gu: list[Tensor],
+                 w_down: list[Tensor], gu_q: tuple[str, int | None], down_q: tuple[str, int | None], chunk: int,
+                 act: torch.dtype):
+        hidden, ffn = ln.shape[0], w_down[0].shape[1]
+        router_t = _kmajor(w_router, hidden, "router weight")
+        gu_t = [_kmajor(w, hidden, f"expert {e} gate_up weight") for e, w in enumerate(w_gu)]
+        down_t = [_kmajor(w, ffn, f"expert {e} down weight") for e, w in enumerate(w_down)]
+        experts = router_t.shape[1]
+        if len(gu_t) != experts or len(down_t) != experts or not 0 < top_k <= experts:
+            raise ValueError(f"moe block: {experts} router outputs, {len(gu_t)} / {len(down_t)} experts, top-k {top_k}")
+        if any(t.shape[1] != 2 * ffn for t in gu_t) or any(t.shape[1] != hidden for t in down_t):
+            raise ValueError(f"moe block: expert weights do not make [{2 * ffn}, {hidden}] / [{hidden}, {ffn}]")
+        ln = _f32(ln, "norm")
+        self.gu_p, self.down_p = (_P * experts)(*(t.data_ptr() for t in gu_t)), (_P * experts)(
+            *(t.data_ptr() for t in down_t))
+        self.keep = [ln, router_t, gu_t, down_t]
+        self.hidden, self.top_k = hidden, top_k
+        self.work = top_k * hidden * ffn * 3
+        self.head = (ln.data_ptr(), eps, router_t.data_ptr(), experts, top_k, int(norm_topk), self.gu_p, self.down_p,
+                     ffn, *_quant(*gu_q, hidden, "expert gate_up input"), *_quant(*down_q, ffn, "expert down input"),
+                     chunk, int(act == torch.bfloat16))
+
+    def __call__(self, x_RH: Tensor) -> Tensor:
+        r = x_RH.shape[0]
+        if x_RH.dtype != torch.float32 or not x_RH.is_contiguous() or x_RH.shape[1] != self.hidden:
+            raise ValueError(f"moe block: x must be contiguous float32 [R, {self.hidden}]")
+        order = torch.empty((r, self.top_k), dtype=torch.int64)
+        _check(lib().qx_moe_block(x_RH.data_ptr(), r, self.hidden, *self.head, order.data_ptr(),
+                                  _threads(r * self.work)), "moe block")
+        return order

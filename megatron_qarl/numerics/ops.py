@@ -74,9 +74,30 @@ def exact(fast: Callable, ref: Callable, *inputs: Tensor) -> Tensor:
     return fast(*inputs)
 
 
+class _Round(torch.autograd.Function):
+    """Forward: the rounding; backward: the identity (straight through: the gradient is not itself rounded)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, act: torch.dtype) -> Tensor:
+        return _rounded(x, act)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def _rounded(x: Tensor, act: torch.dtype) -> Tensor:
+    if act == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu":
+        return native.round_bf16(x)  # one pass (torch's x.to(bf16).float() makes two and a bf16 copy)
+    return x.to(act).float()
+
+
 def round_to(x: Tensor, act: torch.dtype) -> Tensor:
-    """The rounding point: x rounded to ``act`` (round to nearest even) and held in float32 (identity for float32)."""
-    return x if act == torch.float32 else x.to(act).float()
+    """The rounding point: x rounded to ``act`` (round to nearest even) and held in float32 (identity for float32);
+    its gradient passes straight through."""
+    if act == torch.float32:
+        return x
+    return _Round.apply(x, act) if _needs_grad(x) else _rounded(x, act)
 
 
 # --------------------------------------------------------------------------------------------- linear algebra
@@ -173,15 +194,11 @@ def rope(x_THD: Tensor, cos_TD: Tensor, sin_TD: Tensor) -> Tensor:
 
 # ------------------------------------------------------------------------------------------------- attention
 def _causal_ref(q_BSHD: Tensor, k_BSGD: Tensor, v_BSGD: Tensor, scale: float) -> Tensor:
-    b, s, h, d = q_BSHD.shape
-    rep = h // k_BSGD.shape[2]
-    q = q_BSHD.transpose(1, 2)
-    k = k_BSGD.repeat_interleave(rep, dim=2).transpose(1, 2)
-    v = v_BSGD.repeat_interleave(rep, dim=2).transpose(1, 2)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
-    p = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-    return (p @ v).transpose(1, 2)
+    """softmax(q k^T * scale, causal) v with grouped KV heads: torch's SDPA (its CPU kernel and backward; the
+    reference's gradient, not its bits, is what is used)."""
+    o = F.scaled_dot_product_attention(q_BSHD.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2),
+                                       is_causal=True, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2)
 
 
 def attention_causal(q_BSHD: Tensor, k_BSGD: Tensor, v_BSGD: Tensor) -> Tensor:
@@ -216,9 +233,10 @@ def route(logits_TE: Tensor, top_k: int, norm_topk: bool) -> tuple[Tensor, Tenso
 
 def combine(w_TK: Tensor, y_TKH: Tensor) -> Tensor:
     """sum_k w_k * y_k, k ascending (expert order), float32: acc = w_0 y_0; acc = acc + w_k y_k."""
-    acc = w_TK[:, 0, None] * y_TKH[:, 0]
-    for k in range(1, y_TKH.shape[1]):
-        acc = acc + w_TK[:, k, None] * y_TKH[:, k]
+    ys, ws = y_TKH.unbind(1), w_TK.unbind(1)  # one op each (k slices would each take a zero-filled gradient)
+    acc = ws[0][:, None] * ys[0]
+    for k in range(1, len(ys)):
+        acc = acc + ws[k][:, None] * ys[k]
     return acc
 
 
