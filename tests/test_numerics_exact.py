@@ -217,6 +217,19 @@ def test_gradients_are_those_of_the_references():
     ref.sum().backward()
     assert torch.allclose(gx, x.grad, atol=1e-5) and torch.allclose(gw, w.grad, atol=1e-5)
 
+    # the one-pass backward kernels (RMSNorm with its weight, SiLU x up) against autograd of their formulas, and the
+    # rounding point's straight-through gradient
+    a, b = torch.randn(7, 48, generator=g, requires_grad=True), torch.randn(7, 48, generator=g, requires_grad=True)
+    nw, up = torch.randn(48, generator=g, requires_grad=True), torch.randn(7, 48, generator=g)
+    for fast, ref in ((lambda: ops.rms_norm(a, nw, 1e-6), lambda: ops._rms_ref(a, nw, 1e-6)),
+                      (lambda: ops.silu_mul(a, b), lambda: torch.nn.functional.silu(a) * b)):
+        got = torch.autograd.grad(fast(), (a, b, nw), up, allow_unused=True)
+        want = torch.autograd.grad(ref(), (a, b, nw), up, allow_unused=True)
+        assert all((p is None and q is None) or torch.allclose(p, q, atol=1e-5)
+                   for p, q in zip(got, want, strict=True))
+    (ga,) = torch.autograd.grad(ops.round_to(a * 3, torch.bfloat16), a, up)
+    assert torch.equal(ga, up * 3)
+
 
 def test_the_library_builds_with_the_documented_flags(tmp_path):
     start = time.time()

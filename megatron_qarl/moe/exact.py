@@ -137,19 +137,19 @@ class ExactForward:
         """[T, k, H]: each (token, slot) through its expert where this rank holds it, zeros elsewhere."""
         local = mlp.experts.local_experts
         first = self.ep.rank * len(local)
-        outs, at_rows, at_slots = [], [], []
+        chosen, at_rows, at_slots = [], [], []
         for e in torch.unique(ids).tolist():
-            if not first <= e < first + len(local):
-                continue
-            expert = local[e - first]
-            rows, slot = torch.nonzero(ids == e, as_tuple=True)
-            fc1 = expert.linear_fc1.weight
-            gu = self._column(n[rows], fc1, self.etp)
-            half = gu.shape[-1] // 2
-            h = ops.round_to(ops.silu_mul(gu[:, :half], gu[:, half:]), self.act)
-            outs.append(self._row_parallel(h, expert.linear_fc2.weight, self.etp))
-            at_rows.append(rows)
-            at_slots.append(slot)
+            if first <= e < first + len(local):
+                rows, slot = torch.nonzero(ids == e, as_tuple=True)
+                chosen.append(local[e - first])
+                at_rows.append(rows)
+                at_slots.append(slot)
+        outs = []
+        if chosen:  # every expert's rows taken in one gather and split (one op each way in the backward)
+            for expert, n_e in zip(chosen, n[torch.cat(at_rows)].split([len(r) for r in at_rows]), strict=True):
+                gate, up = self._column(n_e, expert.linear_fc1.weight, self.etp).chunk(2, dim=-1)
+                h = ops.round_to(ops.silu_mul(gate, up), self.act)
+                outs.append(self._row_parallel(h, expert.linear_fc2.weight, self.etp))
         if not outs:
             # tied to n when none of this rank's experts is chosen: the backward's collectives (the rows' gather and
             # the owner's select) then run on every EP rank alike (adding 0 * x keeps every zero +0.0)

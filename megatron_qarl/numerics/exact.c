@@ -173,6 +173,37 @@ int qx_rmsnorm(const float *x, int64_t M, int64_t H, const float *w, float eps, 
     return 0;
 }
 
+/* RMSNorm's gradient (not bit-exact: the backward's order is free): with r = 1 / sqrtf(mean(x^2) + eps) and
+ * d = sum_h gy[h] w[h] x[h], gx[h] = r gy[h] w[h] - x[h] r^3 d / H; xhat = x r (the weight's gradient is
+ * sum over rows of gy * xhat, taken by the caller). */
+int qx_rmsnorm_bwd(const float *x, const float *gy, int64_t M, int64_t H, const float *w, float eps, float *gx,
+                   float *xhat, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * H, *gr = gy + m * H;
+        const float r = 1.0f / sqrtf(qx_dot(xr, xr, H) / (float)H + eps);
+        double d = 0.0;
+        for (int64_t h = 0; h < H; h++) d += (double)gr[h] * w[h] * xr[h];
+        const float c = (float)(d / (double)H) * r * r * r;
+        for (int64_t h = 0; h < H; h++) {
+            gx[m * H + h] = r * gr[h] * w[h] - xr[h] * c;
+            xhat[m * H + h] = xr[h] * r;
+        }
+    }
+    return 0;
+}
+
+/* SiLU(g) * u's gradient: with s = sigmoid(g), dg = gy u s (1 + g (1 - s)), du = gy g s. */
+int qx_silu_mul_bwd(const float *g, const float *u, const float *gy, int64_t n, float *dg, float *du, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n; i++) {
+        const float s = 1.0f / (1.0f + expf(-g[i]));
+        dg[i] = gy[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));
+        du[i] = gy[i] * g[i] * s;
+    }
+    return 0;
+}
+
 /* SiLU(g) * u elementwise: (g / (1 + expf(-g))) * u. */
 int qx_silu_mul(const float *g, const float *u, int64_t n, float *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -44,6 +44,8 @@ def lib() -> ctypes.CDLL:
         cdll.qx_silu_mul.argtypes = [_P, _P, _I64, _P, _INT]
         cdll.qx_softmax.argtypes = [_P, _I64, _I64, _INT, _P, _INT]
         cdll.qx_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _F, _P, _INT]
+        cdll.qx_rmsnorm_bwd.argtypes = [_P, _P, _I64, _I64, _P, _F, _P, _P, _INT]
+        cdll.qx_silu_mul_bwd.argtypes = [_P, _P, _P, _I64, _P, _P, _INT]
         cdll.qx_round_bf16.argtypes = [_P, _I64, _P, _INT]
         cdll.qx_attn_block.argtypes = [_P, _I64, _I64, _P, _F, _P, _INT, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64,
                                        _I64, _I64, _I64, _F, _P, _INT, _I64, _I64, _INT, _INT]
@@ -107,6 +109,24 @@ def rms_norm(x_MH: Tensor, w_H: Tensor, eps: float) -> Tensor:
                             _threads(x_MH.numel() * 4)),
            "rms_norm")
     return out
+
+
+def rms_norm_backward(x_MH: Tensor, w_H: Tensor, eps: float, g_MH: Tensor) -> tuple[Tensor, Tensor]:
+    """``qx_rmsnorm_bwd``: (the input's gradient, x / rms(x)) of ``rms_norm`` at the output gradient ``g_MH``."""
+    x_MH, w_H, g_MH = _f32(x_MH, "rms_norm input"), _f32(w_H, "rms_norm weight"), _f32(g_MH, "rms_norm gradient")
+    gx, xhat = torch.empty_like(x_MH), torch.empty_like(x_MH)
+    _check(lib().qx_rmsnorm_bwd(x_MH.data_ptr(), g_MH.data_ptr(), *x_MH.shape, w_H.data_ptr(), eps, gx.data_ptr(),
+                                xhat.data_ptr(), _threads(x_MH.numel() * 8)), "rms_norm backward")
+    return gx, xhat
+
+
+def silu_mul_backward(g: Tensor, u: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """``qx_silu_mul_bwd``: the gradients of ``silu_mul(g, u)`` at the output gradient ``grad``."""
+    g, u, grad = _f32(g, "silu gate"), _f32(u, "silu up"), _f32(grad, "silu gradient")
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    _check(lib().qx_silu_mul_bwd(g.data_ptr(), u.data_ptr(), grad.data_ptr(), g.numel(), dg.data_ptr(), du.data_ptr(),
+                                 _threads(g.numel() * 16)), "silu_mul backward")
+    return dg, du
 
 
 def silu_mul(g: Tensor, u: Tensor) -> Tensor:

@@ -144,16 +144,47 @@ def _rms_ref(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+class _RmsNorm(torch.autograd.Function):
+    """Forward: exact.c ``qx_rmsnorm``; backward: the formula's gradient in one pass (``qx_rmsnorm_bwd``)."""
+
+    @staticmethod
+    def forward(ctx, x_MH: Tensor, w: Tensor, eps: float) -> Tensor:
+        ctx.save_for_backward(x_MH, w)
+        ctx.eps = eps
+        return native.rms_norm(x_MH, w, eps)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x_MH, w = ctx.saved_tensors
+        gx, xhat = native.rms_norm_backward(x_MH, w, ctx.eps, g)
+        return gx, (g * xhat).sum(0) if ctx.needs_input_grad[1] else None, None
+
+
+class _SiluMul(torch.autograd.Function):
+    """Forward: exact.c ``qx_silu_mul``; backward: the formula's gradient in one pass (``qx_silu_mul_bwd``)."""
+
+    @staticmethod
+    def forward(ctx, g: Tensor, u: Tensor) -> Tensor:
+        ctx.save_for_backward(g, u)
+        return native.silu_mul(g, u)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return native.silu_mul_backward(*ctx.saved_tensors, grad)
+
+
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """(x * 1/sqrt(mean(x^2) + eps)) * w over the last dim (exact.c ``qx_rmsnorm``)."""
+    """(x * 1/sqrt(mean(x^2) + eps)) * w over the last dim (exact.c ``qx_rmsnorm``; reference ``_rms_ref``)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    return exact(lambda a, b: native.rms_norm(a, b, eps), lambda a, b: _rms_ref(a, b, eps), x2, w).view(shape)
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    y = _RmsNorm.apply(x2, w, eps) if _needs_grad(x2, w) else native.rms_norm(x2, w, eps)
+    return y.view(shape)
 
 
 def silu_mul(g: Tensor, u: Tensor) -> Tensor:
-    """SiLU(g) * u elementwise (exact.c ``qx_silu_mul``)."""
-    return exact(native.silu_mul, lambda a, b: F.silu(a) * b, g.contiguous(), u.contiguous())
+    """SiLU(g) * u elementwise (exact.c ``qx_silu_mul``; reference F.silu(g) * u)."""
+    g, u = g.contiguous(), u.contiguous()
+    return _SiluMul.apply(g, u) if _needs_grad(g, u) else native.silu_mul(g, u)
 
 
 def softmax(x: Tensor) -> Tensor:
