@@ -205,6 +205,18 @@ def test_the_engines_fused_blocks_equal_the_composition_of_the_kernels(act, quan
         alone = x[2:3].clone()
         assert torch.equal(block(alone), order[2:3]) and torch.equal(alone[0], want[2])  # a row alone
     assert order.tolist() == [[0, 1, 2]] * 5
+    assert block(x[:0].clone()).shape == (0, 3)  # an empty batch
+
+    # what the blocks refuse, naming it: two rows at one cache entry, rope tables shorter than the cache, another
+    # activation dtype
+    with pytest.raises(ValueError, match="same \\(slot, position\\)"):
+        attn(x[:2].clone(), torch.tensor([1, 1]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="rope tables"):
+        native.AttnBlock(ln, 1e-6, w_qkv, quant, qn, kn, cos[:4], sin[:4], kc2, vc2, hq, w_o, quant, ops.CHUNK, act)
+    with pytest.raises(ValueError, match="float16"):
+        native.MoeBlock(ln, 1e-6, w_router, 3, True, w_gu, w_down, quant, quant, ops.CHUNK, torch.float16)
+    nan = native.round_bf16(torch.tensor([float("nan"), 1.0 + 2**-9]))
+    assert nan.view(torch.int32)[0] == 0x7FC00000 and nan[1] == 1.0  # c10's quiet NaN; a tie to even
 
 
 def test_gradients_are_those_of_the_references():

@@ -63,6 +63,12 @@ static inline __attribute__((always_inline)) void qx_block(const float *xr, cons
  * qx_block's array form spills them, and ran at a quarter of the adders' rate. */
 typedef float qx_v8 __attribute__((vector_size(32), aligned(4)));
 
+#if defined(__x86_64__) || defined(__i386__)
+#define QX_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define QX_CLONES /* one build: target_clones is x86's (GCC's generic vectors map onto NEON etc. alike) */
+#endif
+
 static inline __attribute__((always_inline)) qx_v8 qx_load8(const float *p) {
     qx_v8 v;
     memcpy(&v, p, sizeof v);
@@ -114,7 +120,7 @@ static inline void qx_take(float *out, float *tot, const float *acc, int64_t m, 
 /* Rows m0 .. m0 + rows - 1 (rows 1 to 4) of outputs n0 .. n0 + len - 1 over every chunk: the chunks summed in order
  * into out [M, N], or the partials. One call per such item (the blocks inlined, compiled for AVX2 and for plain
  * x86-64, chosen per CPU): a call per chunk cost as much as its arithmetic at small K. */
-__attribute__((target_clones("avx2", "default")))
+QX_CLONES
 static void qx_item(const float *x, int64_t K, const float *wt, int64_t N, int64_t m0, int64_t rows, int64_t n0,
                     int64_t len, int64_t chunk, int partials, float *out) {
     const int64_t nc = K / chunk;
@@ -297,11 +303,16 @@ int qx_attention(const float *q, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, 
  * between the kernels, which costs more than the arithmetic of a decode step.
  * ------------------------------------------------------------------------------------------------------------ */
 
-/* ops.round_to to bfloat16: round to nearest even, widened back (c10's round_to_nearest_even; a NaN stays NaN). */
+/* ops.round_to to bfloat16: round to nearest even, widened back (c10's round_to_nearest_even: a NaN becomes its
+ * quiet NaN 0x7fc0; torch's vectorized conversion gives 0xffff there, the one difference from x.to(bf16).float()). */
 static inline float qx_round_bf16_1(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        u = 0x7fc00000u;
+        memcpy(&f, &u, 4);
+        return f;
+    }
     u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
     memcpy(&f, &u, 4);
     return f;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -30,9 +31,12 @@ def build(out_dir: Path | None = None) -> Path:
     if cc is None:
         raise RuntimeError("numerics: exact needs a C compiler (cc / gcc) on PATH to build megatron_qarl/numerics/"
                            "exact.c")
-    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode()).hexdigest()[:12]
+    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+    # keyed by the source, the compiler, the flags and the architecture: a cache shared by nodes of different kinds
+    # never hands one the other's build
+    key = hashlib.sha256(SOURCE.read_bytes() + f"{cc} {flags} {platform.machine()}".encode()).hexdigest()[:12]
     lib = (out_dir or cache_dir()) / f"qarl_exact-{key}.so"
-    return compile_shared(cc, ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"], [SOURCE], lib)
+    return compile_shared(cc, flags, [SOURCE], lib)
 
 
 def lib() -> ctypes.CDLL:
@@ -55,10 +59,14 @@ def lib() -> ctypes.CDLL:
     return _LIB[0]
 
 
-def _f32(t: Tensor, name: str) -> Tensor:
+def _checked(t: Tensor, name: str) -> Tensor:
     if t.dtype != torch.float32 or t.device.type != "cpu":
         raise ValueError(f"{name}: exact kernels take float32 CPU tensors, got {t.dtype} on {t.device}")
-    return t.contiguous()
+    return t
+
+
+def _f32(t: Tensor, name: str) -> Tensor:
+    return _checked(t, name).contiguous()
 
 
 def _check(rc: int, what: str) -> None:
@@ -79,7 +87,7 @@ def _threads(work: int = SMALL_WORK) -> int:
 
 def linear(x_MK: Tensor, w_NK: Tensor, chunk: int, partials: bool = False) -> Tensor:
     """``qx_linear``: [M, N] (chunks summed in order) or the chunk partials [M, N, K / chunk]."""
-    x_MK, w_KN = _f32(x_MK, "linear input"), transposed(_f32(w_NK, "linear weight"))
+    x_MK, w_KN = _f32(x_MK, "linear input"), transposed(_checked(w_NK, "linear weight"))
     (m, k), n = x_MK.shape, w_KN.shape[1]
     if w_KN.shape[0] != k:
         raise ValueError(f"linear: input K {k} != weight K {w_KN.shape[0]}")
@@ -92,7 +100,8 @@ def linear(x_MK: Tensor, w_NK: Tensor, chunk: int, partials: bool = False) -> Te
 def transposed(w_NK: Tensor) -> Tensor:
     """w.T contiguous (the kernel's K-major operand), kept on the tensor while it is not modified in place (the
     engine's weights live across calls, inference tensors rebuilt at each weight update rather than modified; the
-    learner's are made per forward)."""
+    learner's are made per forward). A w that is itself the transposed view of a K-major tensor (the engine holds
+    its weights so) costs no copy."""
     version = -1 if w_NK.is_inference() else w_NK._version  # inference tensors have no version counter
     held = getattr(w_NK, "_qx_t", None)
     if held is not None and held[0] == version:
@@ -138,7 +147,8 @@ def silu_mul(g: Tensor, u: Tensor) -> Tensor:
 
 
 def round_bf16(x: Tensor) -> Tensor:
-    """``qx_round_bf16``: x rounded to bfloat16 (nearest even) and held in float32, the bits of x.to(bf16).float()."""
+    """``qx_round_bf16``: x rounded to bfloat16 (nearest even) and held in float32, the bits of x.to(bf16).float()
+    (a NaN becomes c10's quiet NaN, where torch's vectorized conversion writes another NaN)."""
     x = _f32(x, "round input")
     out = torch.empty_like(x)
     _check(lib().qx_round_bf16(x.data_ptr(), x.numel(), out.data_ptr(), _threads(x.numel() * 4)), "round")
@@ -180,8 +190,18 @@ def _quant(scheme: str, group: int | None, k: int, what: str) -> tuple[int, int]
     return code, int(group or 0)
 
 
+def _act_bf16(act: torch.dtype, chunk: int, what: str) -> int:
+    """exact.c's rounding flag for the activation dtype (bf16: round; float32: none); ValueError on any other dtype
+    or a chunk that is not positive."""
+    if act not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{what}: activations are rounded to bfloat16 or kept float32, not {act}")
+    if chunk <= 0:
+        raise ValueError(f"{what}: chunk {chunk} must be positive")
+    return int(act == torch.bfloat16)
+
+
 def _kmajor(w_NK: Tensor, k: int, what: str) -> Tensor:
-    w_NK = _f32(w_NK, what)
+    w_NK = _checked(w_NK, what)
     if w_NK.dim() != 2 or w_NK.shape[1] != k:
         raise ValueError(f"{what}: expected a float32 [N, {k}] weight, got {list(w_NK.shape)}")
     return transposed(w_NK)
@@ -200,8 +220,11 @@ class AttnBlock:
         slots, hkv, seq, d = kc.shape
         if vc.shape != kc.shape or not (kc.is_contiguous() and vc.is_contiguous()) or kc.dtype != torch.float32:
             raise ValueError("attention block: the caches must be contiguous float32 tensors of one shape")
-        if cos.shape[1] != d or sin.shape != cos.shape:
-            raise ValueError(f"attention block: rope tables {list(cos.shape)} for head dim {d}")
+        if cos.shape[1] != d or sin.shape != cos.shape or cos.shape[0] < seq:
+            raise ValueError(f"attention block: rope tables {list(cos.shape)} for head dim {d} and {seq} positions")
+        if ln.shape != (hidden,) or q_norm.shape != (d,) or k_norm.shape != (d,):
+            raise ValueError(f"attention block: norm weights {list(ln.shape)}, {list(q_norm.shape)}, "
+                             f"{list(k_norm.shape)} for hidden {hidden} and head dim {d}")
         qkv_t, o_t = _kmajor(w_qkv, hidden, "qkv weight"), _kmajor(w_o, hq * d, "o weight")
         if qkv_t.shape[1] != (hq + 2 * hkv) * d or o_t.shape[1] != hidden:
             raise ValueError(f"attention block: qkv {list(w_qkv.shape)} / o {list(w_o.shape)} for {hq} + 2 x {hkv} "
@@ -214,15 +237,19 @@ class AttnBlock:
         self.head = (ln.data_ptr(), eps, qkv_t.data_ptr(), *_quant(*qkv_q, hidden, "qkv input"), q_norm.data_ptr(),
                      k_norm.data_ptr(), cos.data_ptr(), sin.data_ptr())
         self.tail = (kc.data_ptr(), vc.data_ptr(), seq, hq, hkv, d, d**-0.5, o_t.data_ptr(),
-                     *_quant(*o_q, hq * d, "o input"), chunk, int(act == torch.bfloat16))
+                     *_quant(*o_q, hq * d, "o input"), chunk, _act_bf16(act, chunk, "attention block"))
 
     def __call__(self, x_RH: Tensor, pos_R: Tensor, slot_R: Tensor) -> None:
         r = x_RH.shape[0]
         if x_RH.dtype != torch.float32 or not x_RH.is_contiguous() or x_RH.shape[1] != self.hidden:
             raise ValueError(f"attention block: x must be contiguous float32 [R, {self.hidden}]")
+        if r == 0:
+            return
         pos, slot = pos_R.to(torch.int64).contiguous(), slot_R.to(torch.int64).contiguous()
-        if r and (int(slot.min()) < 0 or int(slot.max()) >= self.slots):
+        if int(slot.min()) < 0 or int(slot.max()) >= self.slots:
             raise ValueError(f"attention block: slots {slot.tolist()} outside 0..{self.slots - 1}")
+        if r > 1 and torch.unique(slot * self.seq + pos).numel() < r:  # two rows would write one cache entry
+            raise ValueError("attention block: two rows of one call at the same (slot, position)")
         _check(lib().qx_attn_block(x_RH.data_ptr(), r, self.hidden, *self.head, pos.data_ptr(), slot.data_ptr(),
                                    *self.tail, _threads(r * self.work)), f"attention block (positions < {self.seq})")
 
@@ -243,6 +270,8 @@ class MoeBlock:
             raise ValueError(f"moe block: {experts} router outputs, {len(gu_t)} / {len(down_t)} experts, top-k {top_k}")
         if any(t.shape[1] != 2 * ffn for t in gu_t) or any(t.shape[1] != hidden for t in down_t):
             raise ValueError(f"moe block: expert weights do not make [{2 * ffn}, {hidden}] / [{hidden}, {ffn}]")
+        if ln.shape != (hidden,):
+            raise ValueError(f"moe block: norm weight {list(ln.shape)} for hidden {hidden}")
         ln = _f32(ln, "norm")
         self.gu_p, self.down_p = (_P * experts)(*(t.data_ptr() for t in gu_t)), (_P * experts)(
             *(t.data_ptr() for t in down_t))
@@ -251,13 +280,15 @@ class MoeBlock:
         self.work = top_k * hidden * ffn * 3
         self.head = (ln.data_ptr(), eps, router_t.data_ptr(), experts, top_k, int(norm_topk), self.gu_p, self.down_p,
                      ffn, *_quant(*gu_q, hidden, "expert gate_up input"), *_quant(*down_q, ffn, "expert down input"),
-                     chunk, int(act == torch.bfloat16))
+                     chunk, _act_bf16(act, chunk, "moe block"))
 
     def __call__(self, x_RH: Tensor) -> Tensor:
         r = x_RH.shape[0]
         if x_RH.dtype != torch.float32 or not x_RH.is_contiguous() or x_RH.shape[1] != self.hidden:
             raise ValueError(f"moe block: x must be contiguous float32 [R, {self.hidden}]")
         order = torch.empty((r, self.top_k), dtype=torch.int64)
+        if r == 0:
+            return order
         _check(lib().qx_moe_block(x_RH.data_ptr(), r, self.hidden, *self.head, order.data_ptr(),
                                   _threads(r * self.work)), "moe block")
         return order

@@ -97,8 +97,10 @@ class ExactForward:
         return self._v[name]
 
     def w(self, lin: Linear) -> Tensor:
+        """A linear's float32 weight [N, K], held K-major (what exact.c reads) and given as its transposed view: one
+        float32 copy per weight, not an [N, K] one and a K-major one."""
         if id(lin) not in self._w:
-            self._w[id(lin)] = dequantized(lin).contiguous()
+            self._w[id(lin)] = dequantized(lin).t().contiguous().t()
         return self._w[id(lin)]
 
     def blocks(self, layer: Layer) -> tuple[native.AttnBlock, native.MoeBlock]:
