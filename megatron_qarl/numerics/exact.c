@@ -29,25 +29,15 @@ static inline float qx_dot(const float *a, const float *b, int64_t n) {
 /* y[m, n] = sum over chunks c in ascending order of p[m, n, c] (s = p0; s = s + p1; ...), where p[m, n, c] is the
  * sum over chunk c's k in ascending order of x[m, k] * w[k, n] in one float32 accumulator. partials != 0: write p
  * [M, N, K / chunk] instead (a tensor-parallel rank's share; the caller adds the gathered chunks in the same order).
- * x [M, K] row-major, the weight given K-major: wt [K, N] (w transposed). The loop runs over blocks of NB outputs
- * at once (one x element times NB weights: the compiler vectorizes across n, which changes no output's order; the
- * block is compiled for AVX2 and for plain x86-64, chosen per CPU, with the same results). */
+ * x [M, K] row-major, the weight given K-major: wt [K, N] (w transposed). The work is blocks of NB outputs by up
+ * to 4 rows (qx_item; vectorized across outputs, which changes no output's order; compiled for AVX2 and for plain
+ * x86-64, chosen per CPU, with the same results). */
 #define NB 32
 
-/* acc[j] = sum over k in [k0, k1) in ascending k of xr[k] * wt[k * N + n0 + j], j < len (len <= NB). */
-static inline __attribute__((always_inline)) void qx_block(const float *xr, const float *wt, int64_t N, int64_t n0, int64_t len, int64_t k0, int64_t k1,
-                     float *acc) {
-    if (len == NB) {  /* a constant trip count: the accumulators stay in vector registers */
-        float a[NB];
-        for (int j = 0; j < NB; j++) a[j] = 0.0f;
-        for (int64_t k = k0; k < k1; k++) {
-            const float xv = xr[k];
-            const float *wr = wt + k * N + n0;
-            for (int j = 0; j < NB; j++) a[j] += xv * wr[j];
-        }
-        for (int j = 0; j < NB; j++) acc[j] = a[j];
-        return;
-    }
+/* acc[j] = sum over k in [k0, k1) in ascending k of xr[k] * wt[k * N + n0 + j], j < len (len <= NB): the scalar
+ * loop of a block whose width is not a multiple of 8 (qx_tile takes the others). */
+static inline __attribute__((always_inline)) void qx_block(const float *xr, const float *wt, int64_t N, int64_t n0,
+                                                           int64_t len, int64_t k0, int64_t k1, float *acc) {
     for (int64_t j = 0; j < len; j++) acc[j] = 0.0f;
     for (int64_t k = k0; k < k1; k++) {
         const float xv = xr[k];
@@ -56,11 +46,11 @@ static inline __attribute__((always_inline)) void qx_block(const float *xr, cons
     }
 }
 
-/* One or two rows (two: rows x0 and x1 share each weight load, twice the additions in flight) of nv x 8 outputs n0 ..
- * over every chunk of K, each output's order qx_block's: out0/out1 the chunks summed in order (t = a_0; t = t + a_c),
- * or the partials part0/part1 ([outputs, nc], when not NULL). Written with GCC's generic vectors (8 floats: one AVX2
- * register, two SSE ones) and inlined with constant ``two`` and ``nv``, so that the accumulators stay in registers:
- * qx_block's array form spills them, and ran at a quarter of the adders' rate. */
+/* nr rows (1 to 4, rows of x at stride K; they share each weight vector loaded) of nv x 8 outputs n0 .. over every
+ * chunk of K, each output's order qx_block's: out (rows at stride ld) the chunks summed in order (t = a_0;
+ * t = t + a_c), or the partials part ([rows, outputs, nc] at row stride ld * nc, when not NULL). Written with GCC's
+ * generic vectors (8 floats: one AVX2 register, two SSE ones) and inlined with constant nr and nv, so that the
+ * accumulators stay in registers: an array form spilled them and ran at a quarter of the adders' rate. */
 typedef float qx_v8 __attribute__((vector_size(32), aligned(4)));
 
 #if defined(__x86_64__) || defined(__i386__)

@@ -1,10 +1,12 @@
 """The exact operations both the rollout engine and the learner compute a token with (``numerics: exact``).
 
 Each forward runs a kernel of ``exact.c`` (``native.py``) whose result for a row depends on that row's operands
-only; each has a torch reference of the same formula, which gives the backward (ordinary autograd on the
-reference: gradients are those of the formula, not bit-exact) and which the tests compare the kernels against.
+only; each has a torch reference of the same formula, which the tests compare the kernels against. Gradients are
+those of the formula, not bit-exact: the linear's are two matmuls, RMSNorm's and SiLU x up's come from one-pass
+kernels (``qx_rmsnorm_bwd``, ``qx_silu_mul_bwd``), the others from autograd of the reference (``_Exact``).
 Activations are float32 tensors; ``round_to(x, act)`` is the one rounding point to the servers' activation dtype
-(``act`` bfloat16 or float32), applied at the same places on both sides (see ``megatron_qarl/numerics/__init__.py``).
+(``act`` bfloat16 or float32), applied at the same places on both sides (``layers.py``); its gradient passes
+straight through.
 
     linear(x, w)        y = x @ w.T, K reduced in chunks of CHUNK (32) added in chunk order, each chunk one
                         float32 sum in ascending k (exact.c ``qx_linear``); ``linear_partials`` returns the chunks, and
