@@ -1,5 +1,6 @@
-"""The pieces of a Qwen3-MoE layer that the engine (rollout/exact_forward.py) and the learner (moe/exact.py)
-both compute with, so that the same operations meet the same rounding points in the same order on both sides.
+"""The pieces of a Qwen3-MoE layer that the learner (moe/exact.py) computes with and the engine's blocks (exact.c
+``qx_attn_block`` / ``qx_moe_block``, rollout/exact_forward.py) compute in C, in the same order with the same
+rounding points (tests/test_numerics_exact.py compares the two).
 ``act`` is the servers' activation dtype: every activation is rounded to it where the engine stores one."""
 
 from __future__ import annotations
@@ -26,13 +27,6 @@ def qk_norm_rope(q_THD: Tensor, k_TGD: Tensor, q_norm: Tensor, k_norm: Tensor, c
 def dense(x: Tensor, w: Tensor, act: torch.dtype) -> Tensor:
     """round(x @ w.T)."""
     return ops.round_to(ops.linear(x, w), act)
-
-
-def expert_hidden(x: Tensor, w_gate_up: Tensor, scheme: str, group: int | None, act: torch.dtype) -> Tensor:
-    """round(SiLU(gate) * up) with [gate | up] = round(quant_act(x) @ w_gate_up.T) (the two halves of N)."""
-    gu = dense(ops.quant_act(x, scheme, group), w_gate_up, act)
-    n = gu.shape[-1] // 2
-    return ops.round_to(ops.silu_mul(gu[:, :n], gu[:, n:]), act)
 
 
 def moe_route(n_TH: Tensor, w_router: Tensor, top_k: int, norm_topk: bool) -> tuple[Tensor, Tensor, Tensor]:

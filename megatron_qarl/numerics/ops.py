@@ -142,10 +142,6 @@ def sum_chunks(p_MNC: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------ pointwise and rows
-def _rms_ref(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 class _RmsNorm(torch.autograd.Function):
     """Forward: exact.c ``qx_rmsnorm``; backward: the formula's gradient in one pass (``qx_rmsnorm_bwd``)."""
 
@@ -176,7 +172,7 @@ class _SiluMul(torch.autograd.Function):
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """(x * 1/sqrt(mean(x^2) + eps)) * w over the last dim (exact.c ``qx_rmsnorm``; reference ``_rms_ref``)."""
+    """(x * 1/sqrt(mean(x^2) + eps)) * w over the last dim (exact.c ``qx_rmsnorm``)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     y = _RmsNorm.apply(x2, w, eps) if _needs_grad(x2, w) else native.rms_norm(x2, w, eps)
