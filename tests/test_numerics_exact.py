@@ -194,7 +194,7 @@ def test_the_engines_fused_blocks_equal_the_composition_of_the_kernels(act, quan
     want = _attention_composed(x, ln, w_qkv, quant, qn, kn, cos, sin, kc, vc, hq, w_o, quant, act, slots, pos)
     got = x.clone()
     attn = native.AttnBlock(ln, 1e-6, w_qkv, quant, qn, kn, cos, sin, kc2, vc2, hq, w_o, quant, ops.CHUNK, act)
-    attn(got, pos, slots)
+    attn(got, native.CacheRows(pos, slots, 4, seq))
     assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
 
     w_gu, w_down = [rnd(2 * ffn, hid) for _ in range(experts)], [rnd(hid, ffn) for _ in range(experts)]
@@ -211,7 +211,9 @@ def test_the_engines_fused_blocks_equal_the_composition_of_the_kernels(act, quan
     # what the blocks refuse, naming it: two rows at one cache entry, rope tables shorter than the cache, another
     # activation dtype
     with pytest.raises(ValueError, match="same \\(slot, position\\)"):
-        attn(x[:2].clone(), torch.tensor([1, 1]), torch.tensor([0, 0]))
+        native.CacheRows(torch.tensor([1, 1]), torch.tensor([0, 0]), 4, seq)
+    with pytest.raises(ValueError, match="outside a cache of 4 x 16"):
+        native.CacheRows(torch.tensor([1, 16]), torch.tensor([0, 0]), 4, seq)
     with pytest.raises(ValueError, match="rope tables"):
         native.AttnBlock(ln, 1e-6, w_qkv, quant, qn, kn, cos[:4], sin[:4], kc2, vc2, hq, w_o, quant, ops.CHUNK, act)
     with pytest.raises(ValueError, match="float16"):

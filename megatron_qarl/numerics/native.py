@@ -207,11 +207,28 @@ def _kmajor(w_NK: Tensor, k: int, what: str) -> Tensor:
     return transposed(w_NK)
 
 
+class CacheRows:
+    """The cache entries (slot, position) of a forward's rows, checked once for every layer's ``AttnBlock``: int64,
+    inside a cache of ``slots`` x ``seq``, no two rows at one entry (they would write it together)."""
+
+    def __init__(self, pos_R: Tensor, slot_R: Tensor, slots: int, seq: int):
+        self.pos, self.slot = pos_R.to(torch.int64).contiguous(), slot_R.to(torch.int64).contiguous()
+        self.shape, r = (slots, seq), self.pos.numel()
+        if self.slot.shape != self.pos.shape or self.pos.dim() != 1:
+            raise ValueError(f"cache rows: positions {list(pos_R.shape)} and slots {list(slot_R.shape)}")
+        if r and (int(self.slot.min()) < 0 or int(self.slot.max()) >= slots or int(self.pos.min()) < 0
+                  or int(self.pos.max()) >= seq):
+            raise ValueError(f"cache rows: slots {self.slot.tolist()} / positions {self.pos.tolist()} outside a cache "
+                             f"of {slots} x {seq}")
+        if r > 1 and torch.unique(self.slot * seq + self.pos).numel() < r:
+            raise ValueError("cache rows: two rows of one forward at the same (slot, position)")
+
+
 class AttnBlock:
     """``qx_attn_block`` of one layer, its operands set up once (the engine keeps one per layer until the next
-    weight update): ``block(x_RH, pos_R, slot_R)`` updates the residual stream ``x_RH`` in place and writes the rows'
-    keys and values into the float32 caches ``kc``, ``vc`` [slots, Hkv, S, D]. ``*_q``: ``ops.quant_act``'s
-    (scheme, group) of the linear's input."""
+    weight update): ``block(x_RH, rows)`` updates the residual stream ``x_RH`` in place and writes the rows' keys and
+    values into the float32 caches ``kc``, ``vc`` [slots, Hkv, S, D] at ``rows`` (``CacheRows`` of that shape).
+    ``*_q``: ``ops.quant_act``'s (scheme, group) of the linear's input."""
 
     def __init__(self, ln: Tensor, eps: float, w_qkv: Tensor, qkv_q: tuple[str, int | None], q_norm: Tensor,
                  k_norm: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, hq: int, w_o: Tensor,
@@ -239,19 +256,17 @@ class AttnBlock:
         self.tail = (kc.data_ptr(), vc.data_ptr(), seq, hq, hkv, d, d**-0.5, o_t.data_ptr(),
                      *_quant(*o_q, hq * d, "o input"), chunk, _act_bf16(act, chunk, "attention block"))
 
-    def __call__(self, x_RH: Tensor, pos_R: Tensor, slot_R: Tensor) -> None:
+    def __call__(self, x_RH: Tensor, rows: CacheRows) -> None:
         r = x_RH.shape[0]
         if x_RH.dtype != torch.float32 or not x_RH.is_contiguous() or x_RH.shape[1] != self.hidden:
             raise ValueError(f"attention block: x must be contiguous float32 [R, {self.hidden}]")
+        if rows.shape != (self.slots, self.seq) or rows.pos.numel() != r:
+            raise ValueError(f"attention block: {rows.pos.numel()} cache rows of a {rows.shape} cache for {r} rows of "
+                             f"a {(self.slots, self.seq)} one")
         if r == 0:
             return
-        pos, slot = pos_R.to(torch.int64).contiguous(), slot_R.to(torch.int64).contiguous()
-        if int(slot.min()) < 0 or int(slot.max()) >= self.slots:
-            raise ValueError(f"attention block: slots {slot.tolist()} outside 0..{self.slots - 1}")
-        if r > 1 and torch.unique(slot * self.seq + pos).numel() < r:  # two rows would write one cache entry
-            raise ValueError("attention block: two rows of one call at the same (slot, position)")
-        _check(lib().qx_attn_block(x_RH.data_ptr(), r, self.hidden, *self.head, pos.data_ptr(), slot.data_ptr(),
-                                   *self.tail, _threads(r * self.work)), f"attention block (positions < {self.seq})")
+        _check(lib().qx_attn_block(x_RH.data_ptr(), r, self.hidden, *self.head, rows.pos.data_ptr(),
+                                   rows.slot.data_ptr(), *self.tail, _threads(r * self.work)), "attention block")
 
 
 class MoeBlock:

@@ -134,10 +134,11 @@ class ExactForward:
         s, eps, act = m.store, a.rms_norm_eps, self.act
         x = ops.round_to(s["model.embed_tokens.weight"][tokens_BT.reshape(-1)].float(), act)  # the rows only
         slots_R, pos_R = slots_B[:, None].expand(b, t).reshape(-1), pos_BT.reshape(-1)
+        rows = native.CacheRows(pos_R, slots_R, *m.k_cache.shape[1:4:2])  # checked once for every layer
         x = x.contiguous()
         for layer in m.layers:
             attn, moe = self.blocks(layer)
-            attn(x, pos_R, slots_R)
+            attn(x, rows)
             order = moe(x)
             if m.capture is not None:
                 m.capture.append(order.to(torch.int32))
