@@ -212,14 +212,16 @@ class CacheRows:
     inside a cache of ``slots`` x ``seq``, no two rows at one entry (they would write it together)."""
 
     def __init__(self, pos_R: Tensor, slot_R: Tensor, slots: int, seq: int):
+        if pos_R.is_floating_point() or slot_R.is_floating_point():
+            raise ValueError(f"cache rows: positions ({pos_R.dtype}) and slots ({slot_R.dtype}) must be integers")
         self.pos, self.slot = pos_R.to(torch.int64).contiguous(), slot_R.to(torch.int64).contiguous()
         self.shape, r = (slots, seq), self.pos.numel()
         if self.slot.shape != self.pos.shape or self.pos.dim() != 1:
             raise ValueError(f"cache rows: positions {list(pos_R.shape)} and slots {list(slot_R.shape)}")
         if r and (int(self.slot.min()) < 0 or int(self.slot.max()) >= slots or int(self.pos.min()) < 0
                   or int(self.pos.max()) >= seq):
-            raise ValueError(f"cache rows: slots {self.slot.tolist()} / positions {self.pos.tolist()} outside a cache "
-                             f"of {slots} x {seq}")
+            raise ValueError(f"cache rows: slots {int(self.slot.min())}..{int(self.slot.max())} / positions "
+                             f"{int(self.pos.min())}..{int(self.pos.max())} outside a cache of {slots} x {seq}")
         if r > 1 and torch.unique(self.slot * seq + self.pos).numel() < r:
             raise ValueError("cache rows: two rows of one forward at the same (slot, position)")
 

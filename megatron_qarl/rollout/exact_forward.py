@@ -78,6 +78,9 @@ class ExactForward:
         native.lib()  # build the kernels now: a server that cannot be exact fails at start, not at its first request
         self.m, self.act = model, model.dtype
         a = model.arch
+        if model.k_cache.shape[3] > a.max_position_embeddings:  # the rope tables end there (a start-time refusal)
+            raise ValueError(f"numerics: exact: a KV cache of {model.k_cache.shape[3]} positions is longer than "
+                             f"config.json max_position_embeddings={a.max_position_embeddings}")
         self.cos, self.sin = ops.rope_tables(a.max_position_embeddings, a.head_dim, a.rope_theta)
         self._w: dict[int, Tensor] = {}
         self._v: dict[str, Tensor] = {}
