@@ -157,15 +157,17 @@ int qx_linear(const float *x, int64_t M, int64_t K, const float *wt, int64_t N, 
     return 0;
 }
 
-/* RMSNorm of each row: r = 1 / sqrtf(qx_dot(x, x) / H + eps); y[h] = (x[h] * r) * w[h]. */
+/* RMSNorm of one row: r = 1 / sqrtf(qx_dot(x, x) / H + eps); y[h] = (x[h] * r) * w[h]. */
+static inline void qx_row_rmsnorm(const float *xr, int64_t H, const float *w, float eps, float *out) {
+    const float ms = qx_dot(xr, xr, H) / (float)H;
+    const float r = 1.0f / sqrtf(ms + eps);
+    for (int64_t h = 0; h < H; h++) out[h] = (xr[h] * r) * w[h];
+}
+
+/* RMSNorm of each row. */
 int qx_rmsnorm(const float *x, int64_t M, int64_t H, const float *w, float eps, float *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * H;
-        const float ms = qx_dot(xr, xr, H) / (float)H;
-        const float r = 1.0f / sqrtf(ms + eps);
-        for (int64_t h = 0; h < H; h++) out[m * H + h] = (xr[h] * r) * w[h];
-    }
+    for (int64_t m = 0; m < M; m++) qx_row_rmsnorm(x + m * H, H, w, eps, out + m * H);
     return 0;
 }
 
@@ -200,10 +202,13 @@ int qx_silu_mul_bwd(const float *g, const float *u, const float *gy, int64_t n, 
     return 0;
 }
 
-/* SiLU(g) * u elementwise: (g / (1 + expf(-g))) * u. */
+/* SiLU(g) * u: (g / (1 + expf(-g))) * u. */
+static inline float qx_silu1(float g, float u) { return (g / (1.0f + expf(-g))) * u; }
+
+/* SiLU(g) * u elementwise. */
 int qx_silu_mul(const float *g, const float *u, int64_t n, float *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n; i++) out[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    for (int64_t i = 0; i < n; i++) out[i] = qx_silu1(g[i], u[i]);
     return 0;
 }
 
@@ -217,21 +222,23 @@ static inline float qx_row_expsum(const float *x, int64_t V, float *mx_out) {
     return s;
 }
 
-/* softmax (log_ != 0: log-softmax) of each row of x [M, V]: e = expf(x - max) / sum, or x - (max + logf(sum)). */
+/* softmax (log_ != 0: log-softmax) of one row x [V]: e = expf(x - max) / sum, or x - (max + logf(sum)). */
+static inline void qx_row_softmax(const float *xr, int64_t V, int log_, float *out) {
+    float mx;
+    const float s = qx_row_expsum(xr, V, &mx);
+    if (log_) {
+        const float lse = mx + logf(s);
+        for (int64_t v = 0; v < V; v++) out[v] = xr[v] - lse;
+    } else {
+        for (int64_t v = 0; v < V; v++) out[v] = expf(xr[v] - mx) / s;
+    }
+}
+
+/* softmax (or log-softmax) of each row of x [M, V]. */
 int qx_softmax(const float *x, int64_t M, int64_t V, int log_, float *out, int threads) {
     if (V <= 0) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * V;
-        float mx;
-        const float s = qx_row_expsum(xr, V, &mx);
-        if (log_) {
-            const float lse = mx + logf(s);
-            for (int64_t v = 0; v < V; v++) out[m * V + v] = xr[v] - lse;
-        } else {
-            for (int64_t v = 0; v < V; v++) out[m * V + v] = expf(xr[v] - mx) / s;
-        }
-    }
+    for (int64_t m = 0; m < M; m++) qx_row_softmax(x + m * V, V, log_, out + m * V);
     return 0;
 }
 
@@ -327,13 +334,6 @@ static void qx_row_linear(const float *xr, int64_t K, const float *wt, int64_t N
     for (int64_t n0 = 0; n0 < N; n0 += NB) qx_item(xr, K, wt, N, 0, 1, n0, N - n0 < NB ? N - n0 : NB, c, 0, out);
 }
 
-/* One row of qx_rmsnorm. */
-static inline void qx_row_rmsnorm(const float *xr, int64_t H, const float *w, float eps, float *out) {
-    const float ms = qx_dot(xr, xr, H) / (float)H;
-    const float r = 1.0f / sqrtf(ms + eps);
-    for (int64_t h = 0; h < H; h++) out[h] = (xr[h] * r) * w[h];
-}
-
 #define QX_ACT_EPS 1e-10f /* qat/quantizer.py ACT_EPS */
 #define QX_FP8_MAX 448.0f
 
@@ -418,7 +418,6 @@ int qx_attn_block(float *x, int64_t R, int64_t H, const float *ln, float eps, co
                   int threads) {
     if (Hkv <= 0 || Hq % Hkv || D % 2 || R <= 0) return -1;
     const int64_t NQKV = (Hq + 2 * Hkv) * D, HO = Hq * D, half = D / 2;
-    const int64_t wide = (H > NQKV ? H : NQKV) > HO ? (H > NQKV ? H : NQKV) : HO;
     float *Q = malloc(sizeof(float) * (size_t)(R * HO)), *O = malloc(sizeof(float) * (size_t)(R * HO));
     int64_t *kbase = malloc(sizeof(int64_t) * (size_t)R), *nkeys = malloc(sizeof(int64_t) * (size_t)R);
     int failed = !Q || !O || !kbase || !nkeys;
@@ -430,7 +429,7 @@ int qx_attn_block(float *x, int64_t R, int64_t H, const float *ln, float eps, co
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
-            float *n = malloc(sizeof(float) * (size_t)wide), *tmp = malloc(sizeof(float) * (size_t)wide),
+            float *n = malloc(sizeof(float) * (size_t)H), *tmp = malloc(sizeof(float) * (size_t)H),
                   *qkv = malloc(sizeof(float) * (size_t)NQKV), *hd = malloc(sizeof(float) * (size_t)D);
             if (!n || !tmp || !qkv || !hd) {
 #pragma omp atomic write
@@ -528,9 +527,7 @@ int qx_moe_block(float *x, int64_t R, int64_t H, const float *ln, float eps, con
             qx_row_rmsnorm(xr, H, ln, eps, n);
             qx_round_row(n, H, act_bf16);
             qx_row_linear(n, H, router_t, E, chunk, tmp);
-            float mx;
-            const float s = qx_row_expsum(tmp, E, &mx);
-            for (int64_t e = 0; e < E; e++) p[e] = expf(tmp[e] - mx) / s;
+            qx_row_softmax(tmp, E, 0, p);
             memset(taken, 0, (size_t)E);
             for (int64_t i = 0; i < topk; i++) { /* stable descending: the first of the largest not yet taken */
                 int64_t best = -1;
@@ -555,7 +552,7 @@ int qx_moe_block(float *x, int64_t R, int64_t H, const float *ln, float eps, con
                 for (int64_t i = 0; i < topk; i++)
                     if (order[i] == e) w = top[i];
                 qx_row_dense(n, H, gu_quant, gu_g, gu_t[e], 2 * F, chunk, act_bf16, tmp, gu);
-                for (int64_t f = 0; f < F; f++) hh[f] = (gu[f] / (1.0f + expf(-gu[f]))) * gu[F + f];
+                for (int64_t f = 0; f < F; f++) hh[f] = qx_silu1(gu[f], gu[F + f]);
                 qx_round_row(hh, F, act_bf16);
                 qx_row_dense(hh, F, down_quant, down_g, down_t[e], H, chunk, act_bf16, tmp, y);
                 if (j == 0)

@@ -207,6 +207,13 @@ def _kmajor(w_NK: Tensor, k: int, what: str) -> Tensor:
     return transposed(w_NK)
 
 
+def _residual(x_RH: Tensor, hidden: int, what: str) -> int:
+    """The row count of a block's residual stream (updated in place: contiguous float32 [R, hidden])."""
+    if x_RH.dtype != torch.float32 or not x_RH.is_contiguous() or x_RH.dim() != 2 or x_RH.shape[1] != hidden:
+        raise ValueError(f"{what}: x must be contiguous float32 [R, {hidden}], got {x_RH.dtype} {list(x_RH.shape)}")
+    return x_RH.shape[0]
+
+
 class CacheRows:
     """The cache entries (slot, position) of a forward's rows, checked once for every layer's ``AttnBlock``: int64,
     inside a cache of ``slots`` x ``seq``, no two rows at one entry (they would write it together)."""
@@ -259,9 +266,7 @@ class AttnBlock:
                      *_quant(*o_q, hq * d, "o input"), chunk, _act_bf16(act, chunk, "attention block"))
 
     def __call__(self, x_RH: Tensor, rows: CacheRows) -> None:
-        r = x_RH.shape[0]
-        if x_RH.dtype != torch.float32 or not x_RH.is_contiguous() or x_RH.shape[1] != self.hidden:
-            raise ValueError(f"attention block: x must be contiguous float32 [R, {self.hidden}]")
+        r = _residual(x_RH, self.hidden, "attention block")
         if rows.shape != (self.slots, self.seq) or rows.pos.numel() != r:
             raise ValueError(f"attention block: {rows.pos.numel()} cache rows of a {rows.shape} cache for {r} rows of "
                              f"a {(self.slots, self.seq)} one")
@@ -300,9 +305,7 @@ class MoeBlock:
                      chunk, _act_bf16(act, chunk, "moe block"))
 
     def __call__(self, x_RH: Tensor) -> Tensor:
-        r = x_RH.shape[0]
-        if x_RH.dtype != torch.float32 or not x_RH.is_contiguous() or x_RH.shape[1] != self.hidden:
-            raise ValueError(f"moe block: x must be contiguous float32 [R, {self.hidden}]")
+        r = _residual(x_RH, self.hidden, "moe block")
         order = torch.empty((r, self.top_k), dtype=torch.int64)
         if r == 0:
             return order
