@@ -50,10 +50,11 @@ setup(
     # only megatron_qarl: the top-level launch/ folder holds thin launchers run from a checkout, not a package
     packages=find_packages(include=["megatron_qarl", "megatron_qarl.*"]),
     include_package_data=True,
-    # the native kernels' sources, compiled on first use (megatron_qarl/rollout/native.py)
-    # vllm_ext/: the one file vLLM servers import (put on their PYTHONPATH, not a package of ours)
-    package_data={"megatron_qarl.rollout": ["int8_gemv.c", "int4_gemv.c", "qarl_bf16.h",
-                                            "vllm_ext/qarl_vllm_ext.py"]},
+    # the native kernels' sources, compiled on first use (megatron_qarl/serve/kernels/native.py)
+    # vllm_ext/: the files vLLM servers import (put on their PYTHONPATH, not a package of ours)
+    package_data={"megatron_qarl.serve.kernels": ["*.c", "*.h"],
+                  "megatron_qarl.numerics": ["*.c"],
+                  "megatron_qarl.rollout": ["vllm_ext/*.py"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

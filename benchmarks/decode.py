@@ -25,7 +25,7 @@ set larger than the caches: what each kernel this CPU runs can do (a kernel slow
 on a few calls only); (2) where the time of a batch-1 decode step goes (torch profiler: kernel calls vs
 everything else); (3) decode tokens/s of the engine per scheme (BF16, W4A16, W8A8-INT8, W8A8-FP8) at batch 1,
 4, 16 and of transformers' generate; (4) the engine's own check at load of each low-bit layer shape against
-BF16 (rollout/speed_check.py).
+BF16 (serve/kernels/speed_check.py).
 
 ``--emulate-avx2`` reruns the benchmark with every library capped at AVX2 (torch: ATEN_CPU_CAPABILITY=avx2,
 oneDNN: ONEDNN_MAX_CPU_ISA=AVX2, the engine's kernels: QARL_NATIVE_ISA=avx2): on an AVX-512 machine, what
@@ -58,12 +58,12 @@ import torch.nn.functional as F
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import export_state_dict
-from megatron_qarl.rollout import native, speed_check
-from megatron_qarl.rollout.engine import Engine, EngineConfig
-from megatron_qarl.rollout.kernels import INT4_INNER_K_TILES, PackedDense, _mkldnn_bf16, _onednn_int8
-from megatron_qarl.rollout.model import Qwen3MoeEngineModel
-from megatron_qarl.rollout.request import SamplingParams
-from megatron_qarl.rollout.weight_loading import in_fresh_thread
+from megatron_qarl.serve.engine import Engine, EngineConfig
+from megatron_qarl.serve.kernels import native, speed_check
+from megatron_qarl.serve.kernels.linear import INT4_INNER_K_TILES, PackedDense, _mkldnn_bf16, _onednn_int8
+from megatron_qarl.serve.model import Qwen3MoeEngineModel
+from megatron_qarl.serve.request import SamplingParams
+from megatron_qarl.serve.weight_loading import in_fresh_thread
 
 CONFIG = {
     "model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 2048, "num_hidden_layers": 2,
@@ -535,7 +535,8 @@ def render(arch, runs, bws, kernel_rows, profile_rows, args, seconds) -> str:
 
     ratios = ", ".join(f"b={b}: {vs_hf(b):.2f}x" for b in BATCHES)
     lines += ["", f"Engine bf16 / transformers generate (median of within-repeat ratios): {ratios}", ""]
-    lines += ["## (4) The engine's check at load: each low-bit layer shape against BF16 (rollout/speed_check.py)", "",
+    lines += ["## (4) The engine's check at load: each low-bit layer shape against BF16 "
+              "(serve/kernels/speed_check.py)", "",
               "The layer's forward (activation quantization included) vs the dense GEMM of a bf16 weight of the same "
               "shape, at the row counts decode gives it (attention 1 and 16, a routed expert 1 and 2); one thread, "
               "weights out of the caches, best of up to 10 calls; rows: us low-bit / us dense (ratio).", "",

@@ -4,7 +4,7 @@ time, exact vs default, each pair measured in this one run (docs/numerics.md, BE
     .venv/bin/python benchmarks/exact_numerics.py [--out benchmarks/results/exact_numerics.md] [--slice]
 
 The project's tiny Qwen3-MoE, W4A16 (the main job's scheme), bf16 server activations. Decode: the engine model's
-forward (rollout/model.py; the engine thread's scheduling is the same in both modes) for ``--steps`` decode steps
+forward (serve/model.py; the engine thread's scheduling is the same in both modes) for ``--steps`` decode steps
 after an 8-token prefill of every row; tokens/s = rows x steps / seconds (median of ``--repeats``). Learner: one
 train step (forward + backward + Adam) of the aligned TP1 Megatron learner on 128 rows x 64 tokens (the main
 job's 16 prompts x 8 samples, prompt + 48 new tokens), median of ``--steps`` after one warm-up step. ``--slice``:
@@ -28,7 +28,7 @@ MODEL = REPO / "checkpoints" / "tiny-qwen3-moe"
 
 
 def decode_tokens_per_s(model_dir: str, numerics: str, rows: int, steps: int, repeats: int) -> float:
-    from megatron_qarl.rollout.model import Qwen3MoeEngineModel
+    from megatron_qarl.serve.model import Qwen3MoeEngineModel
 
     model = Qwen3MoeEngineModel.from_model_dir(model_dir, torch.bfloat16, rows, 128, numerics=numerics)
     tokens = torch.randint(3, 32, (rows, 8), generator=torch.Generator().manual_seed(0))
@@ -50,7 +50,7 @@ def slice_decode_ms(steps: int = 16) -> dict[str, float]:
 
     import decode  # benchmarks/decode.py (this folder is on sys.path when the script runs): the slice
 
-    from megatron_qarl.rollout.model import Qwen3MoeEngineModel
+    from megatron_qarl.serve.model import Qwen3MoeEngineModel
 
     arch = decode.Qwen3MoeArch.from_hf_config(decode.CONFIG)
     sd = decode.random_state_dict(arch)

@@ -1,4 +1,4 @@
-"""The native W4A16 kernel alone (rollout/int4_gemv.c), one thread, this tree against an earlier revision.
+"""The native W4A16 kernel alone (serve/kernels/int4_gemv.c), one thread, this tree against an earlier revision.
 
 Both builds are loaded side by side and called on the decode shapes (Qwen3-30B-A3B: expert gate_up 1536x2048,
 expert down 2048x768, attention qkv 5120x2048; group 128) at 1 and 2 activation rows, over a rotating set of
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_qarl.rollout import native
+from megatron_qarl.serve.kernels import native
 
 SHAPES = {"expert gate_up 1536x2048": (1536, 2048), "expert down 2048x768": (2048, 768),
           "attention qkv 5120x2048": (5120, 2048)}

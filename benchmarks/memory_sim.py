@@ -55,7 +55,7 @@ def simulate_one(config: str, layers: list[int], overrides: list[str]) -> dict:
 
 def _check(d: dict) -> dict:
     """The saved simulation ``d`` against this checkout's planner (``plan.sim_check``)."""
-    from megatron_qarl.plan.cli import PlanOptions, check_against_plan
+    from megatron_qarl.plan.layouts import PlanOptions, check_against_plan
     from megatron_qarl.preflight.rules import load_config
 
     cfg = load_config(d["config"], d.get("overrides", []))

@@ -132,7 +132,7 @@ def server_apply_seconds(served: Path, threads: int) -> float:
     engine model that holds it (in-place copies + re-derived kernel operands: int4 repack, oneDNN prepack),
     best of 2."""
     from megatron_qarl.qat.export import iter_safetensors
-    from megatron_qarl.rollout.model import Qwen3MoeEngineModel
+    from megatron_qarl.serve.model import Qwen3MoeEngineModel
 
     torch.set_num_threads(threads)
     model = Qwen3MoeEngineModel.from_model_dir(served, torch.bfloat16, 2, 64)

@@ -8,7 +8,8 @@ The package, one subpackage a concept (README.md, "Map of the code"):
 - ``learner``: one Megatron learner rank, its worker, its checkpoints
 - ``moe``: Qwen3-MoE on Megatron-Core (model, parallel groups, HF <-> Megatron conversion, TE, CPU fixes)
 - ``qat``: the one quantizer, fake quant, export; ``algo``: advantages, policy losses, mismatch, routing replay
-- ``rollout``: the embedded SGLang-protocol server and engine, clients, SGLang and vLLM launchers
+- ``rollout``: the trainer's side of every rollout backend (clients, rollout manager, SGLang and vLLM launchers, the
+  vLLM extension); ``serve``: the embedded SGLang-protocol server (``qarl serve``), its engine and native kernels
 - ``sync``: the weight sync (payload, transports, broadcaster, delta, verification)
 - ``data``: the synthetic task, prompt files, rewards, ``qarl eval``
 - ``plan``: ``qarl plan`` (memory model and simulation); ``gpu``: the simulated CUDA device and the GPU smoke

@@ -22,7 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     "eval": "megatron_qarl.data.evaluate",
     "quantize": "megatron_qarl.qat.cli",
     "plan": "megatron_qarl.plan.cli",
-    "serve": "megatron_qarl.rollout.serve_cli",
+    "serve": "megatron_qarl.serve.cli",
 }
 
 

@@ -388,7 +388,7 @@ class QarlConfig(_Section):
         sync (train.async off, one_step); ``retract`` where requests stay in flight across it (bounded): they are
         re-prefilled under the new weights and continue. Except with R3 (algo.routing_replay or routing_agreement):
         SGLang's retract recomputes every position's routes under the new weights (``Req.reset_for_retract``,
-        rollout/routed_experts.py), so the sync aborts the running requests and the rollout manager continues each
+        serve/routed_experts.py), so the sync aborts the running requests and the rollout manager continues each
         as a new request, every segment with the routes its tokens were sampled under (rollout/manager.py)."""
         bounded = self.train.async_mode == "bounded"
         return "retract" if bounded and not self.algo.wants_routes else "abort"

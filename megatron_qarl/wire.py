@@ -1,6 +1,6 @@
 """What both ends of SGLang's HTTP protocol share: dtype names, response bodies, and the process group of
 the distributed weight update. The trainer side (sync/weight_update.py, sync/transport.py, rollout/client.py) and
-the server side (rollout/weight_receiver.py) both import it; neither imports the other.
+the server side (serve/weight_receiver.py) both import it; neither imports the other.
 ``DTYPES`` is the project's one table of dtype names (configs name dtypes by these too).
 
 dtype names are SGLang's: ``getattr(torch, name)`` (its weight receiver), and ``str(dtype)`` without the

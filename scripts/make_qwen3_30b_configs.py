@@ -10,7 +10,7 @@ gives each one's memory per GPU):
             4 x 8: EP16 on nodes 0-1 (16 ranks: dense DP 4, expert DP 1)
   rollout   SGLang servers on the other nodes: BF16 TP2 (28.4 GiB of weights per GPU); FP8, INT8 and W4A16 TP1
             (each server holds the whole quantized model: no tensor-parallel all-reduce while decoding)
-Memory (each file's header gives its figures, computed here with megatron_qarl.plan.cli.config_plan): every
+Memory (each file's header gives its figures, computed here with megatron_qarl.plan.layouts.config_plan): every
 learner runs micro-batches of one full-length sequence (learner.micro_batch_size 1), the distributed optimizer,
 and selective recompute (the core attention, so that the local spec's unfused attention keeps no s^2 scores
 when Transformer Engine is absent). The 8-GPU learner of the 2 x 8 runs keeps Adam for 1/8 of the experts
@@ -34,7 +34,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the package of this checkout, also when run as a script
 
-from megatron_qarl.plan.cli import H100_GIB, H200_GIB, PlanOptions, config_plan  # noqa: E402
+from megatron_qarl.plan.layouts import H100_GIB, H200_GIB, PlanOptions, config_plan  # noqa: E402
 from megatron_qarl.plan.memory import ATTENTIONS  # noqa: E402
 from megatron_qarl.preflight.rules import validate_run  # noqa: E402
 

@@ -16,10 +16,10 @@ generation_config  # scripts/make_tiny_model.py: a transformers model field, wri
 __wrapped__  # megatron_cpu.py: the functools convention (inspect.unwrap) for the wrapped original of a fix
 tie_word_embeddings  # moe/model.py Qwen3MoeArch: read from config.json and refused when true (from_hf_config)
 prompt_text  # data/prompts.py PromptSample: the rendered prompt beside its ids (tests check the rendering)
-int8_plain  # rollout/native.py Kernels: binding of the C library's plain loop, the SIMD GEMV's reference in tests
-selector  # rollout/weight_receiver.py: a field of SGLang's weight-update request bodies, accepted so they validate
-torch_empty_cache  # rollout/weight_receiver.py: a field of SGLang's UpdateWeightsFromDistributedReqInput
-allow_quant_error  # rollout/weight_receiver.py: a field of SGLang's CheckWeightsReqInput
+int8_plain  # serve/kernels/native.py Kernels: binding of the C library's plain loop, the SIMD GEMV's reference in tests
+selector  # serve/weight_receiver.py: a field of SGLang's weight-update request bodies, accepted so they validate
+torch_empty_cache  # serve/weight_receiver.py: a field of SGLang's UpdateWeightsFromDistributedReqInput
+allow_quant_error  # serve/weight_receiver.py: a field of SGLang's CheckWeightsReqInput
 wait_stream  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's grad buffers, dispatchers
 wait_event  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's token dispatchers
 record_event  # simulated_device.py _Stream: torch.cuda.Stream's API, called by Megatron's dispatchers

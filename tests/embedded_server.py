@@ -15,7 +15,7 @@ def serve_in_thread(engine):
     yields its base URL, then stops uvicorn and the engine."""
     import uvicorn
 
-    from megatron_qarl.rollout.server import ServerConfig, build_app
+    from megatron_qarl.serve.server import ServerConfig, build_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -33,4 +33,4 @@ def test_qarl_serve_imports_no_other_subcommands_module():
     code = ("import sys; from megatron_qarl import cli; cli.build_parser('serve'); "
             "print(sorted(m for m in cli.SUBCOMMANDS.values() if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split("\n")[-2] == "['megatron_qarl.rollout.serve_cli']"
+    assert out.split("\n")[-2] == "['megatron_qarl.serve.cli']"

@@ -12,7 +12,7 @@ import torch
 
 from megatron_qarl.gpu.simulated_device import SimTensor, simulated_cuda
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.plan.cli import PlanOptions, learner_settings, micro_batch_tokens
+from megatron_qarl.plan.layouts import PlanOptions, learner_settings, micro_batch_tokens
 from megatron_qarl.plan.memory import LearnerLayout
 from megatron_qarl.plan.simulate import extrapolate, simulate_learner
 from megatron_qarl.plan.tracker import AllocationTracker

@@ -16,7 +16,7 @@ from megatron_qarl.moe.parallelize import init_parallel, run_ranks
 from megatron_qarl.moe.verify import world_size
 from megatron_qarl.numerics import native, ops
 from megatron_qarl.qat.config import QuantConfig
-from megatron_qarl.rollout.model import Qwen3MoeEngineModel
+from megatron_qarl.serve.model import Qwen3MoeEngineModel
 
 SCHEMES = ["w4a16", "w8a8_int8", "w8a8_fp8", "bf16"]
 
@@ -262,7 +262,7 @@ def _generate(engine, prompts: list[list[int]], seeds: list[int], retract: bool 
     with retract (the KV cache dropped) and continue (each re-prefilled)."""
     import threading
 
-    from megatron_qarl.rollout.request import SamplingParams
+    from megatron_qarl.serve.request import SamplingParams
 
     done = threading.Semaphore(0)
     reqs = []
@@ -288,8 +288,8 @@ def _generate(engine, prompts: list[list[int]], seeds: list[int], retract: bool 
 def test_a_request_alone_in_a_batch_and_after_a_retract_gets_the_same_bits(checkpoints):
     """The same tokens and log-prob bits alone, among 15 others, and re-prefilled after a retract; and the server's
     prefill of the sampled sequence (its prompt log-probs) equals what its decode reported."""
-    from megatron_qarl.rollout.engine import Engine, EngineConfig
-    from megatron_qarl.rollout.request import SamplingParams
+    from megatron_qarl.serve.engine import Engine, EngineConfig
+    from megatron_qarl.serve.request import SamplingParams
 
     engine = Engine(EngineConfig(model_path=checkpoints["w4a16"], max_batch_size=16, max_seq_len=64,
                                  numerics="exact"))

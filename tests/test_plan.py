@@ -235,7 +235,7 @@ def test_optimizer_offload_moves_the_shard_to_the_host(big):
 def test_attention_follows_the_model_implementation_and_where_the_learner_runs():
     from types import SimpleNamespace
 
-    from megatron_qarl.plan.cli import learner_attention
+    from megatron_qarl.plan.layouts import learner_attention
 
     def cfg(impl, gpus):
         return SimpleNamespace(model=SimpleNamespace(impl=impl), learner_on_gpus=gpus)

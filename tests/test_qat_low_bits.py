@@ -87,7 +87,7 @@ def test_four_bit_export_config_is_unchanged():
 def test_the_servers_int4_kernel_holds_exactly_the_b_bit_weights(bits):
     """The embedded server's W4A16 layer (torch's CPU int4 mm on the exported tensors) times the identity
     gives its weight back exactly (each output is one product q * s, exact with 5-bit scales)."""
-    from megatron_qarl.rollout.kernels import Int4Linear
+    from megatron_qarl.serve.kernels.linear import Int4Linear
 
     w = _weight((64, 256), seed=20 + bits, dtype=torch.float32)
     cfg = QuantConfig(scheme="w4a16", num_bits=bits, group_size=128)

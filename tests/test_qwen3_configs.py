@@ -72,7 +72,7 @@ def test_every_config_fits_80gb_gpus_with_either_attention_and_its_header_says_w
     """As configured, each run fits H100 80GB GPUs whether the learner gets the TE spec's flash attention or the
     local spec's unfused one; without optimizer offload the 2 x 8 learners need 141 GB GPUs (H200), the 4 x 8 ones
     do not. The header repeats what the plan says."""
-    from megatron_qarl.plan.cli import H100_GIB, H200_GIB, PlanOptions, config_plan
+    from megatron_qarl.plan.layouts import H100_GIB, H200_GIB, PlanOptions, config_plan
 
     cfg = load_config(path)
     for attention in ("flash", "unfused"):
@@ -211,7 +211,8 @@ def test_train_refuses_a_gpu_config_that_does_not_fit_before_starting_anything(t
     """The acceptance: a 30B config edited to micro-batches of 32 sequences is refused by qarl train with the
     plan's figures, before any output is written or any process starts (CPU-only here: the learner's attention is
     the local spec's, as model.impl=auto resolves without transformer_engine)."""
-    from megatron_qarl.plan.cli import PlanOptions, config_plan, learner_memory_line
+    from megatron_qarl.plan.layouts import PlanOptions, config_plan
+    from megatron_qarl.plan.render import learner_memory_line
 
     path = REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml"
     out = tmp_path / "run"
@@ -250,7 +251,8 @@ def test_qwen3_235b_w4a16_layout_on_8x8_h100_fits_with_full_recompute_and_train_
     """Qwen3-235B-A22B (configs/models/qwen3-235b-a22b, the public model card's numbers): learner tp4/ep32 on 32
     H100s with optimizer CPU offload and full recompute fits (TE spec); with selective recompute qarl train
     refuses it with the plan's figures, before anything starts."""
-    from megatron_qarl.plan.cli import PlanOptions, config_plan, learner_memory_line
+    from megatron_qarl.plan.layouts import PlanOptions, config_plan
+    from megatron_qarl.plan.render import learner_memory_line
 
     path = REPO / "configs/qwen3-30b-a3b/w4a16_tbpo_4x8.yaml"
     fits = config_plan(load_config(path, [*QWEN3_235B_8X8, "learner.recompute=full"]), PlanOptions(te_available=True),

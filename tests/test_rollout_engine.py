@@ -24,11 +24,11 @@ from safetensors.torch import save_file
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import iter_safetensors, quantize_checkpoint
 from megatron_qarl.qat.fake_quant import fake_quant_act
-from megatron_qarl.rollout import native
-from megatron_qarl.rollout.engine import Engine, EngineConfig
-from megatron_qarl.rollout.kernels import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, _mkldnn_bf16
-from megatron_qarl.rollout.request import SamplingParams
-from megatron_qarl.rollout.weight_receiver import NO_SESSION, OUTSIDE_SESSION, SESSION_OPEN
+from megatron_qarl.serve.engine import Engine, EngineConfig
+from megatron_qarl.serve.kernels import native
+from megatron_qarl.serve.kernels.linear import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, _mkldnn_bf16
+from megatron_qarl.serve.request import SamplingParams
+from megatron_qarl.serve.weight_receiver import NO_SESSION, OUTSIDE_SESSION, SESSION_OPEN
 from megatron_qarl.sync.checksum import engine_checksum, overall_checksum, weight_checksums
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def server_greedy(model_dir: str, dtype: str, prompts: list[list[int]], n: int) 
     SGLang's fields), and the ops the profiler saw in a forward of the first prompt."""
     from fastapi.testclient import TestClient
 
-    from megatron_qarl.rollout.server import ServerConfig, build_app
+    from megatron_qarl.serve.server import ServerConfig, build_app
 
     engine = Engine(EngineConfig(model_path=model_dir, dtype=dtype, max_batch_size=4))  # 5 prompts: one queues
     try:
@@ -146,7 +146,8 @@ def _int8_vnni() -> bool:
 
 
 def _native_rows(fmt: str) -> bool:
-    """The native kernel runs several rows of ``fmt`` here (kernels.py: AVX2 machines for int8 / int4; fp8 always)."""
+    """The native kernel runs several rows of ``fmt`` here (serve/kernels/linear.py: AVX2 machines for int8 / int4;
+    fp8 always)."""
     lib = native.load()
     if lib is None or not lib.avx2:
         return False
@@ -381,7 +382,7 @@ def test_update_weights_from_distributed(model_dirs, tmp_path):
     equal the sent bytes and its greedy output equals a server started from that checkpoint."""
     from fastapi.testclient import TestClient
 
-    from megatron_qarl.rollout.server import ServerConfig, build_app
+    from megatron_qarl.serve.server import ServerConfig, build_app
 
     new_dir = perturbed_w4a16(model_dirs["bf16"], tmp_path / "new")
     sent = dict(sorted(iter_safetensors(new_dir)))
@@ -453,7 +454,7 @@ def test_int4_repack_equals_torchs_conversion():
     """The weight-update repack (compressed-tensors words -> torch's CPU int4 layout in uint8 tensor ops) gives
     exactly the operand ``_convert_weight_to_int4pack_for_cpu`` makes."""
     from megatron_qarl.qat.pack import pack_int4, unpack_int4
-    from megatron_qarl.rollout.kernels import INT4_INNER_K_TILES, _cpu_int4pack, _fast_int4pack_ok, _nibbles
+    from megatron_qarl.serve.kernels.linear import INT4_INNER_K_TILES, _cpu_int4pack, _fast_int4pack_ok, _nibbles
 
     if not _fast_int4pack_ok():
         pytest.skip("this CPU's torch int4 layout (no AVX-512) is not the one _cpu_int4pack reproduces: the engine "
@@ -468,7 +469,7 @@ def test_int4_repack_equals_torchs_conversion():
 
 
 def test_in_fresh_thread_returns_raises_and_leaves_no_thread():
-    from megatron_qarl.rollout.weight_loading import in_fresh_thread
+    from megatron_qarl.serve.weight_loading import in_fresh_thread
 
     before = threading.active_count()
     assert in_fresh_thread(lambda a, b=0: (threading.current_thread().name, a + b), 2, b=3) == ("qarl-engine-load", 5)
@@ -486,7 +487,7 @@ def test_routed_experts_as_sglang_returns_them(model_dirs, tmp_path):
 
     from fastapi.testclient import TestClient
 
-    from megatron_qarl.rollout.server import ServerConfig, build_app
+    from megatron_qarl.serve.server import ServerConfig, build_app
 
     engine = Engine(EngineConfig(model_path=model_dirs["bf16"], dtype="float32", max_batch_size=4,
                                  enable_return_routed_experts=True))

@@ -1,4 +1,4 @@
-"""The native low-bit kernels (rollout/int8_gemv.c, int4_gemv.c, fp8_gemv.c via rollout/native.py), every
+"""The native low-bit kernels (serve/kernels/int8_gemv.c, int4_gemv.c, fp8_gemv.c via serve/kernels/native.py), every
 instruction set this CPU runs (AVX-512, AVX2, plain C) against exact references:
 - INT8: the learner's activation quantization bit for bit and the integer product exact;
 - W4A16 and FP8: bit for bit the fp32 sums in the order their C files document (written here in torch, op
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_qarl.qat.quantizer import quant_act_fp8_per_token_group, quant_act_int8_per_token, quantize_fp8_block
-from megatron_qarl.rollout import native
+from megatron_qarl.serve.kernels import native
 
 KERNEL = native.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the engine runs torch's low-bit kernels")
@@ -343,7 +343,7 @@ def test_no_compiler_falls_back_with_a_logged_reason(monkeypatch, tmp_path, capl
     monkeypatch.setattr(native, "_LOADED", {})
     monkeypatch.setenv("QARL_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
-    with caplog.at_level(logging.WARNING, logger="megatron_qarl.rollout.native"):
+    with caplog.at_level(logging.WARNING, logger="megatron_qarl.serve.kernels.native"):
         assert native.load() is None
     assert "torch's low-bit kernels instead" in caplog.text and "/bin/false" in caplog.text
     assert not list(tmp_path.glob("*.so"))  # a failed build leaves nothing to load later

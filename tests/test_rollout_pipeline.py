@@ -22,7 +22,6 @@ from megatron_qarl.algo.routing import decode_routed_experts
 from megatron_qarl.data.prompts import PromptStream
 from megatron_qarl.preflight.rules import load_config
 from megatron_qarl.rollout.client import SGLangClient
-from megatron_qarl.rollout.engine import Engine, EngineConfig
 from megatron_qarl.rollout.manager import (
     RolloutManager,
     RolloutServerError,
@@ -31,6 +30,7 @@ from megatron_qarl.rollout.manager import (
     parse_response,
     token_versions,
 )
+from megatron_qarl.serve.engine import Engine, EngineConfig
 from megatron_qarl.sync.weight_update import Engine as Endpoint
 from megatron_qarl.sync.weight_update import WeightUpdateAPI
 from megatron_qarl.train.pipeline import RolloutPipeline, sample_staleness, staleness_metrics

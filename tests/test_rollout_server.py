@@ -16,8 +16,8 @@ import torch
 from embedded_server import serve_in_thread
 
 from megatron_qarl.errors import UserError
-from megatron_qarl.rollout.engine import Engine, EngineConfig
-from megatron_qarl.rollout.server import ServerConfig, build_app
+from megatron_qarl.serve.engine import Engine, EngineConfig
+from megatron_qarl.serve.server import ServerConfig, build_app
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "checkpoints" / "tiny-qwen3-moe"
@@ -385,7 +385,7 @@ def test_openapi_fuzz_never_500(model_dir, monkeypatch):
 def _serve_parser():
     import argparse
 
-    from megatron_qarl.rollout import serve_cli
+    from megatron_qarl.serve import cli as serve_cli
 
     parser = argparse.ArgumentParser(prog="qarl")
     serve_cli.register(parser.add_subparsers(dest="command"))

@@ -478,9 +478,9 @@ SPAN_CASES = [([], "v1", 5), ([("v1", 3)], "v2", 8), ([("v1", 0), ("v2", 2), ("v
 
 
 def _span_responses() -> list[dict]:
-    """The embedded server's /generate answers (rollout/server.py) for the SPAN_CASES requests."""
-    from megatron_qarl.rollout.request import Request, SamplingParams
-    from megatron_qarl.rollout.server import GenerateReq, _response
+    """The embedded server's /generate answers (serve/server.py) for the SPAN_CASES requests."""
+    from megatron_qarl.serve.request import Request, SamplingParams
+    from megatron_qarl.serve.server import GenerateReq, _response
 
     out = []
     for events, current, n in SPAN_CASES:

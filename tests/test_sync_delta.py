@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_qarl.qat.export import iter_safetensors, quantize_checkpoint
-from megatron_qarl.rollout.model import Qwen3MoeEngineModel
+from megatron_qarl.serve.model import Qwen3MoeEngineModel
 from megatron_qarl.sync import delta
 
 

@@ -14,7 +14,7 @@ from megatron_qarl.moe.verify import world_size
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import quantize_checkpoint
 from megatron_qarl.rollout.process import ServerProcess, embedded_command
-from megatron_qarl.rollout.weight_receiver import OUTSIDE_SESSION
+from megatron_qarl.serve.weight_receiver import OUTSIDE_SESSION
 from megatron_qarl.sync import weight_update as weight_update_mod
 from megatron_qarl.sync.broadcaster import DistributedBroadcaster, Engine, SyncError
 

@@ -1,5 +1,5 @@
 """The learner's forward under ``numerics: exact``: the Megatron model's own parameters through numerics/ (the
-rollout engine's rollout/exact_forward.py computes with the same functions), so its log-probs equal the servers'
+rollout engine's serve/exact_forward.py computes with the same functions), so its log-probs equal the servers'
 bit for bit, at any TP x EP layout. The backward is ordinary autograd (numerics/ops.py's references).
 
 It replaces GPTModel.forward for the log-probs (``ExactForward.logprobs``); the parameters, DDP, the optimizer,

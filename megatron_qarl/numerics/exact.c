@@ -294,7 +294,7 @@ int qx_attention(const float *q, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, 
 }
 
 /* ------------------------------------------------------------------------------------------------------------
- * The engine's fused blocks (rollout/exact_forward.py): one call per attention block and one per MoE block of a
+ * The engine's fused blocks (serve/exact_forward.py): one call per attention block and one per MoE block of a
  * layer, each row computed with the functions above in the order megatron_qarl/numerics/layers.py and ops.py
  * compose them (the learner's moe/exact.py calls those), so the bits are the same; what goes is the Python
  * between the kernels, which costs more than the arithmetic of a decode step.
@@ -405,7 +405,7 @@ static inline void qx_row_dense(const float *x, int64_t K, int quant, int64_t g,
     qx_round_row(out, N, act_bf16);
 }
 
-/* An attention block of the engine (rollout/exact_forward.py; numerics/layers.py's composition, with the residual):
+/* An attention block of the engine (serve/exact_forward.py; numerics/layers.py's composition, with the residual):
  *   n = round(rmsnorm(x, ln)); [q | k | v] = dense(n, W_qkv); per head q, k = round(rope(round(rmsnorm(., qn|kn))));
  *   the row's k, v written at (slot, position) of the float32 caches [slots, Hkv, S, D]; then (every row's keys
  *   written) o = round(qx_attention over keys 0 .. pos); x = round(x + dense(o, W_o)).
@@ -492,7 +492,7 @@ int qx_attn_block(float *x, int64_t R, int64_t H, const float *ln, float eps, co
     return failed == 1 ? -2 : failed;
 }
 
-/* A MoE block of the engine (rollout/exact_forward.py; numerics/layers.py's composition, with the residual), row by
+/* A MoE block of the engine (serve/exact_forward.py; numerics/layers.py's composition, with the residual), row by
  * row:
  *   n = round(rmsnorm(x, ln)); p = softmax(n @ W_router.T) (not rounded); the top k of p by a stable descending
  *   order (a tie to the lower expert id), order[k] written to order_out [R, k]; w = p_top / (p_1 + ... + p_k)

@@ -1,5 +1,5 @@
 """The pieces of a Qwen3-MoE layer that the learner (moe/exact.py) computes with and the engine's blocks (exact.c
-``qx_attn_block`` / ``qx_moe_block``, rollout/exact_forward.py) compute in C, in the same order with the same
+``qx_attn_block`` / ``qx_moe_block``, serve/exact_forward.py) compute in C, in the same order with the same
 rounding points (tests/test_numerics_exact.py compares the two).
 ``act`` is the servers' activation dtype: every activation is rounded to it where the engine stores one."""
 

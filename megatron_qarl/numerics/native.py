@@ -1,4 +1,5 @@
-"""The exact kernels (``exact.c``) built and bound with ctypes, as rollout/native.py builds the engine's low-bit ones.
+"""The exact kernels (``exact.c``) built and bound with ctypes, as serve/kernels/native.py builds the engine's
+low-bit ones.
 
 Built on first use with the system C compiler (``cc -O3 -ffp-contract=off -fopenmp``: no fused multiply-add, no
 ``-ffast-math``) into ``$QARL_KERNEL_CACHE`` (default ``~/.cache/megatron_qarl/kernels``), keyed by the source's

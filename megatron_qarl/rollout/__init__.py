@@ -1,1 +1,2 @@
-"""Rollouts: the embedded CPU inference engine and its SGLang-compatible HTTP server (docs/rollout.md)."""
+"""Rollouts, the trainer's side: clients for SGLang's and vLLM's APIs, the rollout manager, the launchers and
+supervised processes of every backend, the vLLM extension (docs/rollout.md). The embedded server is ``serve``."""

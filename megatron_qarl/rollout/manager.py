@@ -14,7 +14,7 @@ and the rest is a new request whose prompt is the original prompt + that output,
 the segments are stitched into one Sample (tokens, log-probs, per-token weight versions, and with R3 the routes:
 the continuation asks SGLang for the rows of its new positions only, ``routed_experts_start_len`` = its prompt
 length - 1). So every segment's routes are those its tokens were sampled under, which SGLang's ``retract`` does
-not keep (rollout/routed_experts.py). An aborted answer without routes (SGLang answers a request aborted while
+not keep (serve/routed_experts.py). An aborted answer without routes (SGLang answers a request aborted while
 queued from its tokenizer manager, without ``routed_experts``) keeps nothing: its tokens are sampled again.
 """
 

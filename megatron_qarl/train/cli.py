@@ -50,8 +50,8 @@ def rollout_model_dir(cfg: QarlConfig) -> str:
 
 def gpu_gib(cfg: QarlConfig) -> float:
     """Memory of one GPU the run gets, in GiB: launch.gpu_gib, else what torch reports for this node's first GPU,
-    else an H100 80GB (plan.cli.H100_GIB)."""
-    from megatron_qarl.plan.cli import H100_GIB
+    else an H100 80GB (plan.layouts.H100_GIB)."""
+    from megatron_qarl.plan.layouts import H100_GIB
     from megatron_qarl.plan.memory import GIB
 
     if cfg.launch.gpu_gib:
@@ -72,7 +72,8 @@ def check_memory(cfg: QarlConfig, config: str = "this config") -> None:
     if not (cfg.learner_on_gpus and cfg.launch.memory_check):
         return
     from megatron_qarl.moe.te import transformer_engine_available
-    from megatron_qarl.plan.cli import PlanOptions, config_plan, refusal
+    from megatron_qarl.plan.layouts import PlanOptions, config_plan
+    from megatron_qarl.plan.render import refusal
 
     opts = PlanOptions(gpu_gib=gpu_gib(cfg), te_available=transformer_engine_available())
     why = refusal(config_plan(cfg, opts, alternatives=False), config)

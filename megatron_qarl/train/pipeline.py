@@ -107,7 +107,7 @@ def mismatch_split(logp_old_BT: torch.Tensor, logp_old_unscaled_BT: torch.Tensor
     """The learner-sampler mismatch d = logp_old - logp_sampler split exactly in two, d = d_quant + d_stale.
 
     logp_old and logp_sampler are log_softmax(z / T) (the loss's; the sampler's output log-probs, SGLang's default).
-    The servers' rescore reads SGLang's input_token_logprobs, which are log_softmax(z) at any T (rollout/sampling.py),
+    The servers' rescore reads SGLang's input_token_logprobs, which are log_softmax(z) at any T (serve/sampling.py),
     so it is compared with the learner's unscaled log-probs ``logp_old_unscaled`` (= logp_old at T = 1):
 
         d_quant = logp_old_unscaled - logp_rescored   learner vs server at the SAME weights (the learner's) and the

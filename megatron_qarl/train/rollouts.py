@@ -105,7 +105,7 @@ class TrainRollouts:
         """The servers' log-probs of each sample's response tokens under the weights they hold now (one prefill
         per sample: /generate of prompt + response with ``logprob_start_len`` at the response and one greedy new
         token, whose ``input_token_logprobs`` are those log-probs), in sample order. SGLang computes input log-probs
-        from the raw logits: these are log_softmax(z) whatever the sampling temperature (rollout/sampling.py). The
+        from the raw logits: these are log_softmax(z) whatever the sampling temperature (serve/sampling.py). The
         mismatch split of the asynchronous pipeline (train/pipeline.py) compares them with the learner's."""
         samples = [s for g in groups for s in g]
         live = self.live()

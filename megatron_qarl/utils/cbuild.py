@@ -1,5 +1,5 @@
 """Building the project's C kernels: one compile-and-cache step for the engine's low-bit kernels
-(rollout/native.py) and the exact-numerics kernels (numerics/native.py)."""
+(serve/kernels/native.py) and the exact-numerics kernels (numerics/native.py)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """The embedded rollout engine: a thread that steps every active sequence together.
 
-Requests enter the queue (rollout/scheduler.py); the engine thread admits them into free KV-cache slots (one
+Requests enter the queue (serve/scheduler.py); the engine thread admits them into free KV-cache slots (one
 prefill each, which also samples the first new token), then runs one batched decode step over all active
 sequences, and repeats: continuous batching, so a request that arrives mid-generation joins at the next step.
-All model work happens on that thread under ``lock``; weight changes (rollout/weight_loading.py) take the same
+All model work happens on that thread under ``lock``; weight changes (serve/weight_loading.py) take the same
 lock, so they land between two steps.
 
-Its rooms: rollout/request.py (a request, its validation), rollout/sampling.py (sampling and log-probs, SGLang's
+Its rooms: serve/request.py (a request, its validation), serve/sampling.py (sampling and log-probs, SGLang's
 semantics: output log-probs of the temperature-scaled distribution, prompt log-probs of the unscaled one),
-rollout/routed_experts.py (R3 routes per request), rollout/scheduler.py (queue, slots, pause states),
-rollout/weight_loading.py (weight updates and versions); rollout/model.py is the network and its KV cache.
+serve/routed_experts.py (R3 routes per request), serve/scheduler.py (queue, slots, pause states),
+serve/weight_loading.py (weight updates and versions); serve/model.py is the network and its KV cache.
 The learner divides its logits by the sampling temperature (``rollout.sampling.temperature``: 1.0 in the CPU
 configs, 0.8 in the 30B ones) before its log-softmax, so its log-probs and the sampler's are of the same
 distribution at any temperature.
@@ -24,12 +24,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_qarl.numerics.ops import log_softmax as _exact_log_softmax
-from megatron_qarl.rollout import routed_experts
-from megatron_qarl.rollout.model import Qwen3MoeEngineModel
-from megatron_qarl.rollout.request import Limits, Request, SamplingParams, eos_ids, new_request
-from megatron_qarl.rollout.sampling import prompt_logprobs, sample, torch_log_softmax
-from megatron_qarl.rollout.scheduler import Scheduler
-from megatron_qarl.rollout.weight_loading import WeightLoader, in_fresh_thread
+from megatron_qarl.serve import routed_experts
+from megatron_qarl.serve.model import Qwen3MoeEngineModel
+from megatron_qarl.serve.request import Limits, Request, SamplingParams, eos_ids, new_request
+from megatron_qarl.serve.sampling import prompt_logprobs, sample, torch_log_softmax
+from megatron_qarl.serve.scheduler import Scheduler
+from megatron_qarl.serve.weight_loading import WeightLoader, in_fresh_thread
 from megatron_qarl.wire import parse_dtype
 
 
@@ -41,7 +41,7 @@ class EngineConfig(BaseModel):
     max_batch_size: KV-cache slots = sequences decoded together.
     max_seq_len: cache length per slot (prompt + completion); None = the model's max_position_embeddings.
     return_original_logprob: output log-probs of the unscaled distribution (SGLang's
-        ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``; rollout/sampling.py).
+        ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``; serve/sampling.py).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -105,7 +105,7 @@ class Engine:
         self.scheduler.add(req)
 
     def routed_experts(self, req: Request) -> torch.Tensor:
-        """The request's routes as its answer carries them (rollout/routed_experts.py)."""
+        """The request's routes as its answer carries them (serve/routed_experts.py)."""
         return routed_experts.answer_rows(req)
 
     def pause(self, mode: str = "abort") -> int:

@@ -1,5 +1,5 @@
 /* W8A8-FP8 (block-quantized e4m3 weights, per-token-group e4m3 activations) GEMM for the embedded engine's
- * decode (one token or a few): megatron_qarl/rollout/native.py builds it with the other kernels.
+ * decode (one token or a few): megatron_qarl/serve/kernels/native.py builds it with the other kernels.
  *
  * SGLang's block-FP8 GEMM (w8a8_block_fp8_matmul: per K block of B, the fp32 dot of the codes, times the
  * activation's scale, times the weight's, added to an fp32 accumulator):
@@ -60,16 +60,10 @@ static inline float e4m3_round(float v) {
  * of B:  a = max(max_k |x_k|, 1e-10);  inv = 448 / a;  q_k = e4m3(clamp(x_k * inv, -448, 448));
  * s = a * fp32(1 / 448). Writes q as fp32 values. Built with -ffp-contract=off. */
 static void quant_group(const void *x, int x_bf16, int64_t B, float *q, float *s) {
-    float a = 0.0f;
-    for (int64_t k = 0; k < B; k++) {
-        float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-        v = v < 0 ? -v : v;
-        a = v > a || v != v ? v : a; /* a NaN propagates, as torch's amax */
-    }
-    a = a < 1e-10f ? 1e-10f : a;
+    const float a = qarl_amax_floor(x, x_bf16, B);
     const float inv = 448.0f / a;
     for (int64_t k = 0; k < B; k++) {
-        float v = (x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k]) * inv;
+        float v = qarl_at(x, x_bf16, k) * inv;
         v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v; /* NaN stays NaN, as torch's clamp */
         q[k] = e4m3_round(v);
     }
@@ -284,12 +278,7 @@ int qarl_fp8_gemm(int isa, const void *x, int x_bf16, int64_t T, int64_t K, int6
                   int64_t ld, int out_bf16, int threads) {
     if (qarl_check(T, K, n, R, diag) || B <= 0 || B % 16 || K % B) return -1;
     block_fn fn = block_plain;
-#if QARL_X86
-    if (isa == QARL_ISA_AVX512) fn = block_avx512;
-    if (isa == QARL_ISA_AVX2) fn = block_avx2;
-#else
-    if (isa != QARL_ISA_PLAIN) return -3;
-#endif
+    QARL_PICK(isa, fn, block_avx512, block_avx2);
     float *X = (float *)malloc(sizeof(float) * (size_t)(T * K));
     float *SX = (float *)malloc(sizeof(float) * (size_t)(T * (K / B)));
     if (X == NULL || SX == NULL) {
@@ -302,20 +291,12 @@ int qarl_fp8_gemm(int isa, const void *x, int x_bf16, int64_t T, int64_t K, int6
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t item = 0; item < total; item++) {
         int64_t r, row0, rows, t0, t1;
-        qarl_item(n, R, item, &r, &row0, &rows);
-        qarl_tokens(diag, r, T, &t0, &t1);
+        qarl_item(n, R, diag, T, item, &r, &row0, &rows, &t0, &t1);
         float y[QARL_ROWS * TOKENS];
         for (int64_t tb = t0; tb < t1; tb += TOKENS) {
             const int64_t nt = t1 - tb < TOKENS ? t1 - tb : TOKENS;
             fn(X + tb * K, SX + tb * (K / B), nt, K, B, w[r] + row0 * K, sw[r], row0, rows, y);
-            for (int64_t i = 0; i < rows; i++)
-                for (int64_t t = 0; t < nt; t++) {
-                    int64_t at = (tb + t) * ld + col[r] + row0 + i;
-                    if (out_bf16)
-                        ((uint16_t *)out)[at] = f32_to_bf16(y[i * nt + t]);
-                    else
-                        ((float *)out)[at] = y[i * nt + t];
-                }
+            qarl_store_tile(out, out_bf16, ld, col[r] + row0, tb, y, rows, nt);
         }
     }
     free(X);

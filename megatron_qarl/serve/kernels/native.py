@@ -16,7 +16,7 @@ themselves where the scheme does (the learner's formulas, bit for bit), and appl
 
 One build holds every instruction set (qarl_simd.h): AVX-512 (VNNI for int8, BF16 for int4, F for fp8), AVX2
 (with FMA and F16C) and plain C. ``Kernels.isas(fmt)`` lists what this CPU runs, best first; the engine
-(kernels.py) picks per layer and logs its choice. ``QARL_NATIVE_ISA=avx2`` caps the choice at AVX2 (an
+(linear.py) picks per layer and logs its choice. ``QARL_NATIVE_ISA=avx2`` caps the choice at AVX2 (an
 AVX-512 machine then runs what an AVX2-only one runs: tests, benchmarks).
 
 Built on first use with the system C compiler (``cc -O3 -ffp-contract=off -fopenmp``, ~2 s; no torch headers)
@@ -154,7 +154,7 @@ class Gemm:
     weights' and scales' pointers, N and output columns per linear (a layer keeps one between weight updates:
     ~4 us a call instead of ~8). ``gemm(x_TK)``: diag, [R, N] (row r of ``x_TK`` through linear r); else
     [T, sum of N] (every row through every linear, side by side). Operands must be contiguous CPU tensors,
-    checked where they are made (kernels.py), not per call; they are kept alive here."""
+    checked where they are made (linear.py), not per call; they are kept alive here."""
 
     def __init__(self, kernels: Kernels, fmt: str, weights: list[Tensor], scales: list[Tensor],
                  out_dtype: torch.dtype, diag: bool = False, isa: str | None = None, block: int = 0):

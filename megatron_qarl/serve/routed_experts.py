@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_qarl.rollout.request import Request
+from megatron_qarl.serve.request import Request
 
 
 def capture(reqs: list[Request], routes_BTLK: torch.Tensor, prefill: bool) -> None:

@@ -30,9 +30,9 @@ from megatron_qarl.qat.quantizer import (
     dequantize_int8_channel,
     dequantize_w4a16,
 )
-from megatron_qarl.rollout.kernels import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, Linear
+from megatron_qarl.serve.kernels.linear import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, Linear
 
-# the engine model (rollout/model.py Qwen3MoeEngineModel) and its layers, which import this module: typed loosely
+# the engine model (serve/model.py Qwen3MoeEngineModel) and its layers, which import this module: typed loosely
 EngineModel = Any
 Layer = Any
 

@@ -1,4 +1,4 @@
-"""Qwen3-MoE forward with a static KV cache (gpt-fast style), on the kernels of ``kernels.py``.
+"""Qwen3-MoE forward with a static KV cache (gpt-fast style), on the kernels of ``kernels/linear.py``.
 
 Shape suffixes: B = sequences in a step, T = tokens per sequence in the step, S = cache length,
 H = hidden, Hq / Hkv = query / KV heads, D = head dim, E = experts, V = vocab, N / K = linear out / in.
@@ -12,7 +12,7 @@ Attention, router, norms, embeddings and lm_head stay in the compute dtype; only
 low-bit in the checkpoint run low-bit kernels.
 
 Decode speed (benchmarks/decode.py, BENCHMARKS.md) comes from: dense bf16 GEMMs on oneDNN-prepacked
-weights, the int4 / int8 kernels of ``kernels.py`` (at one token, native ones that take a token's k experts
+weights, the int4 / int8 kernels of ``kernels/linear.py`` (at one token, native ones that take a token's k experts
 in one call), q and k normalised and rotated as one tensor, grouped-query attention as one SDPA call
 without K/V copies, and a batch-1 MoE path without row bookkeeping (``Linear.rows_mm``).
 """
@@ -29,7 +29,7 @@ from torch import Tensor
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.export import iter_safetensors, scheme_of
-from megatron_qarl.rollout.kernels import DenseLinear, Linear, Store, make_linear
+from megatron_qarl.serve.kernels.linear import DenseLinear, Linear, Store, make_linear
 from megatron_qarl.sync import delta
 
 
@@ -85,7 +85,7 @@ class Qwen3MoeEngineModel:
 
     def __init__(self, arch: Qwen3MoeArch, tensors: dict[str, Tensor], quant_cfg: dict | None,
                  dtype: torch.dtype, slots: int, max_seq_len: int, numerics: str = "default"):
-        """``numerics`` "exact": every forward runs rollout/exact_forward.py (numerics/ kernels, a float32 KV
+        """``numerics`` "exact": every forward runs serve/exact_forward.py (numerics/ kernels, a float32 KV
         cache holding values rounded to ``dtype``), bit for bit what the learner's exact forward computes."""
         if arch.attention_bias:
             raise ConfigError("config.json: attention_bias=true is not supported by the embedded engine")
@@ -115,7 +115,7 @@ class Qwen3MoeEngineModel:
         self.v_cache = torch.zeros(kv_shape, dtype=cache_dtype)
         self.exact = None
         if numerics == "exact":
-            from megatron_qarl.rollout.exact_forward import ExactForward
+            from megatron_qarl.serve.exact_forward import ExactForward
 
             self.exact = ExactForward(self)
         elif numerics != "default":

@@ -51,7 +51,7 @@ from megatron_qarl.qat.quantizer import (
     quant_act_fp8_per_token_group,
     quant_act_int8_per_token,
 )
-from megatron_qarl.rollout import native, speed_check
+from megatron_qarl.serve.kernels import native, speed_check
 
 log = logging.getLogger(__name__)
 Store = MutableMapping[str, Tensor]
@@ -266,7 +266,7 @@ def _native_for(fmt: str, dtype: torch.dtype) -> tuple[native.Kernels | None, st
         return None, f"compute dtype {_dtype_name(dtype)}"
     lib = native.load()
     if lib is None:
-        return None, "native kernels unavailable (see the log of megatron_qarl.rollout.native)"
+        return None, "native kernels unavailable (see the log of megatron_qarl.serve.kernels.native)"
     isa = lib.isas(fmt)[0]
     if isa == "plain":
         return None, "no AVX2 (the plain C loop is slower than torch's kernel)"

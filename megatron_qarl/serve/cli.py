@@ -1,4 +1,4 @@
-"""``qarl serve``: the command line of the embedded rollout server (rollout/server.py), a Qwen3-MoE checkpoint
+"""``qarl serve``: the command line of the embedded rollout server (serve/server.py), a Qwen3-MoE checkpoint
 (BF16 or a ``qarl quantize`` export) served over SGLang's native HTTP API with uvicorn."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import logging
 from pathlib import Path
 
 from megatron_qarl.errors import ConfigError, UserError
-from megatron_qarl.rollout.engine import Engine, EngineConfig
-from megatron_qarl.rollout.server import ServerConfig, build_app
+from megatron_qarl.serve.engine import Engine, EngineConfig
+from megatron_qarl.serve.server import ServerConfig, build_app
 
 
 def register(subparsers) -> None:
@@ -34,9 +34,9 @@ def register(subparsers) -> None:
 
 def _configure_logging() -> None:
     """The server log (stderr): warnings of any module, and which kernel each low-bit layer runs and why
-    (rollout/kernels.py, native.py at INFO; rollout/speed_check.py warns when a scheme is slower than BF16)."""
+    (kernels/linear.py, kernels/native.py at INFO; kernels/speed_check.py warns when a scheme is slower than BF16)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    for name in ("megatron_qarl.rollout.kernels", "megatron_qarl.rollout.native"):
+    for name in ("megatron_qarl.serve.kernels.linear", "megatron_qarl.serve.kernels.native"):
         logging.getLogger(name).setLevel(logging.INFO)
 
 

@@ -49,7 +49,7 @@ class Request:
     return_logprob: bool = False
     logprob_start_len: int = -1
     # routed experts (R3): top-k expert ids of every forwarded position, int32 [positions, layers, top-k];
-    # the answer covers positions [routed_experts_start_len, seqlen - 1), as SGLang's (rollout/routed_experts.py)
+    # the answer covers positions [routed_experts_start_len, seqlen - 1), as SGLang's (serve/routed_experts.py)
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     routes: list[torch.Tensor] = field(default_factory=list)  # per forward since the last prefill: [T, layers, k]

@@ -2,7 +2,7 @@
 finalization, and the weight version the engine reports, with the per-request version events SGLang records.
 
 Every change takes the engine's lock, so it lands between two engine steps. The HTTP endpoints that call these are
-rollout/weight_receiver.py's.
+serve/weight_receiver.py's.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import TypeVar
 
 import torch
 
-from megatron_qarl.rollout.model import Qwen3MoeEngineModel
-from megatron_qarl.rollout.request import Request
+from megatron_qarl.serve.model import Qwen3MoeEngineModel
+from megatron_qarl.serve.request import Request
 
 T = TypeVar("T")
 

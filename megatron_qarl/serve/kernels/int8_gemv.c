@@ -1,4 +1,4 @@
-/* W8A8-INT8 GEMM for the embedded engine's decode (one token or a few): megatron_qarl/rollout/native.py builds
+/* W8A8-INT8 GEMM for the embedded engine's decode (one token or a few): megatron_qarl/serve/kernels/native.py builds
  * and loads this file with the other kernels and documents why they exist.
  *
  *   y[t, col_r + n] = (float)(sum_k xq[t, k] * W_r[n, k]) * sw_r[n] * sx[t]        (n in [0, N_r))
@@ -135,17 +135,10 @@ static void block_plain(const int8_t *x, int64_t nt, int64_t K, const int8_t *w,
  *   s = a / 127.  x is fp32 (x_bf16 = 0) or bf16 (x_bf16 = 1, widened exactly). Built with -ffp-contract=off.
  * trunc by conversion to int (exact: |2 t| <= 255); a NaN gives code 0, as x86's conversion of torch's NaN. */
 static void quant_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *s) {
-    float a = 0.0f;
-    for (int64_t k = 0; k < K; k++) {
-        float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-        v = v < 0 ? -v : v;
-        a = v > a || v != v ? v : a; /* a NaN propagates, as torch's amax */
-    }
-    a = a < 1e-10f ? 1e-10f : a;
+    const float a = qarl_amax_floor(x, x_bf16, K);
     const float mult = 127.0f / a;
     for (int64_t k = 0; k < K; k++) {
-        float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-        float t = v * mult;
+        float t = qarl_at(x, x_bf16, k) * mult;
         q[k] = t != t ? 0 : (int8_t)((int32_t)(2.0f * t) - (int32_t)t);
     }
     *s = a / 127.0f;
@@ -208,8 +201,7 @@ static void gemm_codes(int isa, const int8_t *xq, const float *sx, int64_t T, in
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t item = 0; item < total; item++) {
         int64_t r, row0, rows, t0, t1;
-        qarl_item(n, R, item, &r, &row0, &rows);
-        qarl_tokens(diag, r, T, &t0, &t1);
+        qarl_item(n, R, diag, T, item, &r, &row0, &rows, &t0, &t1);
         int32_t acc[QARL_ROWS * TOKENS];
         for (int64_t tb = t0; tb < t1; tb += TOKENS) {
             const int64_t nt = t1 - tb < TOKENS ? t1 - tb : TOKENS;

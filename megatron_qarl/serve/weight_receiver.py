@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from megatron_qarl import wire
 from megatron_qarl.moe.parallelize import broadcast, group_empty
 from megatron_qarl.qat.export import iter_safetensors
-from megatron_qarl.rollout.engine import Engine
-from megatron_qarl.rollout.weight_loading import in_fresh_thread
+from megatron_qarl.serve.engine import Engine
+from megatron_qarl.serve.weight_loading import in_fresh_thread
 from megatron_qarl.sync import delta
 from megatron_qarl.sync.checksum import engine_checksum, overall_checksum, weight_checksums
 

@@ -1,7 +1,7 @@
 """No silent cliff: a low-bit layer whose kernel is slower than the dense one on this machine is reported when
 the model loads, with the measured figures.
 
-Why: the kernel a scheme gets depends on the CPU (``kernels.py``, ``native.py``). Where the best one is slow
+Why: the kernel a scheme gets depends on the CPU (``linear.py``, ``native.py``). Where the best one is slow
 (INT8 on oneDNN's u8s8 GEMM without VNNI took ~280x the BF16 time per step on an AVX2 EPYC), a user who picked
 the scheme for speed would otherwise find out from a benchmark, or never.
 

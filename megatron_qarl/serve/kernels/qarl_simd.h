@@ -71,6 +71,21 @@ QARL_AVX512 static inline float hsum16_avx512(__m512 v) {
 #define QARL_X86 0
 #endif
 
+/* A driver's block function for isa: fn keeps the portable one for QARL_ISA_PLAIN; off x86 any other isa returns
+ * -3 from the driver (an instruction set this build lacks). */
+#if QARL_X86
+#define QARL_PICK(isa, fn, avx512, avx2)                                                                        \
+    do {                                                                                                        \
+        if ((isa) == QARL_ISA_AVX512) (fn) = (avx512);                                                          \
+        if ((isa) == QARL_ISA_AVX2) (fn) = (avx2);                                                              \
+    } while (0)
+#else
+#define QARL_PICK(isa, fn, avx512, avx2)                                                                        \
+    do {                                                                                                        \
+        if ((isa) != QARL_ISA_PLAIN) return -3;                                                                 \
+    } while (0)
+#endif
+
 int qarl_cpu_features(void);
 
 /* Output rows per OpenMP work item, and the work item list of a call: R linears of n[r] rows each, cut into
@@ -83,7 +98,11 @@ static inline int64_t qarl_items(const int64_t *n, int64_t R) {
     return total;
 }
 
-static inline void qarl_item(const int64_t *n, int64_t R, int64_t item, int64_t *r, int64_t *row0, int64_t *rows) {
+/* Work item ``item``: rows [row0, row0 + rows) of linear r, for the tokens [t0, t1): all T rows of the activation
+ * (diag = 0: every row through every linear), or row r alone (diag = 1: row r of the activation through linear r,
+ * T = R). */
+static inline void qarl_item(const int64_t *n, int64_t R, int diag, int64_t T, int64_t item, int64_t *r, int64_t *row0,
+                             int64_t *rows, int64_t *t0, int64_t *t1) {
     int64_t i = 0;
     for (; i < R - 1; i++) {
         int64_t blocks = (n[i] + QARL_ROWS - 1) / QARL_ROWS;
@@ -93,13 +112,8 @@ static inline void qarl_item(const int64_t *n, int64_t R, int64_t item, int64_t 
     *r = i;
     *row0 = item * QARL_ROWS;
     *rows = n[i] - *row0 < QARL_ROWS ? n[i] - *row0 : QARL_ROWS;
-}
-
-/* The tokens item r computes: all T rows of the activation (diag = 0: every row through every linear), or row r
- * alone (diag = 1: row r of the activation through linear r, T = R). */
-static inline void qarl_tokens(int diag, int64_t r, int64_t T, int64_t *t0, int64_t *t1) {
-    *t0 = diag ? r : 0;
-    *t1 = diag ? r + 1 : T;
+    *t0 = diag ? i : 0;
+    *t1 = diag ? i + 1 : T;
 }
 
 /* Checks shared by the drivers: -1 on a shape the caller should not have passed. */

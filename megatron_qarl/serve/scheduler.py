@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import threading
 
-from megatron_qarl.rollout.request import Request
+from megatron_qarl.serve.request import Request
 
 
 class Scheduler:

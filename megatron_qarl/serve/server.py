@@ -1,8 +1,8 @@
 """``qarl serve``: the embedded engine behind SGLang's native HTTP API (the subset RL trainers use).
 
 This module: the app, its API key, and the generation and admin routes (/health, /get_model_info, /generate,
-/flush_cache, /pause_generation, /continue_generation). The weight-update routes are rollout/weight_receiver.py's,
-the command line rollout/serve_cli.py's.
+/flush_cache, /pause_generation, /continue_generation). The weight-update routes are serve/weight_receiver.py's,
+the command line serve/cli.py's.
 
 The field names, defaults and response shapes follow SGLang (docs/rollout.md, which cites the SGLang source
 files they were read from), so one rollout client drives a real SGLang fleet and this CPU server alike.
@@ -28,10 +28,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_qarl.errors import UserError
-from megatron_qarl.rollout import routed_experts
-from megatron_qarl.rollout.engine import Engine
-from megatron_qarl.rollout.request import SamplingParams, weight_version_spans
-from megatron_qarl.rollout.weight_receiver import WeightReceiver
+from megatron_qarl.serve import routed_experts
+from megatron_qarl.serve.engine import Engine
+from megatron_qarl.serve.request import SamplingParams, weight_version_spans
+from megatron_qarl.serve.weight_receiver import WeightReceiver
 
 
 class ServerConfig(BaseModel):
@@ -98,7 +98,7 @@ def build_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
                         "(the admin and weight-update endpoints must not be open to the network)")
     app = FastAPI(title="qarl embedded rollout server (SGLang native API subset)")
     tokenizer = _tokenizer(engine.cfg.model_path)
-    receiver = WeightReceiver(engine)  # the weight-update endpoints (rollout/weight_receiver.py)
+    receiver = WeightReceiver(engine)  # the weight-update endpoints (serve/weight_receiver.py)
 
     def auth(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
         if cfg.api_key and (creds is None or creds.credentials != cfg.api_key):

@@ -1,4 +1,4 @@
-/* W4A16 GEMM for the embedded engine's decode (one token or a few): megatron_qarl/rollout/native.py builds it
+/* W4A16 GEMM for the embedded engine's decode (one token or a few): megatron_qarl/serve/kernels/native.py builds it
  * with the other kernels into one library and documents why it exists.
  *
  *   y[t, col_r + n] = sum_g s_r[n, g] * sum_{k in group g} x[t, k] * (u_r[n, k] - 8)          (n in [0, N_r))
@@ -238,12 +238,7 @@ int qarl_int4_gemm(int isa, const uint16_t *x, int64_t T, int64_t K, int64_t G, 
                    int64_t ld, int out_bf16, int threads) {
     if (qarl_check(T, K, n, R, diag) || G <= 0 || G % 64 || K % G) return -1;
     block_fn fn = block_plain;
-#if QARL_X86
-    if (isa == QARL_ISA_AVX512) fn = block_bf16;
-    if (isa == QARL_ISA_AVX2) fn = block_avx2;
-#else
-    if (isa != QARL_ISA_PLAIN) return -3;
-#endif
+    QARL_PICK(isa, fn, block_bf16, block_avx2);
     const size_t per_row = isa == QARL_ISA_AVX512 ? sizeof(uint16_t) : sizeof(float);
     void *X = malloc(per_row * (size_t)(T * K));
     if (X == NULL) return -2;
@@ -257,21 +252,13 @@ int qarl_int4_gemm(int isa, const uint16_t *x, int64_t T, int64_t K, int64_t G, 
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t item = 0; item < total; item++) {
         int64_t r, row0, rows, t0, t1;
-        qarl_item(n, R, item, &r, &row0, &rows);
-        qarl_tokens(diag, r, T, &t0, &t1);
+        qarl_item(n, R, diag, T, item, &r, &row0, &rows, &t0, &t1);
         float y[QARL_ROWS * TOKENS];
         for (int64_t tb = t0; tb < t1; tb += TOKENS) {
             const int64_t nt = t1 - tb < TOKENS ? t1 - tb : TOKENS;
             fn((const char *)X + per_row * (size_t)(tb * K), nt, K, G, w[r] + row0 * (K / 2), s[r] + row0 * (K / G),
                rows, y);
-            for (int64_t i = 0; i < rows; i++)
-                for (int64_t t = 0; t < nt; t++) {
-                    int64_t at = (tb + t) * ld + col[r] + row0 + i;
-                    if (out_bf16)
-                        ((uint16_t *)out)[at] = f32_to_bf16(y[i * nt + t]);
-                    else
-                        ((float *)out)[at] = y[i * nt + t];
-                }
+            qarl_store_tile(out, out_bf16, ld, col[r] + row0, tb, y, rows, nt);
         }
     }
     free(X);

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_qarl.rollout.request import SamplingParams
+from megatron_qarl.serve.request import SamplingParams
 
 LogSoftmax = Callable[[torch.Tensor], torch.Tensor]  # log-softmax over the last dim (numerics.ops's when exact)
 
