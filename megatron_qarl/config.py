@@ -36,6 +36,7 @@ from megatron_qarl.data.reward import RewardConfig
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.rollout.manager import SamplingConfig
+from megatron_qarl.utils.api_key import from_env as api_key_from_env
 
 
 class _Loader(yaml.SafeLoader):
@@ -225,7 +226,8 @@ class RolloutConfig(_Section):
     max_concurrency: int = Field(default=256, ge=1)
     restart_dead: bool = True  # restart a server that died (before the next sync); false: drop it
     startup_timeout_s: float = Field(default=300.0, gt=0)
-    api_key: str | None = None
+    # the servers' API key; unset: $QARL_API_KEY (utils/api_key.py). Never dumped (config.yaml, checkpoints)
+    api_key: str | None = Field(default_factory=api_key_from_env, exclude=True, repr=False)
     sync: SyncConfig = SyncConfig()
     server_python: str | None = None  # the servers' interpreter: an absolute path or a command name (PATH)
     launch_prefix: list[str] = []  # argv put before it (a container runtime); [] = none
@@ -454,6 +456,7 @@ class QarlConfig(_Section):
     @model_validator(mode="after")
     def _check_layout(self) -> QarlConfig:
         from megatron_qarl.moe.model import Qwen3MoeArch
+        from megatron_qarl.moe.te import check_te_fp8_selection
 
         arch = Qwen3MoeArch.from_model_dir(self.model.path)
         tp, ep = self.parallel.tp, self.parallel.ep
@@ -464,6 +467,7 @@ class QarlConfig(_Section):
         if arch.num_experts % ep:
             raise ConfigError(f"parallel.ep: {ep} does not divide the model's num_experts "
                               f"({arch.num_experts}, {self.model.path}/config.json)")
+        check_te_fp8_selection(self.model.te_fp8, arch, self.quant)
         if self.learner.recompute == "full" and arch.num_hidden_layers % self.learner.recompute_num_layers:
             raise ConfigError(f"learner.recompute_num_layers: {self.learner.recompute_num_layers} does not divide the "
                               f"model's {arch.num_hidden_layers} layers (full recompute runs chunks of that many)")

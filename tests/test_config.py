@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,17 @@ def test_te_fp8_loads_for_bf16_and_w4a16_on_the_te_spec(scheme, aligned, tiny_mo
                       ["model.te_fp8=true", "model.impl=te", f"quant.scheme={scheme}", f"learner.aligned={aligned}"])
     assert cfg.model.te_fp8 and cfg.quant.scheme == scheme
     assert load_config(REPO / "configs" / "cpu_default.yaml").model.te_fp8 is False
+
+
+def test_te_fp8_with_one_layers_experts_left_in_high_precision_is_refused_at_load(tiny_model_dir):
+    """Issue 38: quant.ignore leaving one layer's experts unquantized while the others are (w4a16, model.te_fp8):
+    ModelOpt converts that layer's TE grouped linears too, whose forward refuses fp8 autocast. Before, the learner's
+    build refused it (qat/modules.py); now config load does, naming the keys."""
+    from megatron_qarl.qat.config import DEFAULT_IGNORE
+
+    fp8 = ["model.te_fp8=true", "model.impl=te", "quant.scheme=w4a16"]
+    ignore = [*DEFAULT_IGNORE["w4a16"], r"re:model\.layers\.1\.mlp\.experts\..*"]
+    with pytest.raises(ConfigError, match=r"^quant\.ignore: with model\.te_fp8 .*model\.layers\.1\.mlp\.experts\.0\."
+                                          r"gate_proj.*model\.layers\.0\.mlp\.experts\.0\.gate_proj.*te_fp8=false"):
+        load_config(REPO / "configs" / "cpu_default.yaml", [*fp8, f"quant.ignore={json.dumps(ignore)}"])
+    load_config(REPO / "configs" / "cpu_default.yaml", [f"quant.ignore={json.dumps(ignore)}"])  # without FP8: fine

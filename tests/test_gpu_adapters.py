@@ -64,12 +64,16 @@ def _flag(cmd: list[str], name: str) -> str:
 
 def test_sglang_commands_of_the_qwen3_configs(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    bf16 = load_config("configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml", ["rollout.api_key=k"])
+    bf16 = load_config("configs/qwen3-30b-a3b/bf16_tbpo_4x8.yaml", ["rollout.api_key=k3y",
+                                                                     f"train.output_dir={tmp_path / 'run'}"])
     cmd = server_command(bf16, bf16.model.path, "0.0.0.0", 30001)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and _flag(cmd, "--model-path") == bf16.model.path
     assert (_flag(cmd, "--tp-size"), _flag(cmd, "--host"), _flag(cmd, "--port")) == ("2", "0.0.0.0", "30001")
     assert (_flag(cmd, "--mem-fraction-static"), _flag(cmd, "--max-running-requests")) == ("0.8", "32")
-    assert _flag(cmd, "--api-key") == "k" and _flag(cmd, "--random-seed") == "1234" and "--quantization" not in cmd
+    assert _flag(cmd, "--random-seed") == "1234" and "--quantization" not in cmd
+    key_file = Path(_flag(cmd, "--config"))  # the key in SGLang's --config YAML, 0600; never on the argv
+    assert "k3y" not in " ".join(cmd) and "--api-key" not in cmd
+    assert key_file.read_text() == "api-key: k3y\n" and key_file.stat().st_mode & 0o777 == 0o600
     # a W4A16 export carries its quantization_config: SGLang reads it, no --quantization flag
     export = tmp_path / "w4a16"
     export.mkdir()

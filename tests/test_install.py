@@ -172,6 +172,10 @@ def test_learner_gpu_extra_asks_the_transformer_engine_megatron_core_is_tested_w
     assert not untested, f"the gpu extra ({ours}) admits TE versions megatron-core is not tested with ({theirs}): " \
                          f"{untested}"
     assert any(ours.specifier.contains(Version(v)) for v in TE_RELEASES)  # and some release satisfies it
+    # what the learner tells a user to install is the extra itself (issue 38: moe/te.py still said >=2.4)
+    from megatron_qarl.moe import te
+
+    assert Requirement(te.TE_REQUIREMENT) == ours
 
 
 def test_server_environment_satisfies_sglangs_own_pins(sglang_dist):

@@ -84,15 +84,15 @@ def test_ray_start_commands():
 
 
 def test_train_command_and_resume(tmp_path):
-    cmd = slurm.train_command("configs/x.yaml", ["train.steps=5"], nodes=2, python="py", api_key="k")
+    cmd = slurm.train_command("configs/x.yaml", ["train.steps=5"], nodes=2, python="py")
     assert cmd[:8] == ["py", "-m", "megatron_qarl.cli", "train", "--config", "configs/x.yaml", "--no-progress",
                        "--no-preflight"]  # every node has just run the whole preflight
     assert "--resume" not in cmd
     assert cmd[8:] == ["launch.backend=ray", "launch.ray_address=auto", "launch.master_addr=auto",
-                       "launch.server_host=0.0.0.0", "launch.nodes=2", "rollout.api_key=k", "train.steps=5"]
+                       "launch.server_host=0.0.0.0", "launch.nodes=2", "train.steps=5"]
     assert "--resume" in slurm.train_command("c.yaml", [], nodes=1, resume=True)
     # every node's preflight checks the very run: same interpreter, config and overrides
-    resumed = slurm.train_command("configs/x.yaml", ["train.steps=5"], nodes=2, python="py", api_key="k", resume=True)
+    resumed = slurm.train_command("configs/x.yaml", ["train.steps=5"], nodes=2, python="py", resume=True)
     assert slurm.preflight_command(resumed) == ["py", "-m", "megatron_qarl.cli", "preflight", "--config",
                                                 "configs/x.yaml", *cmd[8:]]
     assert not slurm.has_checkpoint(tmp_path)
@@ -114,12 +114,18 @@ def test_job_env_for_a_two_node_job(tmp_path, monkeypatch):
     train = vals["QARL_TRAIN"]
     assert "--resume" not in train and "launch.nodes=2" in train
     assert vals["QARL_PREFLIGHT"] == slurm.preflight_command(train)
-    assert any(a.startswith("rollout.api_key=") and len(a) > 30 for a in train)  # servers listen on 0.0.0.0
+    # servers listen on 0.0.0.0: a key per job, in the environment (issue 38: before, rollout.api_key=<key> on
+    # qarl train's and qarl preflight's argv, which /proc/*/cmdline shows every user of the node)
+    key = vals["QARL_API_KEY"]
+    assert len(key) == 32 and not any(key in a for a in [*train, *vals["QARL_PREFLIGHT"]])
+    assert f"export QARL_API_KEY={key}" in slurm.shell_assignments(vals)
+    assert slurm.job_env("configs/cpu_default.yaml", [f"train.output_dir={out}"], {**env, "QARL_API_KEY": "k" * 20},
+                         python="py")["QARL_API_KEY"] == "k" * 20  # the submitter's own key is kept
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "latest").write_text("step_000001")
     again = slurm.job_env("configs/cpu_default.yaml", [f"train.output_dir={out}", "rollout.api_key=mine"], env)
     assert again["QARL_RESUME"] == "1" and "--resume" in again["QARL_TRAIN"]
-    assert not any(a.startswith("rollout.api_key=") and a != "rollout.api_key=mine" for a in again["QARL_TRAIN"])
+    assert "QARL_API_KEY" not in again  # the config's key is the run's
 
 
 def test_gpu_config_must_match_the_allocation(monkeypatch):

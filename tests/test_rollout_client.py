@@ -102,11 +102,11 @@ def _ckpt(tmp_path, qcfg=None):
 def test_launch_command_per_scheme(qcfg, scheme, tmp_path):
     path = _ckpt(tmp_path, qcfg)
     assert checkpoint_scheme(path) == scheme
-    cmd = launch_command(SGLangServerSpec(model_path=path, port=31000, tp=4, ep=4, host="0.0.0.0", api_key="s"),
-                         python="python")
+    cmd = launch_command(SGLangServerSpec(model_path=path, port=31000, tp=4, ep=4, host="0.0.0.0",
+                                          api_key_file="/run/k.yaml"), python="python")
     runner = ["--moe-runner-backend", "marlin"] if scheme == "w4a16" else []  # Triton's W4A16 breaks updates
     assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", path, "--host", "0.0.0.0",
-                   "--port", "31000", "--tp-size", "4", "--ep-size", "4", *runner, "--api-key", "s"]
+                   "--port", "31000", "--tp-size", "4", "--ep-size", "4", *runner, "--config", "/run/k.yaml"]
     assert "--quantization" not in cmd  # offline-quantized: SGLang reads config.json
     seeded = launch_command(SGLangServerSpec(model_path=path, deterministic_inference=True), python="python")
     assert "--enable-deterministic-inference" in seeded  # else SGLang ignores sampling_seed

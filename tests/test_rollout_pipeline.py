@@ -361,3 +361,45 @@ def _arch_routes(model_dir: str) -> tuple[int, int, int]:
 
     arch = Qwen3MoeArch.from_model_dir(model_dir)
     return arch.num_hidden_layers, arch.num_experts_per_tok, arch.num_experts
+
+
+def test_close_after_an_error_cancels_the_rollouts_in_flight_instead_of_waiting_for_them(server, model_dirs,
+                                                                                         tmp_path):
+    """After an error or a stop signal the trainer closes the pipeline with ``abort``: bounded mode's rollouts in
+    flight, whose requests are parked on a paused server (a sync that failed half-way), are cancelled at once.
+    Before issue 38 close waited for them: rollout.timeout_s x retries per request, whole rollouts of them."""
+    from transformers import AutoTokenizer
+
+    base, _ = server
+    http = httpx.Client(base_url=base, timeout=60)
+    _load(http, model_dirs[0], "v1")
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml", [
+        "train.async=bounded", "train.max_staleness=2", "train.prompts_per_step=2", "rollout.sampling.n_samples=2",
+        "rollout.sampling.max_new_tokens=4", "launch.backend=local", f"model.path={model_dirs[0]}", "train.steps=10",
+        "rollout.timeout_s=300", f"train.output_dir={tmp_path}"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs[0], local_files_only=True)
+    fleet = types.SimpleNamespace(urls=[base], alive=lambda: [True])
+    rollouts = TrainRollouts(cfg, None, fleet, [1], on_sync=lambda report: None)
+    pipe = RolloutPipeline(cfg, rollouts, PromptStream(cfg.data, tokenizer), None, version=lambda: 1)
+    assert http.post("/pause_generation", json={"mode": "retract"}).json()["success"]
+    try:
+        pipe.ahead(0)  # steps 1 and 2: their requests wait on the paused server
+        jobs = list(pipe.pending.values())
+        deadline = time.monotonic() + 30
+        while engine_waiting(server[1]) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine_waiting(server[1]) >= 4, "the rollouts' requests did not reach the paused server"
+        start = time.monotonic()
+        pipe.close(abort=True)
+        took = time.monotonic() - start
+    finally:
+        http.post("/continue_generation")
+    print(f"\nclose(abort=True) with {len(jobs)} rollouts parked on a paused server: {took:.2f} s")
+    assert took < 20
+    assert all(isinstance(job.future.exception(), asyncio.CancelledError) for job in jobs)
+    assert not pipe.pending
+
+
+def engine_waiting(engine) -> int:
+    """Requests the engine holds, waiting or running."""
+    return engine.scheduler.num_pending()

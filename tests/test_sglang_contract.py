@@ -84,7 +84,7 @@ def sg_parse_server_argv(argv: list[str], dests: list[str]) -> dict:
     sa, parser = stubs.server_args(), _server_parser()
     flags, unknown = {}, []
     for token in argv:
-        if token.startswith("--"):
+        if token.startswith("--") and token != "--config":  # a YAML of flags prepare_server_args merges, no field
             action = parser._option_string_actions.get(token.split("=", 1)[0])  # exact: no abbreviations
             (flags.__setitem__(token, action.dest) if action else unknown.append(token))
     err = io.StringIO()
@@ -115,7 +115,9 @@ def expected_server_args(cfg, model_dir: str, host: str, port: int, scheme: str)
     return {"model_path": model_dir, "host": host, "port": port,
             "tp_size": r.gpus_per_server, "ep_size": r.ep_size, "dp_size": r.dp_size,
             "mem_fraction_static": r.mem_fraction_static, "random_seed": cfg.seed,
-            "max_running_requests": r.max_batch_size, "api_key": r.api_key,
+            "max_running_requests": r.max_batch_size,
+            # the key reaches SGLang in its --config YAML (utils/api_key.py), which prepare_server_args merges
+            "api_key": r.api_key,
             # the rollout manager seeds every request, which SGLang honours in deterministic inference only
             "enable_deterministic_inference": True,
             # W4A16 MoE on Marlin (megatron_qarl/rollout/sglang_launcher.py says why); the others: SGLang's choice
@@ -151,13 +153,14 @@ def test_server_command_is_accepted_by_sglangs_parser_with_the_configs_values(pa
     from megatron_qarl.preflight.rules import load_config
 
     monkeypatch.chdir(REPO)
-    cfg = load_config(path, overrides)
+    cfg = load_config(path, [*overrides, f"train.output_dir={tmp_path / 'run'}"])  # the key file goes in its logs/
     model_dir, host, port = serving_dir(cfg, tmp_path / "model"), "0.0.0.0", 30123
     cmd = server_command(cfg, model_dir, host, port)
     assert cmd[:3] == [cfg.rollout.server_python or sys.executable, "-m", "sglang.launch_server"], cmd
     expected = expected_server_args(cfg, model_dir, host, port, cfg.quant.scheme)
     out = sglang.run(sg_parse_server_argv, cmd[3:], sorted(expected))
     assert out["unknown"] == [], f"flags SGLang 0.5.23 does not have: {out['unknown']} in {cmd}"
+    assert not cfg.rollout.api_key or cfg.rollout.api_key not in " ".join(cmd), "the API key is on the argv"
     assert out["error"] is None, f"SGLang's parser refused {cmd[3:]}: {out['error']}"
     assert out["module"], "sglang.launch_server is not a module of the installed SGLang"
     unexplained = sorted(f for f, d in out["flags"].items() if d not in expected)

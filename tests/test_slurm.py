@@ -82,7 +82,8 @@ def test_two_node_job_runs_ray_across_nodes_checkpoints_on_usr1_requeues_and_res
     server_env = tmp_path / "server-env"
     server_env.mkdir()
     python = server_env / "python"
-    python.write_text(f'#!/bin/bash\nprintf "%s\\n" "$0" "$@" > "{server_env}/argv.$$"\nexec {sys.executable} "$@"\n')
+    python.write_text(f'#!/bin/bash\nprintf "%s\\n" "$0" "$@" > "{server_env}/argv.$$"\n'
+                      f'printf "%s" "$QARL_API_KEY" > "{server_env}/key.$$"\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     # one Ray CPU per node: the learner rank and the rollout server cannot share a node
     job = _submit(slurm, "configs/cpu_default.yaml",
@@ -90,10 +91,16 @@ def test_two_node_job_runs_ray_across_nodes_checkpoints_on_usr1_requeues_and_res
                   env={"QARL_RAY_NUM_CPUS": "1", "QARL_SERVER_PYTHON": str(python)})
     latest = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 900
+    keys: set[str] = set()
+    on_argv: list[str] = []  # every process's argv while the run is up: none may hold the job's API key
     while not (latest.is_file() and latest.read_text().strip() == "step_000001"):
         assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING"), _log(out, job)[-6000:]
         assert time.monotonic() < deadline, "no checkpoint after 900 s"
+        keys |= {k for p in server_env.glob("key.*") if (k := p.read_text())}
+        on_argv += [a for a in _every_argv() if any(k in a for k in keys)]
         time.sleep(0.2)
+    assert len(keys) == 1 and len(next(iter(keys))) == 32, keys  # the job's key reached the server's environment
+    assert not on_argv, f"the API key on a command line: {on_argv[:3]}"
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
     while (info := slurm.job(job)).get("Restarts", "0") == "0" or info.get("JobState") == "COMPLETING":
         assert info.get("JobState") not in FINAL_STATES, f"{info}\n{_log(out, job)[-6000:]}"  # it requeues itself
@@ -119,6 +126,9 @@ def test_two_node_job_runs_ray_across_nodes_checkpoints_on_usr1_requeues_and_res
     assert {ln.split(":")[0] for ln in first.splitlines() if ln.endswith("preflight: all 8 checks passed")} == \
         {"0", "1"}
     runs = [p.read_text().splitlines() for p in server_env.glob("argv.*")]
+    key = next(iter(keys))
+    assert not any(key in a for run in runs for a in run) and key not in log  # the servers' argv, the job's log
+    assert key not in (out / "config.yaml").read_text()  # never written out with the config
     assert [str(python), "-m", "megatron_qarl.cli", "serve"] in [a[:4] for a in runs], runs
     # USR1: a checkpoint, exit 75, the job requeues itself; the restart resumes and completes
     assert info["Restarts"] == "1", info
@@ -130,6 +140,17 @@ def test_two_node_job_runs_ray_across_nodes_checkpoints_on_usr1_requeues_and_res
     assert latest.read_text().strip() == "step_000003"
     assert sorted(p.name for p in (out / "slurm" / f"job-{job}").glob("ray-node*.log")) == \
         ["ray-node0.log", "ray-node1.log"]
+
+
+def _every_argv() -> list[str]:
+    """The command line of every process on this machine (what ``ps`` shows any user)."""
+    argvs = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argvs.append(cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # ended meanwhile
+            pass
+    return argvs
 
 
 def _records(folder: Path, name: str, version: str) -> Path:

@@ -207,3 +207,33 @@ def test_a_bounded_sync_that_fails_continues_generation_so_no_request_waits_on_a
     print(f"\nthe parked request finished {waited:.2f} s after the failed sync")
     assert done, "a request parked on the paused server was still waiting 60 s after the failed sync"
     assert len(answer["meta_info"]["output_token_logprobs"]) == 8
+
+
+def test_a_failing_continue_on_the_first_server_still_continues_the_second(monkeypatch):
+    """After a successful update the sync continues every paused server, collects the failures, then raises
+    naming them: before issue 38 the first server's failing /continue_generation left the ones after it paused
+    (bounded mode's retracted requests there waited out rollout.timeout_s x retries)."""
+    from megatron_qarl.sync import broadcaster as broadcaster_mod
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    sync = DistributedBroadcaster([Engine(u) for u in urls], dtype=torch.float32, pause_mode="retract")
+    calls: list[tuple[str, str]] = []
+
+    def recorder(api, name, fails=False):
+        def call(*_args, **_kwargs):
+            calls.append((api.url, name))
+            if fails:
+                raise SyncError(f"{api.url}/{name}: HTTP 503: the test's failure")
+        return call
+
+    for api in sync.apis:
+        for name in ("pause_generation", "flush_cache"):
+            setattr(api, name, recorder(api, name))
+        api.continue_generation = recorder(api, "continue_generation", fails=api.url == urls[0])
+    monkeypatch.setattr(sync, "connect", lambda: None)
+    monkeypatch.setattr(sync.transport, "session", lambda *_args, **_kwargs: None)
+    monkeypatch.setattr(broadcaster_mod, "iter_sync_tensors", lambda _learner, _dtype: iter(()))
+    with pytest.raises(SyncError, match=r"127\.0\.0\.1:1/continue_generation: HTTP 503") as failure:
+        sync.sync(learner=None)
+    assert (urls[1], "continue_generation") in calls, "the second server was left paused"
+    assert urls[1] not in str(failure.value)

@@ -144,3 +144,24 @@ def test_a_vllm_server_off_loopback_without_an_api_key_is_refused_before_it_star
     keyed = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"api_key": "k"})})
     assert "--middleware" in server_command(keyed, str(TINY), "0.0.0.0", 18123)
     assert server_env(cfg)["VLLM_API_KEY"] == ""  # none inherited from the launcher's environment either
+
+
+def test_the_workers_weight_update_group_waits_as_long_as_the_trainers():
+    """Issue 38: /init_weight_transfer_engine carries rollout.sync.timeout_s (the transport's), so vLLM's workers'
+    side of the group does not keep QarlInitInfo's 300 s default; every key it sends is a QarlInitInfo field."""
+    import ast
+
+    from megatron_qarl.sync.vllm_weight_update import VLLMWeightUpdateAPI
+    from megatron_qarl.sync.weight_update import Engine
+
+    api = VLLMWeightUpdateAPI(Engine("http://vllm.test"), 1234.0)
+    sent: list[dict] = []
+    api.call = lambda method, path, body: sent.append(body)
+    api.init_weights_update_group(master_address="10.0.0.1", master_port=29999, rank_offset=1, world_size=2,
+                                  group_name="g", backend="nccl")
+    info = sent[0]["init_info"]
+    assert info["timeout_s"] == 1234.0
+    tree = ast.parse((REPO / "megatron_qarl" / "rollout" / "vllm_ext" / "qarl_vllm_ext.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "QarlInitInfo"]
+    fields = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)}
+    assert set(info) <= fields, set(info) - fields

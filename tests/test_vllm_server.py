@@ -162,18 +162,23 @@ def test_vllm_rollouts_and_syncs_agree_with_the_learner_and_an_unchanged_sync_ch
 @needs_vllm
 def test_with_an_api_key_every_route_but_health_asks_for_it(vllm_server):
     """vLLM's --api-key guards /v1 only; dev mode's /collective_rpc (any worker method), /pause, /weight_info, ...
-    ask for the key here (main before issue 29 answered /collective_rpc to anyone). The probe body names no method,
-    so a request that gets through is refused by the route itself (400), never run."""
+    ask for the key here (main before issue 29 answered /collective_rpc to anyone), and so does an OPTIONS request
+    that is no CORS preflight (before issue 38 every OPTIONS passed: OPTIONS /metrics returned the metrics). The
+    probe body names no method, so a request that gets through is refused by the route itself (400), never run."""
     url = vllm_server[1].urls[0]
     routes = [("POST", "/collective_rpc", {}), ("GET", "/weight_info", None), ("POST", "/v1/completions", {}),
-              ("POST", "/reset_prefix_cache", None), ("GET", "/metrics", None)]
-    without = {path: httpx.request(m, url + path, json=body, timeout=60).status_code for m, path, body in routes}
-    wrong = {path: httpx.request(m, url + path, json=body, timeout=60, headers={"Authorization": "Bearer nope"})
+              ("POST", "/reset_prefix_cache", None), ("GET", "/metrics", None), ("OPTIONS", "/metrics", None),
+              ("OPTIONS", "/collective_rpc", None)]
+    without = {(m, path): httpx.request(m, url + path, json=body, timeout=60).status_code for m, path, body in routes}
+    wrong = {(m, path): httpx.request(m, url + path, json=body, timeout=60, headers={"Authorization": "Bearer nope"})
              .status_code for m, path, body in routes}
     with_key = httpx.post(url + "/collective_rpc", json={}, headers=AUTH, timeout=60)
     print(f"\nwithout the key: {without}; a wrong key: {wrong}; /collective_rpc with it: {with_key.status_code}")
     assert set(without.values()) == {401} and set(wrong.values()) == {401}
     assert with_key.status_code == 400 and "method" in with_key.text
+    preflight = httpx.options(url + "/metrics", timeout=60, headers={  # answered by vLLM's CORSMiddleware
+        "Origin": "http://example.test", "Access-Control-Request-Method": "GET"})
+    assert preflight.status_code == 200 and "qarl" not in preflight.text and "vllm:" not in preflight.text
     assert httpx.get(url + "/health", timeout=60).status_code == 200
 
 

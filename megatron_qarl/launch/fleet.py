@@ -23,6 +23,7 @@ from megatron_qarl.rollout.process import embedded_command
 from megatron_qarl.rollout.sglang_launcher import SGLangServerSpec, launch_command
 from megatron_qarl.rollout.vllm_launcher import MODULE as VLLM_MODULE
 from megatron_qarl.rollout.vllm_launcher import VLLMServerSpec, vllm_command, vllm_env
+from megatron_qarl.utils.api_key import key_env, sglang_key_file
 
 if TYPE_CHECKING:
     import torch
@@ -138,12 +139,14 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
         return [*prefix, *vllm_command(spec, python=python)]
     if r.backend == "embedded":
         return [*prefix, *embedded_command(model_dir, port, host=host, dtype=r.dtype, max_batch_size=r.max_batch_size,
-                                           return_routed_experts=cfg.algo.wants_routes, api_key=r.api_key,
-                                           python=python, numerics=cfg.numerics)]
+                                           return_routed_experts=cfg.algo.wants_routes, python=python,
+                                           numerics=cfg.numerics)]
     # the rollout manager seeds every sample (rollout/manager.py), which SGLang honours only in
     # deterministic inference
     spec = SGLangServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, ep=r.ep_size,
-                            dp=r.dp_size, mem_fraction_static=r.mem_fraction_static, api_key=r.api_key,
+                            dp=r.dp_size, mem_fraction_static=r.mem_fraction_static,
+                            api_key_file=r.api_key and str(sglang_key_file(r.api_key, log_dir(cfg),
+                                                                           f"sglang-{port}.key.yaml")),
                             random_seed=cfg.seed, deterministic_inference=True,
                             return_routed_experts=cfg.algo.wants_routes,
                             extra_args=("--max-running-requests", str(r.max_batch_size)))
@@ -151,11 +154,13 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
 
 
 def server_env(cfg: QarlConfig) -> dict[str, str]:
-    """What every server's environment gets on top of its launcher's: the embedded server's torch threads;
-    vLLM's weight-transfer routes, our worker extension and middleware, the API key and its CPU KV cache
-    (rollout/vllm_launcher.py)."""
+    """What every server's environment gets on top of its launcher's: the embedded server's torch threads and API
+    key ($QARL_API_KEY, utils/api_key.py); vLLM's weight-transfer routes, our worker extension and middleware, the
+    API key and its CPU KV cache (rollout/vllm_launcher.py). SGLang's key is in a file (``server_command``)."""
     threads = cfg.rollout.threads
     env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    if cfg.rollout.backend == "embedded":
+        env.update(key_env(cfg.rollout.api_key))
     return {**env, **vllm_env(cfg.rollout.api_key)} if cfg.rollout.backend == "vllm" else env
 
 

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from megatron_qarl.errors import UserError
+from megatron_qarl.utils.api_key import from_env, key_env
 
 SBATCH_SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "qarl.sbatch"
 # what the cluster run always sets: Ray joins the job's cluster, rank 0 and the servers use node addresses
@@ -228,16 +229,14 @@ def server_python_override(env: Mapping[str, str] = os.environ) -> list[str]:
 
 
 def train_command(config: str, overrides: Sequence[str], *, nodes: int, python: str = sys.executable,
-                  resume: bool = False, api_key: str | None = None, server_python: Sequence[str] = ()) -> list[str]:
+                  resume: bool = False, server_python: Sequence[str] = ()) -> list[str]:
     """``qarl train`` for a job on ``nodes`` nodes: the cluster overrides first (and ``server_python``, the
-    QARL_SERVER_PYTHON override), the user's after (they win), ``--resume`` when the run has a checkpoint, a
-    per-job rollout API key when the config has none (servers listen on the node address, and then their admin
-    endpoints need one). ``--no-preflight``: the job has just run the whole of ``qarl preflight`` on every node
-    (``preflight_command``), so qarl train does not repeat its part of it."""
+    QARL_SERVER_PYTHON override), the user's after (they win), ``--resume`` when the run has a checkpoint.
+    ``--no-preflight``: the job has just run the whole of ``qarl preflight`` on every node (``preflight_command``),
+    so qarl train does not repeat its part of it. No API key: it travels in the environment (``job_env``)."""
     cmd = [python, "-m", "megatron_qarl.cli", "train", "--config", config, "--no-progress", "--no-preflight"]
     cmd += ["--resume"] if resume else []
     cmd += [*CLUSTER_OVERRIDES, f"launch.nodes={nodes}"]
-    cmd += [f"rollout.api_key={api_key}"] if api_key else []
     return cmd + list(server_python) + list(overrides)
 
 
@@ -273,8 +272,11 @@ def job_env(config: str, overrides: Sequence[str], env: Mapping[str, str] = os.e
     job = env.get("SLURM_JOB_ID", "0")
     out = settings["output_dir"]
     resume = has_checkpoint(out)
-    api_key = None if settings["api_key"] else secrets.token_hex(16)
-    train = train_command(config, overrides, nodes=len(nodes), python=python, resume=resume, api_key=api_key,
+    # a per-job rollout API key when neither the config nor the job's environment has one (servers listen on the
+    # node address, and then their admin endpoints need one): exported, so qarl preflight and qarl train read it
+    # from their environment (utils/api_key.py), never from an argv that every user of the node can read
+    api_key = settings["api_key"] or from_env(env) or secrets.token_hex(16)
+    train = train_command(config, overrides, nodes=len(nodes), python=python, resume=resume,
                           server_python=server_python)
     return {
         "QARL_NODES": " ".join(nodes),
@@ -291,6 +293,7 @@ def job_env(config: str, overrides: Sequence[str], env: Mapping[str, str] = os.e
         # for the job's log: what every rollout server starts with (launch/fleet.py server_interpreter)
         "QARL_SERVER_INTERPRETER": shlex.join([*settings["launch_prefix"], str(settings["server_python"] or python)]),
         "QARL_TRAIN": train,
+        **({} if settings["api_key"] else key_env(api_key)),
         "QARL_PREFLIGHT": preflight_command(train),
     }
 

@@ -29,6 +29,10 @@ from typing import Any
 from megatron_qarl.errors import ConfigError
 
 # TransformerConfig fields that moe/model.py turns off for CPU-only torch and that CUDA runs want on
+# what the ``gpu`` extra installs (setup.py): megatron-core 0.16.1's tested range (its METADATA); qarl preflight
+# checks the installed TE against the range the installed megatron-core declares
+TE_REQUIREMENT = "transformer-engine[core_cu13,pytorch]>=2.9,<2.12"
+
 CUDA_FUSIONS = {"apply_rope_fusion": True, "masked_softmax_fusion": True, "bias_activation_fusion": True,
                 "bias_dropout_fusion": True, "gradient_accumulation_fusion": False, "moe_permute_fusion": True,
                 "moe_grouped_gemm": True}
@@ -71,6 +75,31 @@ def check_te_fp8(te_fp8: bool, impl: str, scheme: str) -> None:
     if impl != "te":
         raise ConfigError(f"model.te_fp8: TE's FP8 GEMMs need the Transformer Engine spec, model.impl='te' "
                           f"(got model.impl={impl!r})")
+
+
+def check_te_fp8_selection(te_fp8: bool, arch, quant) -> None:
+    """``model.te_fp8`` against what ``quant.targets`` / ``quant.ignore`` select, at load (the learner's build refused
+    it before, qat/modules.py): ModelOpt converts every module of a Transformer Engine class the scheme quantizes
+    anywhere, and a converted module's forward refuses TE's fp8 autocast, so each kind of TE linear (attention's qkv,
+    its output projection, the experts' gate/up, their down) must be quantized in every layer and expert or in
+    none. ConfigError naming the keys and one linear of each side."""
+    if not te_fp8 or not quant.enabled:
+        return
+    from megatron_qarl.moe.convert import param_maps  # noqa: PLC0415 - convert imports this module's neighbours
+    from megatron_qarl.qat.config import is_quantized  # noqa: PLC0415
+
+    kinds: dict[str, tuple[list[str], list[str]]] = {}
+    for pm in param_maps(arch, impl="te"):
+        if pm.split in ("qkv", "tp_col", "fc1", "fc2"):
+            on, off = kinds.setdefault(pm.split, ([], []))
+            for name in pm.hf:
+                (on if is_quantized(name, quant) else off).append(name.removesuffix(".weight"))
+    for on, off in kinds.values():
+        if on and off:
+            raise ConfigError(f"quant.ignore: with model.te_fp8 the {len(off)} linear(s) it leaves in high precision, "
+                              f"e.g. {off[0]}, share their Transformer Engine class with {len(on)} quantized ones, "
+                              f"e.g. {on[0]}: ModelOpt converts them too, and their forward refuses TE's fp8 autocast. "
+                              "Quantize that kind of linear in every layer or in none, or set model.te_fp8=false")
 
 
 def transformer_engine_available() -> bool:
@@ -122,7 +151,7 @@ def resolve_impl(impl: str) -> str:
         require_transformer_engine()
     except ImportError as err:
         raise ConfigError(f"model.impl: 'te' builds Megatron's Transformer Engine layers, but transformer_engine "
-                          f"(transformer-engine[pytorch]) does not import on this machine ({err}); use 'local' or "
+                          f"({TE_REQUIREMENT}) does not import on this machine ({err}); use 'local' or "
                           f"'auto'") from None
     return "te"
 
@@ -134,7 +163,7 @@ def require_transformer_engine() -> ModuleType:
         import transformer_engine.pytorch as te_pytorch  # noqa: PLC0415 - lazy: GPU clusters only
     except Exception as err:  # TE's meta package raises RuntimeError / ImportError when the wheel is empty
         raise ImportError(
-            "the Transformer Engine model needs transformer-engine[pytorch]>=2.4 on a CUDA machine "
+            f"the Transformer Engine model needs {TE_REQUIREMENT} (megatron-core's tested range) on a CUDA machine "
             f"(pip install 'megatron_qarl[gpu]'); importing it failed: {err}"
         ) from err
     return te_pytorch

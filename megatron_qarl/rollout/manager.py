@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -171,6 +172,20 @@ class RolloutManager:
         self.assigned: list[int] = []
         self.resent = 0
         self.server_failures = 0
+        self.cancelled = False  # ``cancel``: no call of ``generate`` runs any more
+        self._lock = threading.Lock()
+        self._running: tuple[asyncio.AbstractEventLoop, asyncio.Task] | None = None  # the call of generate now
+
+    def cancel(self) -> None:
+        """End this manager's requests from another thread, without waiting for them (the trainer's pipeline after
+        an error or a stop signal): a call of ``generate`` running now ends with asyncio.CancelledError as soon as
+        its event loop runs, its HTTP requests closed (SGLang and vLLM abort a request whose client disconnected);
+        a later call raises it at once."""
+        with self._lock:
+            self.cancelled = True
+            if self._running is not None:
+                loop, task = self._running
+                loop.call_soon_threadsafe(task.cancel)
 
     def _pick(self) -> int:
         live = [i for i, ok in enumerate(self.alive) if ok]
@@ -254,6 +269,18 @@ class RolloutManager:
         (after every request has either finished or found no server left), or the first other error."""
         if not clients:
             raise ValueError("rollout: at least one server is needed")
+        with self._lock:
+            if self.cancelled:
+                raise asyncio.CancelledError("rollout: cancelled")
+            self._running = (asyncio.get_running_loop(), asyncio.current_task())
+        try:
+            return await self._generate(clients, prompts, step)
+        finally:
+            with self._lock:
+                self._running = None
+
+    async def _generate(self, clients: Sequence[SGLangClient], prompts: Sequence[list[int]],
+                        step: int) -> list[list[Sample]]:
         self.clients, self.alive = list(clients), [True] * len(clients)
         self.in_flight, self.assigned = [0] * len(clients), [0] * len(clients)
         n = self.sampling.n_samples

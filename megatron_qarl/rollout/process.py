@@ -23,15 +23,16 @@ from megatron_qarl.utils.parent_death import die_with_parent
 
 def embedded_command(model_dir: str, port: int, *, host: str = "127.0.0.1", dtype: str = "bfloat16",
                      max_batch_size: int = 128, max_seq_len: int | None = None,
-                     api_key: str | None = None, return_routed_experts: bool = False,
-                     python: str = sys.executable, numerics: str = "default") -> list[str]:
-    """``qarl serve`` for a Hugging Face directory (BF16 or a qat/ export), run by ``python``."""
+                     return_routed_experts: bool = False, python: str = sys.executable,
+                     numerics: str = "default") -> list[str]:
+    """``qarl serve`` for a Hugging Face directory (BF16 or a qat/ export), run by ``python``. Its API key goes in
+    its environment (``utils.api_key.key_env``), never this argv."""
     cmd = [python, "-m", "megatron_qarl.cli", "serve", "--model", model_dir, "--host", host,
            "--port", str(port), "--dtype", dtype, "--max-batch-size", str(max_batch_size)]
     cmd += ["--max-seq-len", str(max_seq_len)] if max_seq_len else []
     cmd += ["--enable-return-routed-experts"] if return_routed_experts else []
     cmd += ["--numerics", numerics] if numerics != "default" else []
-    return cmd + (["--api-key", api_key] if api_key else [])
+    return cmd
 
 
 class ServerProcess:

@@ -38,7 +38,7 @@ class SGLangServerSpec:
     dp: int = 1
     mem_fraction_static: float | None = None
     context_length: int | None = None
-    api_key: str | None = None
+    api_key_file: str | None = None  # the key in SGLang's --config YAML (utils/api_key.py), never on the argv
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0, multi-node only
@@ -95,8 +95,8 @@ def launch_command(spec: SGLangServerSpec, python: str = sys.executable) -> list
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.context_length is not None:
         cmd += ["--context-length", str(spec.context_length)]
-    if spec.api_key:
-        cmd += ["--api-key", spec.api_key]
+    if spec.api_key_file:
+        cmd += ["--config", str(spec.api_key_file)]
     if spec.nnodes > 1:
         cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
                 "--dist-init-addr", spec.dist_init_addr]

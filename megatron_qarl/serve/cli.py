@@ -10,6 +10,7 @@ from pathlib import Path
 from megatron_qarl.errors import ConfigError, UserError
 from megatron_qarl.serve.engine import Engine, EngineConfig
 from megatron_qarl.serve.server import ServerConfig, build_app
+from megatron_qarl.utils import api_key
 
 
 def register(subparsers) -> None:
@@ -17,7 +18,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model dir (bf16/fp32 or w4a16/w8a8 export)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None, help="required when --host is not loopback")
+    p.add_argument("--api-key", default=None, help="the key every admin route asks for (default: $QARL_API_KEY, "
+                   "which launchers use: an argv is visible to every user of the node); required when --host is not "
+                   "loopback")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=None)
@@ -44,9 +47,9 @@ def _serve(args) -> int:
     import uvicorn
 
     _configure_logging()
-    server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key)
+    server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or api_key.from_env())
     if not server_cfg.loopback and not server_cfg.api_key:
-        raise UserError(f"--host {args.host} is not loopback: --api-key is required")
+        raise UserError(f"--host {args.host} is not loopback: an API key is required (${api_key.ENV}, or --api-key)")
     if not (Path(args.model) / "config.json").is_file():
         raise ConfigError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     try:

@@ -14,7 +14,8 @@ One sync, in SGLang 0.5.23's order (its updates are refused outside a weight-upd
 A failure at any point raises SyncError naming the server(s); the sessions that were opened are
 closed, and a broadcast that cannot complete (a server refused its bucket or died) is abandoned by
 destroying the group on every side, so no collective stays pending; the next sync forms a new group
-(sync/transport.py). Generation is continued on every server the sync paused before the error is raised: a
+(sync/transport.py). Generation is continued on every server the sync paused before the error is raised (after a
+successful update too: a server whose continue fails does not stop the others'), a
 request retracted there (bounded staleness), or sent there meanwhile, would otherwise wait until its client's
 timeout (rollout.timeout_s x retries), and the trainer's shutdown with it; the run stops on the error, so what
 those requests sample after it (possibly on partly updated weights) is never trained on.
@@ -147,7 +148,7 @@ class DistributedBroadcaster:
             for api in paused:  # release the requests parked on the paused servers (a dead one has none)
                 api.quietly_continue()
             raise
-        transport.each(lambda api: api.continue_generation())
+        self._continue_all()
         self._held = {api.url: version for api in self.apis}
         self._last_sent = self.version
         if checksums is not None and report.mode == "full":  # a delta was checked against the full state above
@@ -155,6 +156,19 @@ class DistributedBroadcaster:
             check_sent(self.apis, report.checksums)
         report.seconds = time.perf_counter() - start
         return report
+
+    def _continue_all(self) -> None:
+        """``continue_generation`` on every server, then SyncError naming each that failed: one server's failure
+        must not leave the servers after it paused (a request retracted there would wait out its client's
+        timeout, rollout.timeout_s x retries, and the trainer's shutdown with it)."""
+        failed = []
+        for api in self.apis:
+            try:
+                api.continue_generation()
+            except SyncError as err:
+                failed.append(str(err))
+        if failed:
+            raise SyncError("continue_generation after the weight update failed on " + "; ".join(failed))
 
     # ------------------------------------------------------------------------------ delta policy
     def _record(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:

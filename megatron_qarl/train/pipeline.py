@@ -196,10 +196,17 @@ class RolloutPipeline:
             return self.pending[min(self.pending)].data_before
         return self.stream.state_dict()
 
-    def close(self) -> None:
-        """Wait for the background rollouts to end (their servers may be going down: errors are dropped)."""
+    def close(self, abort: bool = False) -> None:
+        """End the background rollouts (their servers may be going down: errors are dropped). After a run that
+        finished none is in flight. ``abort`` (the run ends on an error or a stop signal): they are cancelled, not
+        waited for: a request retracted on a server that stayed paused would hold this for rollout.timeout_s x
+        retries, whole rollouts up to train.max_staleness of them, and nothing they sample is trained on."""
         for job in self.pending.values():
-            job.future.exception()
+            if abort:
+                job.future.cancel()  # not started yet
+                job.manager.cancel()
+            if not job.future.cancelled():
+                job.future.exception()
         self.pending.clear()
         if self.pool is not None:
             self.pool.shutdown(wait=True)

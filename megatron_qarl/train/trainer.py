@@ -287,8 +287,12 @@ class Trainer:
                     t = time.perf_counter()
                     self.save()
                     self.tracker.log(step, {"time/checkpoint_s": time.perf_counter() - t}, jsonl=False)
-        finally:
+        except BaseException:  # an error or a stop signal: the rollouts in flight are never trained on
+            self.pipeline.close(abort=True)
+            raise
+        else:
             self.pipeline.close()
+        finally:
             self.tracker.close()
         return summary
 

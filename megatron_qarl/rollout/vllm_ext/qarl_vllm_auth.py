@@ -11,8 +11,11 @@ with ``app.add_middleware(cls)`` and no arguments (vllm/entrypoints/serve/middle
 from the environment: VLLM_API_KEY, vLLM's own variable for its key, which the launcher sets (not ``--api-key``:
 an argv is visible to every user of the node). Unset: every route is open (loopback servers only; the launcher
 refuses a non-loopback host without a key). A request is let through when its ``Authorization: Bearer <key>``
-header holds the key (compared as SHA-256 digests in constant time, as vLLM's middleware does); OPTIONS requests
-and /health are let through always (the launcher's readiness probe and the sync's liveness check send no key).
+header holds the key (compared as SHA-256 digests in constant time, as vLLM's middleware does); /health is let
+through always (the launcher's readiness probe and the sync's liveness check send no key), and so is a CORS
+preflight: an OPTIONS request with an Origin and an Access-Control-Request-Method header, which vLLM's
+CORSMiddleware (inside this one) answers itself, without reaching a route. Any other OPTIONS request needs the key:
+the Prometheus app mounted at /metrics answers every method, OPTIONS with the metrics.
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ class RequireApiKey:
         self.digest = hashlib.sha256(key.encode()).digest() if key else None
 
     def allowed(self, scope) -> bool:
-        if self.digest is None or scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+        if self.digest is None or scope["type"] not in ("http", "websocket"):
             return True
+        headers = dict(scope.get("headers") or [])
+        if scope.get("method") == "OPTIONS" and b"origin" in headers and b"access-control-request-method" in headers:
+            return True  # a CORS preflight: CORSMiddleware answers it
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         if path in OPEN_PATHS:
             return True
-        headers = dict(scope.get("headers") or [])
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(hashlib.sha256(token.encode()).digest(),
                                                                      self.digest)

@@ -1,0 +1,46 @@
+"""The rollout API key's way to every process of a run: the environment, or a file only the run's user can read;
+never an argv, which every user of a node sees (``ps``, /proc/PID/cmdline, a Slurm job's log).
+
+- ``qarl train`` / ``qarl preflight``: ``rollout.api_key`` from the config, else ``$QARL_API_KEY``
+  (``config.RolloutConfig``); the Slurm job makes one per job and exports it (launch/slurm.py ``job_env``).
+  The key is never written out with the config (``config.yaml``, checkpoints).
+- the embedded server (``qarl serve``): ``$QARL_API_KEY`` (``--api-key`` remains for a server started by hand).
+- SGLang 0.5.23 reads its key from ``--api-key`` only, and no environment variable; it reads any flag from a YAML
+  file given as ``--config FILE`` (sglang/srt/server_args.py ``prepare_server_args``, its
+  ``ConfigArgumentMerger``), so the key goes into such a file, mode 0600 (``sglang_key_file``).
+- vLLM reads ``$VLLM_API_KEY`` (rollout/vllm_launcher.py ``vllm_env``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+ENV = "QARL_API_KEY"
+
+
+def from_env(env: Mapping[str, str] = os.environ) -> str | None:
+    """The key the environment carries, None when unset or empty."""
+    return env.get(ENV) or None
+
+
+def key_env(key: str | None) -> dict[str, str]:
+    """The environment entries that give a child process (``qarl serve``, ``qarl train``) the key."""
+    return {ENV: key} if key else {}
+
+
+def sglang_key_file(key: str, directory: str | Path, name: str) -> Path:
+    """``directory/name``: the YAML file SGLang's ``--config`` reads, holding only ``api-key``; created readable and
+    writable by this user alone (0600, also when it existed: an earlier file is rewritten)."""
+    path = Path(directory) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, yaml.safe_dump({"api-key": key}).encode())
+    finally:
+        os.close(fd)
+    return path
