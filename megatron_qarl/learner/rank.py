@@ -155,8 +155,7 @@ class Learner:
         from megatron_qarl.moe.convert import SafetensorsDir, load_hf_into_model
 
         load_hf_into_model(self.module, self.arch, SafetensorsDir(model_dir))
-        if self.fake_quant:
-            self.fake_quant.invalidate()
+        weights_changed(self)
 
     def _pad_seq(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """Right-pad the sequence to a multiple of TP (sequence parallel splits it)."""
@@ -303,8 +302,7 @@ class Learner:
         if finite:
             self._clip(grad_norm)
             self.optimizer.step_with_ready_grads()
-            if self.fake_quant:
-                self.fake_quant.invalidate()
+            weights_changed(self)
         metrics = dict(metrics)
         metrics.update(loss=global_loss, grad_norm=grad_norm, skipped=0.0 if finite else 1.0)
         return metrics
@@ -371,6 +369,16 @@ class _Replay:
     def close(self) -> None:
         self.rr.clear_global_router_replay_action()
         self.rr.clear_global_indices()  # set_target_indices also queues them for a backward replay we never run
+
+
+def weights_changed(learner: Learner) -> None:
+    """Forget every cached derivative of a learner's parameters (the fake-quant codes, the exact kernels' K-major
+    copies), after each optimizer step or weight load: the distributed optimizer all-gathers the parameters a rank
+    does not own without bumping their ``_version``, so no cache keyed on it may outlive a weight change."""
+    if learner.fake_quant:
+        learner.fake_quant.invalidate()
+    if learner.exact is not None:
+        learner.exact.invalidate()
 
 
 def policy_loss_fn(cfg: PolicyLossConfig, batch: Batch) -> LossFn:

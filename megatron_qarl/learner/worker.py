@@ -155,10 +155,10 @@ class LearnerWorker:
 
     def load(self, path: str, weight_version: int) -> None:
         from megatron_qarl.learner.checkpoint import load_learner
+        from megatron_qarl.learner.rank import weights_changed
 
         load_learner(path, self.learner.module, self.learner.optimizer)
-        if self.learner.fake_quant:
-            self.learner.fake_quant.invalidate()
+        weights_changed(self.learner)  # the fake-quant and exact caches of the loaded weights
         self.weight_version = weight_version
         if self.broadcaster is not None:
             self.broadcaster.version = weight_version

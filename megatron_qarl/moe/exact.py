@@ -71,6 +71,16 @@ class ExactForward:
         self.group = cfg.group_size if cfg is not None else None
         self.targets = {id(t.param): t for t in fake_quant.targets} if fake_quant is not None else {}
 
+    def invalidate(self) -> None:
+        """Forget what the kernels keep derived from the parameters (``native.transposed``'s K-major copies, held
+        on a parameter the forward multiplies as it is: float32 weights and activations). The learner calls it
+        wherever it invalidates the fake-quant codes, after every optimizer step and weight load: the distributed
+        optimizer all-gathers the parameters a rank does not own without bumping their version, so a copy keyed on
+        the version alone would keep the first step's weights on that rank."""
+        from megatron_qarl.numerics import native
+
+        native.forget_transposed(self.module.parameters())
+
     # ------------------------------------------------------------------------------------------ operands
     def w(self, param: torch.nn.Parameter) -> Tensor:
         """The weight a linear multiplies: the quantizer's dequantized codes (straight-through) for a quantized

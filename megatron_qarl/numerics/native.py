@@ -14,6 +14,7 @@ import hashlib
 import os
 import platform
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -99,17 +100,28 @@ def linear(x_MK: Tensor, w_NK: Tensor, chunk: int, partials: bool = False) -> Te
 
 
 def transposed(w_NK: Tensor) -> Tensor:
-    """w.T contiguous (the kernel's K-major operand), kept on the tensor while it is not modified in place (the
-    engine's weights live across calls, inference tensors rebuilt at each weight update rather than modified; the
-    learner's are made per forward). A w that is itself the transposed view of a K-major tensor (the engine holds
-    its weights so) costs no copy."""
-    version = -1 if w_NK.is_inference() else w_NK._version  # inference tensors have no version counter
+    """w.T contiguous (the kernel's K-major operand), kept on the tensor while its version counter and storage are
+    unchanged. That key is not enough for a learner's parameter: Megatron's distributed optimizer refreshes the
+    parameters a data-parallel rank does not own by an all-gather into the param buffer, which leaves their
+    ``_version`` as it was, so the learner drops these copies after every weight change (``forget_transposed``,
+    from ``moe.exact.ExactForward.invalidate``). The engine's weights are inference tensors (no version counter)
+    rebuilt at each weight update rather than modified, and each is the transposed view of a K-major tensor, which
+    costs no copy."""
+    version = (-1 if w_NK.is_inference() else w_NK._version, w_NK.data_ptr())
     held = getattr(w_NK, "_qx_t", None)
     if held is not None and held[0] == version:
         return held[1]
     w_KN = w_NK.t().contiguous()
     w_NK._qx_t = (version, w_KN)
     return w_KN
+
+
+def forget_transposed(tensors: Iterable[Tensor]) -> None:
+    """Drop the K-major copies ``transposed`` keeps on ``tensors``: their values may have changed without a version
+    bump (see ``transposed``), and a stale copy would make the next forward compute with the old weights."""
+    for t in tensors:
+        if getattr(t, "_qx_t", None) is not None:
+            t._qx_t = None
 
 
 def rms_norm(x_MH: Tensor, w_H: Tensor, eps: float) -> Tensor:
