@@ -354,7 +354,7 @@ class QarlConfig(_Section):
     algo: AlgoConfig = AlgoConfig()
     data: PromptDataConfig = PromptDataConfig()
     reward: RewardConfig = RewardConfig()
-    rollout: RolloutConfig = RolloutConfig()
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)  # built per config: it reads $QARL_API_KEY
     train: TrainConfig = TrainConfig()
     launch: LaunchConfig = LaunchConfig()
     seed: int = 1234
@@ -456,7 +456,6 @@ class QarlConfig(_Section):
     @model_validator(mode="after")
     def _check_layout(self) -> QarlConfig:
         from megatron_qarl.moe.model import Qwen3MoeArch
-        from megatron_qarl.moe.te import check_te_fp8_selection
 
         arch = Qwen3MoeArch.from_model_dir(self.model.path)
         tp, ep = self.parallel.tp, self.parallel.ep
@@ -467,7 +466,6 @@ class QarlConfig(_Section):
         if arch.num_experts % ep:
             raise ConfigError(f"parallel.ep: {ep} does not divide the model's num_experts "
                               f"({arch.num_experts}, {self.model.path}/config.json)")
-        check_te_fp8_selection(self.model.te_fp8, arch, self.quant)
         if self.learner.recompute == "full" and arch.num_hidden_layers % self.learner.recompute_num_layers:
             raise ConfigError(f"learner.recompute_num_layers: {self.learner.recompute_num_layers} does not divide the "
                               f"model's {arch.num_hidden_layers} layers (full recompute runs chunks of that many)")

@@ -118,9 +118,9 @@ def scheme_servers(tmp_path_factory):
             port, key = free_port(), cs.server_key(scheme, numerics)
             procs[key] = ServerProcess(
                 embedded_command(rollout_model_dir(cfg), port, dtype="float32", max_batch_size=16,
-                                 return_routed_experts=numerics == "default", api_key=KEY, numerics=numerics),
-                f"http://127.0.0.1:{port}", root / f"{key.replace('/', '_')}.log", env={"OMP_NUM_THREADS": "1"},
-                startup_timeout_s=600)
+                                 return_routed_experts=numerics == "default", numerics=numerics),
+                f"http://127.0.0.1:{port}", root / f"{key.replace('/', '_')}.log",
+                env={"OMP_NUM_THREADS": "1", "QARL_API_KEY": KEY}, startup_timeout_s=600, secret=KEY)
             procs[key].spawn()
     try:
         for p in procs.values():

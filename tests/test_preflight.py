@@ -115,6 +115,12 @@ def test_nccl_rule_without_a_readable_library():
     static = {**cuda_env(None, build="2.29.7", library=None), "nccl_packages": {}}
     assert "learner: 2.29.7 (torch 2.13.0 (CUDA 13.0) loads no libnccl: NCCL linked into torch, its build version)" \
         in check_nccl({"learner": static}, "nccl", "k").detail
+    # a torch that loads libnccl lazily (nothing mapped when the probe asks): the one nvidia-nccl installed, which
+    # it will load by name, not its build version (review of issue 38: every GPU run would have been refused)
+    lazy = {**cuda_env(None, build="2.29.7", library=None), "nccl_packages": {"nvidia-nccl-cu13": "2.30.7"}}
+    found = check_nccl({"learner": lazy, "servers": cuda_env("2.30.7")}, "nccl", "k")
+    assert found.ok and "learner: 2.30.7 (torch 2.13.0 (CUDA 13.0) has no libnccl loaded yet: the one installed " \
+        "nvidia-nccl-cu13==2.30.7, which it loads by name; built against 2.29.7)" in found.detail, found.detail
     unknown = {**cuda_env(None, library="/x/libnccl.so.2"), "nccl_packages": {}, "nccl_build": None}
     lacking = check_nccl({"learner": cuda_env("2.30.7"), "servers": unknown}, "nccl", "rollout.server_python")
     assert lacking.ok is False and lacking.env == "servers" and lacking.key == "rollout.server_python"

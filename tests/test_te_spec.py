@@ -217,7 +217,7 @@ def test_model_impl_is_a_validated_key(tmp_path, tiny_model_dir):
 @pytest.mark.skipif(moe_te.transformer_engine_available(), reason="Transformer Engine is installed here")
 def test_impl_resolves_to_local_without_te_and_te_says_what_is_missing():
     assert moe_te.resolve_impl("auto") == "local" and moe_te.resolve_impl("local") == "local"
-    with pytest.raises(ConfigError, match=r"^model\.impl: 'te' .*transformer-engine\[pytorch\]"):
+    with pytest.raises(ConfigError, match=r"^model\.impl: 'te' .*transformer-engine\[core_cu13,pytorch\]"):
         moe_te.resolve_impl("te")
 
 

@@ -23,7 +23,8 @@ from megatron_qarl.rollout.process import embedded_command
 from megatron_qarl.rollout.sglang_launcher import SGLangServerSpec, launch_command
 from megatron_qarl.rollout.vllm_launcher import MODULE as VLLM_MODULE
 from megatron_qarl.rollout.vllm_launcher import VLLMServerSpec, vllm_command, vllm_env
-from megatron_qarl.utils.api_key import key_env, sglang_key_file
+from megatron_qarl.utils.api_key import ENV as API_KEY_ENV
+from megatron_qarl.utils.api_key import sglang_key_file
 
 if TYPE_CHECKING:
     import torch
@@ -145,8 +146,8 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
     # deterministic inference
     spec = SGLangServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, ep=r.ep_size,
                             dp=r.dp_size, mem_fraction_static=r.mem_fraction_static,
-                            api_key_file=r.api_key and str(sglang_key_file(r.api_key, log_dir(cfg),
-                                                                           f"sglang-{port}.key.yaml")),
+                            api_key_file=r.api_key and str(sglang_key_file(
+                                r.api_key, log_dir(cfg), f"sglang-{socket.gethostname()}-{port}.key.yaml")),
                             random_seed=cfg.seed, deterministic_inference=True,
                             return_routed_experts=cfg.algo.wants_routes,
                             extra_args=("--max-running-requests", str(r.max_batch_size)))
@@ -159,8 +160,8 @@ def server_env(cfg: QarlConfig) -> dict[str, str]:
     API key and its CPU KV cache (rollout/vllm_launcher.py). SGLang's key is in a file (``server_command``)."""
     threads = cfg.rollout.threads
     env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-    if cfg.rollout.backend == "embedded":
-        env.update(key_env(cfg.rollout.api_key))
+    if cfg.rollout.backend == "embedded":  # set even when empty: never a key the launcher's environment carries
+        env[API_KEY_ENV] = cfg.rollout.api_key or ""
     return {**env, **vllm_env(cfg.rollout.api_key)} if cfg.rollout.backend == "vllm" else env
 
 

@@ -40,7 +40,8 @@ class LocalServers:
             url_host = "127.0.0.1" if host in ("0.0.0.0", "127.0.0.1", "localhost") else host
             self.procs.append(ServerProcess(server_command(cfg, model_dir, host, port), f"http://{url_host}:{port}",
                                             log_dir(cfg) / f"server{i}.log", env=server_env(cfg),
-                                            startup_timeout_s=cfg.rollout.startup_timeout_s))
+                                            startup_timeout_s=cfg.rollout.startup_timeout_s,
+                                            secret=cfg.rollout.api_key))
         self.urls = [p.url for p in self.procs]
         try:
             for p in self.procs:

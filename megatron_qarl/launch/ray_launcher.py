@@ -42,7 +42,7 @@ class _ServerActor:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         self.proc = ServerProcess(server_command(cfg, model_dir, host, port), f"http://{url_host}:{port}",
                                   log_dir(cfg) / f"server{index}.log", env=env,
-                                  startup_timeout_s=cfg.rollout.startup_timeout_s)
+                                  startup_timeout_s=cfg.rollout.startup_timeout_s, secret=cfg.rollout.api_key)
 
     def start(self) -> str:
         return self.proc.start()

@@ -77,31 +77,6 @@ def check_te_fp8(te_fp8: bool, impl: str, scheme: str) -> None:
                           f"(got model.impl={impl!r})")
 
 
-def check_te_fp8_selection(te_fp8: bool, arch, quant) -> None:
-    """``model.te_fp8`` against what ``quant.targets`` / ``quant.ignore`` select, at load (the learner's build refused
-    it before, qat/modules.py): ModelOpt converts every module of a Transformer Engine class the scheme quantizes
-    anywhere, and a converted module's forward refuses TE's fp8 autocast, so each kind of TE linear (attention's qkv,
-    its output projection, the experts' gate/up, their down) must be quantized in every layer and expert or in
-    none. ConfigError naming the keys and one linear of each side."""
-    if not te_fp8 or not quant.enabled:
-        return
-    from megatron_qarl.moe.convert import param_maps  # noqa: PLC0415 - convert imports this module's neighbours
-    from megatron_qarl.qat.config import is_quantized  # noqa: PLC0415
-
-    kinds: dict[str, tuple[list[str], list[str]]] = {}
-    for pm in param_maps(arch, impl="te"):
-        if pm.split in ("qkv", "tp_col", "fc1", "fc2"):
-            on, off = kinds.setdefault(pm.split, ([], []))
-            for name in pm.hf:
-                (on if is_quantized(name, quant) else off).append(name.removesuffix(".weight"))
-    for on, off in kinds.values():
-        if on and off:
-            raise ConfigError(f"quant.ignore: with model.te_fp8 the {len(off)} linear(s) it leaves in high precision, "
-                              f"e.g. {off[0]}, share their Transformer Engine class with {len(on)} quantized ones, "
-                              f"e.g. {on[0]}: ModelOpt converts them too, and their forward refuses TE's fp8 autocast. "
-                              "Quantize that kind of linear in every layer or in none, or set model.te_fp8=false")
-
-
 def transformer_engine_available() -> bool:
     """True when Transformer Engine's PyTorch package imports (never on the CPU-only machines)."""
     try:

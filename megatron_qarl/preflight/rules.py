@@ -22,8 +22,10 @@ from pydantic import BaseModel
 
 from megatron_qarl.config import QarlConfig, apply_overrides, load_yaml, validate_config
 from megatron_qarl.errors import ConfigError
+from megatron_qarl.moe.convert import param_maps
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.plan.memory import LayoutError, ServerLayout, check_server_layout
+from megatron_qarl.qat.config import is_quantized
 from megatron_qarl.rollout.vllm_launcher import CPU_INT4_GROUP
 
 
@@ -156,6 +158,28 @@ def check_numerics(cfg: QarlConfig) -> None:
 BACKEND_RULES = {"embedded": None, "sglang": check_sglang, "vllm": check_vllm}
 
 
+def check_te_fp8_selection(cfg: QarlConfig) -> None:
+    """``model.te_fp8`` against what ``quant.targets`` / ``quant.ignore`` select (the learner's build refused it
+    before, qat/modules.py): ModelOpt converts every module of a Transformer Engine class the scheme quantizes
+    anywhere, and a converted module's forward refuses TE's fp8 autocast, so each kind of TE linear (attention's qkv,
+    its output projection, the experts' gate/up, their down) must be quantized in every layer and expert or in
+    none. ConfigError naming the keys and one linear of each side."""
+    if not cfg.model.te_fp8 or not cfg.quant.enabled:
+        return
+    kinds: dict[str, tuple[list[str], list[str]]] = {}
+    for pm in param_maps(_arch(cfg.model.path), impl="te"):
+        if pm.split in ("qkv", "tp_col", "fc1", "fc2"):
+            on, off = kinds.setdefault(pm.split, ([], []))
+            for name in pm.hf:
+                (on if is_quantized(name, cfg.quant) else off).append(name.removesuffix(".weight"))
+    for on, off in kinds.values():
+        if on and off:
+            raise ConfigError(f"quant.ignore: with model.te_fp8 the {len(off)} linear(s) it leaves in high precision, "
+                              f"e.g. {off[0]}, share their Transformer Engine class with {len(on)} quantized ones, "
+                              f"e.g. {on[0]}: ModelOpt converts them too, and their forward refuses TE's fp8 autocast. "
+                              "Quantize that kind of linear in every layer or in none, or set model.te_fp8=false")
+
+
 def check_logprob_semantics(cfg: QarlConfig) -> None:
     """Sampling settings under which the log-probs SGLang reports are not of the distribution the learner scores
     (log_softmax(z / T), ``rollout.sampling.temperature``). SGLang 0.5.23 takes a batch whose requests all have
@@ -175,6 +199,7 @@ def check_run(cfg: QarlConfig) -> QarlConfig:
     rule = BACKEND_RULES[cfg.rollout.backend]
     if rule is not None:
         rule(cfg)
+    check_te_fp8_selection(cfg)
     check_logprob_semantics(cfg)
     return cfg
 

@@ -45,7 +45,8 @@ ONE_NCCL = max(TORCH_NCCL.values(), key=Version)  # what every environment of a 
 def nccl_of(facts: dict) -> tuple[str | None, str]:
     """(the NCCL version an environment loads, where that was read). Where torch is a CUDA build: the version its
     loaded libnccl answers (``nccl_loaded``); a loaded library that cannot say: its distribution's version; no libnccl
-    loaded at all: NCCL is linked into torch, whose build version it then is. Else the nvidia-nccl-cu* distributions
+    loaded yet: the one nvidia-nccl-cu* installed (a torch that loads it lazily), else NCCL is linked into torch,
+    whose build version it then is. Else the nvidia-nccl-cu* distributions
     installed (several different ones answer all of them, joined: never equal to another environment's); (None, why)
     when it has none."""
     pkgs = facts.get("nccl_packages") or {}
@@ -58,6 +59,9 @@ def nccl_of(facts: dict) -> tuple[str | None, str]:
                                       f": ncclGetVersion{built}{installed}")
     if facts.get("torch_cuda") and owner and "," not in owner:
         return owner.split("==")[1], f"{torch_is} loaded {library} of {owner} ({facts.get('nccl_error')}){built}"
+    if facts.get("torch_cuda") and not library and len(set(pkgs.values())) == 1:  # a torch that maps it lazily
+        return next(iter(pkgs.values())), (f"{torch_is} has no libnccl loaded yet: the one installed "
+                                           f"{_dists(pkgs)}, which it loads by name{built}")
     if facts.get("torch_cuda") and build and not library:
         return build, f"{torch_is} loads no libnccl: NCCL linked into torch, its build version{installed}"
     if pkgs:

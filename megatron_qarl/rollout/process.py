@@ -26,7 +26,7 @@ def embedded_command(model_dir: str, port: int, *, host: str = "127.0.0.1", dtyp
                      return_routed_experts: bool = False, python: str = sys.executable,
                      numerics: str = "default") -> list[str]:
     """``qarl serve`` for a Hugging Face directory (BF16 or a qat/ export), run by ``python``. Its API key goes in
-    its environment (``utils.api_key.key_env``), never this argv."""
+    its environment ($QARL_API_KEY, ``launch.fleet.server_env``), never this argv."""
     cmd = [python, "-m", "megatron_qarl.cli", "serve", "--model", model_dir, "--host", host,
            "--port", str(port), "--dtype", dtype, "--max-batch-size", str(max_batch_size)]
     cmd += ["--max-seq-len", str(max_seq_len)] if max_seq_len else []
@@ -39,8 +39,11 @@ class ServerProcess:
     """A rollout server command, its log file and its URL."""
 
     def __init__(self, command: list[str], url: str, log_path: str | Path, *, env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 300.0):
+                 startup_timeout_s: float = 300.0, secret: str | None = None):
+        """``secret``: the server's API key, which SGLang writes into its log with its other settings: the log is
+        readable by this user only, and ``log_tail`` (what errors quote) masks it."""
         self.command, self.url, self.log_path = list(command), url, Path(log_path)
+        self.secret = secret
         self.env = dict(os.environ, **(env or {}))
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -55,7 +58,9 @@ class ServerProcess:
         """Start the server process and return at once (``wait_ready`` waits for it): a launcher starts every
         server, and builds its learner, while they load."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)  # also a log an earlier run created
+        with os.fdopen(fd, "ab") as log:
             # its own process group: a server's helper processes (vLLM's engine core and workers) are stopped with
             # it, also when the server itself died by SIGKILL (they would outlive it, holding memory and cores)
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
@@ -111,6 +116,7 @@ class ServerProcess:
 
     def log_tail(self, lines: int = 20) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+        return tail.replace(self.secret, "***") if self.secret else tail

@@ -160,15 +160,16 @@ class RolloutPipeline:
     def take(self, step: int) -> Rollout:
         """Step ``step``'s rollout: the one in flight (waited for), else one run now. In async modes, samples
         over the bound are regenerated (``Rollout.regenerated``)."""
-        job = self.pending.pop(step, None)
+        job = self.pending.get(step)
         if job is None:
             job = self._draw(step)
             self._run(job, background=False)
-        else:
+        else:  # pending until its result is in: a signal that interrupts the wait leaves it for close(abort) to cancel
             try:
                 job.future.result()
             except EveryServerDown:  # every server failed in the background: restart them here and continue
                 self._run(job, background=False)
+            del self.pending[step]
         if self.mode != "off":
             self._enforce_bound(job)
         return job

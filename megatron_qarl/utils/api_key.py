@@ -14,6 +14,7 @@ never an argv, which every user of a node sees (``ps``, /proc/PID/cmdline, a Slu
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -33,14 +34,18 @@ def key_env(key: str | None) -> dict[str, str]:
 
 
 def sglang_key_file(key: str, directory: str | Path, name: str) -> Path:
-    """``directory/name``: the YAML file SGLang's ``--config`` reads, holding only ``api-key``; created readable and
-    writable by this user alone (0600, also when it existed: an earlier file is rewritten)."""
+    """``directory/name``: the YAML file SGLang's ``--config`` reads, holding only ``api-key``; readable and
+    writable by this user alone (0600), written whole under another name and renamed into place, so a server that
+    starts meanwhile reads the old file or the new one, never an empty one (SGLang takes an empty YAML for no
+    settings: a server without its key)."""
     path = Path(directory) / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.")  # mkstemp: 0600
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, yaml.safe_dump({"api-key": key}).encode())
-    finally:
-        os.close(fd)
+        with os.fdopen(fd, "w") as f:
+            f.write(yaml.safe_dump({"api-key": key}))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path

@@ -14,7 +14,8 @@ refuses a non-loopback host without a key). A request is let through when its ``
 header holds the key (compared as SHA-256 digests in constant time, as vLLM's middleware does); /health is let
 through always (the launcher's readiness probe and the sync's liveness check send no key), and so is a CORS
 preflight: an OPTIONS request with an Origin and an Access-Control-Request-Method header, which vLLM's
-CORSMiddleware (inside this one) answers itself, without reaching a route. Any other OPTIONS request needs the key:
+CORSMiddleware (inside this one) answers itself, without reaching a route (vLLM 0.32 allows no origin unless
+--allowed-origins says: "400 Disallowed CORS origin"). Any other OPTIONS request needs the key:
 the Prometheus app mounted at /metrics answers every method, OPTIONS with the metrics.
 """
 
