@@ -246,6 +246,29 @@ def test_compiled_refresh_is_bit_identical():
             _fused_matches(w, QuantConfig(scheme=scheme, **kwargs), compiled=True)
 
 
+def test_a_torch_that_cannot_compile_the_refresh_falls_back_to_eager_with_one_warning(monkeypatch):
+    """Issue 37: on the H200's torch 2.11 Dynamo failed on the refresh ("lshift ... s12") and crashed the run; now
+    the first failure warns once naming learner.compile_quantizer and the refresh runs eager, same bits."""
+    import warnings
+
+    from megatron_qarl.qat import quantizer
+
+    def broken(*_args):
+        raise RuntimeError("call_function <built-in function lshift>(*(1, s12)) (this test's Dynamo)")
+
+    monkeypatch.setitem(quantizer._COMPILED, "w4a16", broken)
+    cfg = QuantConfig(scheme="w4a16")
+    w = _weight((64, 256), 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = fake_quantize_weight(w, cfg, compiled=True)
+        second = fake_quantize_weight(w, cfg, compiled=True)
+    eager = fake_quantize_weight(w, cfg)
+    assert [str(c.message)[:60] for c in caught] == ["learner.compile_quantizer: torch.compile of the W4A16 refres"]
+    for got in (first, second):
+        assert torch.equal(got[0].codes, eager[0].codes) and torch.equal(got[1], eager[1])
+
+
 # ------------------------------------------------------------------------------------------------ errors
 def test_group_size_not_dividing_k():
     with pytest.raises(ValueError, match=r"group_size 128 does not divide K=200"):
@@ -325,3 +348,29 @@ def test_five_bit_scales_make_every_product_exact_in_bf16():
     assert not torch.equal(exact_full.reshape(256, 512), full.dequantize(torch.float32))  # 8-bit scales round
     rel = lambda qq: ((qq.dequantize(torch.float32) - w).pow(2).mean() / w.pow(2).mean()).item()  # noqa: E731
     assert rel(qw) < 1.05 * rel(full)  # the coarser scale costs < 5% more squared error
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_learners_activation_fake_quant_is_dequant_of_quant_bit_for_bit(dtype):
+    """Issue 37: the W8A8 forward's input fake quant computes the codes' values without their own tensors (fewer
+    ops per linear); same bits as dequantizing the codes, for ties, tiny and huge rows and fp8 subnormals."""
+    from megatron_qarl.qat.quantizer import (
+        dequant_act_fp8_per_token_group,
+        dequant_act_int8_per_token,
+        fake_quant_act_fp8_per_token_group,
+        fake_quant_act_int8_per_token,
+        quant_act_fp8_per_token_group,
+        quant_act_int8_per_token,
+    )
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 256, generator=gen) * torch.logspace(-12, 12, 64)[:, None]
+    x[0] = torch.arange(256) - 127.5  # halves: round-half-away ties
+    x[1] = 0.0
+    x[2, :128] = 1e-30  # below the amax floor
+    x = x.to(dtype)
+    want = dequant_act_int8_per_token(*quant_act_int8_per_token(x), dtype)
+    assert torch.equal(fake_quant_act_int8_per_token(x), want)
+    for g in (64, 128):
+        want = dequant_act_fp8_per_token_group(*quant_act_fp8_per_token_group(x, g), dtype)
+        assert torch.equal(fake_quant_act_fp8_per_token_group(x, g), want)

@@ -24,10 +24,8 @@ from torch import Tensor
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.quantizer import (
     QuantizedWeight,
-    dequant_act_fp8_per_token_group,
-    dequant_act_int8_per_token,
-    quant_act_fp8_per_token_group,
-    quant_act_int8_per_token,
+    fake_quant_act_fp8_per_token_group,
+    fake_quant_act_int8_per_token,
     quantize_weight,
 )
 
@@ -70,12 +68,9 @@ def fake_quant_act(x: Tensor, cfg: QuantConfig) -> Tensor:
 
     w8a8_fp8: per token, per group of ``cfg.group_size``; w8a8_int8: per token; other schemes: ``x``.
     """
-    if cfg.scheme == "w8a8_fp8":
-        codes, scales = quant_act_fp8_per_token_group(x, cfg.group_size)
-        x_fq = dequant_act_fp8_per_token_group(codes, scales, x.dtype)
-    elif cfg.scheme == "w8a8_int8":
-        codes, scales = quant_act_int8_per_token(x)
-        x_fq = dequant_act_int8_per_token(codes, scales, x.dtype)
-    else:
+    if cfg.scheme not in ("w8a8_fp8", "w8a8_int8"):
         return x
+    with torch.no_grad():  # the codes' values only, never their own tensors (quantizer.fake_quant_act_*)
+        x_fq = (fake_quant_act_fp8_per_token_group(x, cfg.group_size) if cfg.scheme == "w8a8_fp8"
+                else fake_quant_act_int8_per_token(x))
     return straight_through(x, x_fq)

@@ -57,13 +57,17 @@ from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 from megatron_qarl.qat.config import QuantConfig, is_quantized
 from megatron_qarl.qat.fake_quant import fake_quant_act, straight_through
-from megatron_qarl.qat.quantizer import QuantizedWeight, fake_quantize_weight
+from megatron_qarl.qat.quantizer import QuantizedWeight, fake_quantize_weight, scales_finite
 
 WEIGHT_BACKEND = "qarl_weight"
 ACT_BACKEND = "qarl_act"
 
 # Megatron parameter split kinds that are linear weights, and whether K (dim 1) is the split dim
 _LINEAR_SPLITS = {"qkv": False, "tp_row": False, "tp_col": True, "fc1": False, "fc2": True}
+
+# a group refresh quantizes at most this many bytes (fp32) in one call: one call per layer and projection at the tiny
+# and CPU shapes; at Qwen3-30B-A3B's (128 experts x 1536 x 2048 in fc1) a few, bounding the call's temporaries
+GROUP_BYTES = 256 << 20
 
 # TensorQuantizer -> the function its backend calls (set by FakeQuant; weak: a dropped model frees its entries)
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -77,16 +81,38 @@ def _dispatch(x: Tensor, quantizer) -> Tensor:
     return fn(x)
 
 
+@contextlib.contextmanager
+def _replace_function(package, name, new_func, og_func_cache_name=None):
+    """ModelOpt's ``replace_function`` (modelopt/torch/quantization/utils/core_utils.py), restoring on an exception
+    too. Why: a quant module of Megatron's runs its forward inside it, with Megatron's linear functional
+    (``linear_with_grad_accumulation_and_async_allreduce``) replaced by one bound to that module; ModelOpt 0.47
+    restores it only on a normal exit, so a forward that raised (a weight the scheme cannot quantize, an OOM) left
+    the package's functional bound to the failed module, and every later forward of every model in the process ran
+    that module's linear (RecursionError, or its weights and errors)."""
+    cache = og_func_cache_name or "_" + name
+    old = getattr(package, name)
+    setattr(package, name, new_func)
+    setattr(package, cache, old)
+    try:
+        yield
+    finally:
+        setattr(package, name, old)
+        delattr(package, cache)
+
+
 def register_backends() -> None:
-    """Register the two ModelOpt backends (idempotent)."""
+    """Register the two ModelOpt backends (idempotent), and give ModelOpt's functional quant modules (Megatron's and
+    TE's linears: ``plugins.custom``) the ``replace_function`` that restores on an exception (``_replace_function``)."""
     from modelopt.torch.quantization.nn.modules.tensor_quantizer import (
         is_registered_quant_backend,
         register_quant_backend,
     )
+    from modelopt.torch.quantization.plugins import custom
 
     for name in (WEIGHT_BACKEND, ACT_BACKEND):
         if not is_registered_quant_backend(name):
             register_quant_backend(name, _dispatch)
+    custom.replace_function = _replace_function
 
 
 def modelopt_config(cfg: QuantConfig) -> dict:
@@ -192,7 +218,45 @@ class _Target:
     splits_k: bool
     version: tuple | None = None
     quantized: dict[str, QuantizedWeight] | None = None
-    local_fq: Tensor | None = None  # dequantized local shard (no autograd)
+    local_fq: Tensor | None = None  # dequantized local shard (no autograd), in the master's dtype
+    finite: Tensor | None = None  # 0-dim bool on the device: every scale finite (refreshed alone)
+    stack: _Stack | None = None  # the targets refreshed with it by one quantizer call, else None (alone)
+    index: int = 0  # its place in the stack
+    st: dict[bool, Tensor] = dataclasses.field(default_factory=dict)  # grad mode -> the forward's weight
+
+
+class _StackStraightThrough(torch.autograd.Function):
+    """Forward: the rows of the stacked fake-quant weights split per master (one op, views); backward: each view's
+    gradient to its master as is (straight-through, as ``fake_quant.straight_through`` per weight)."""
+
+    @staticmethod
+    def forward(ctx, stack: Tensor, rows: list[int], *masters: Tensor) -> tuple[Tensor, ...]:  # noqa: ARG004
+        return stack.split(rows)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, None, *grads)
+
+
+@dataclasses.dataclass(eq=False)
+class _Stack:
+    """Targets refreshed by one quantizer call over their stacked master weights: the same projection of the local
+    experts of one layer, not split over expert-tensor-parallel ranks (then each master is its Hugging Face tensors'
+    rows, gate_proj over up_proj for fc1). Their rows are quantized independently under every scheme (W4A16 groups
+    and INT8 scales along a row, FP8 blocks of B rows, so each tensor's rows must be whole blocks), so the stack's
+    codes, scales and dequantized weights are those of each weight alone, bit for bit."""
+
+    name: str
+    targets: list[_Target]
+    qw: QuantizedWeight | None = None  # the stack's codes and scales (sliced per weight for the sync)
+    fq: Tensor | None = None  # the stack's dequantized weights, in the masters' dtype
+    finite: Tensor | None = None  # 0-dim bool on the device: every scale of the stack finite
+    st: dict[bool, tuple[Tensor, ...]] = dataclasses.field(default_factory=dict)  # grad mode -> each target's weight
+    version: tuple | None = None
+
+    @property
+    def rows(self) -> list[int]:
+        return [t.param.shape[0] for t in self.targets]
 
 
 def _weight_quantizer(module: torch.nn.Module, param_name: str):
@@ -224,6 +288,8 @@ class FakeQuant:
         with _sequential_mlp_as_children(model, self.layout), _convert_only(model, {m for _, m, _ in chosen}, fp8):
             mtq.quantize(model, modelopt_config(cfg), forward_loop=None)
         self.targets = [self._target(model, pm, module_name, param_name) for pm, module_name, param_name in chosen]
+        self._check_shapes()
+        self.stacks = self._stacks()
         bound_modules = {t.module for t in self.targets}
         for name, module in model.named_modules():  # converted linears the config leaves in high precision
             if hasattr(module, "weight_quantizer") and module not in bound_modules:
@@ -278,35 +344,117 @@ class FakeQuant:
             for q in (quantizers if isinstance(quantizers, torch.nn.ModuleList) else [quantizers]):
                 q.enable() if on else q.disable()
 
+    def _check_shapes(self) -> None:
+        """W4A16's group must divide every quantized weight's K (the Hugging Face tensor's): refused here, at the
+        build, not at the first forward."""
+        if self.cfg.scheme != "w4a16":
+            return
+        for t in self.targets:
+            k = t.param.shape[1] * (t.size if t.splits_k else 1)
+            if k % self.cfg.group_size:
+                raise ValueError(f"quant.group_size: {self.cfg.group_size} does not divide K={k} of {t.pm.hf[0]} "
+                                 "(W4A16 quantizes groups of that many along K)")
+
+    def _stacks(self) -> list[_Stack]:
+        """The experts' targets of each layer and projection (fc1, fc2) that no expert-tensor-parallel group splits,
+        in stacks of at most GROUP_BYTES (fp32) that one quantizer call refreshes; FP8 only where every Hugging
+        Face tensor is whole blocks of rows (a block must not straddle two weights). The rest refresh alone."""
+        block = self.cfg.group_size if self.cfg.scheme == "w8a8_fp8" else 1
+        by_key: dict[str, list[_Target]] = {}
+        for t in self.targets:
+            rows_per_hf = t.param.shape[0] // len(t.pm.hf)
+            if t.pm.split in ("fc1", "fc2") and t.group is None and rows_per_hf % block == 0:
+                layer = t.pm.mcore.split(".mlp.experts.")[0]
+                by_key.setdefault(f"{layer}.mlp.experts.{t.pm.split}", []).append(t)
+        stacks = []
+        for key, targets in by_key.items():
+            chunk: list[_Target] = []
+            for t in targets:
+                if chunk and 4 * sum(x.param.numel() for x in chunk + [t]) > GROUP_BYTES:
+                    stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
+                    chunk = []
+                chunk.append(t)
+            stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
+        for s in stacks:
+            for i, t in enumerate(s.targets):
+                t.stack, t.index = s, i
+        return stacks
+
     # ------------------------------------------------------------------ quantization, cached per version
     def _refresh(self, t: _Target) -> None:
+        """Quantize ``t`` (with its stack) when its master changed since: no host sync (a nan / inf in a weight
+        makes its scales, its fake-quant weight and so the step's gradients non-finite, and Megatron's optimizer
+        skips such a step; the weight sync refuses it by name, ``target_codes``)."""
         master = t.param
         version = (master._version, master.data_ptr())
-        if t.version == version and t.quantized is not None:
+        if t.version == version and t.local_fq is not None:
+            return
+        if t.stack is not None:
+            self._refresh_stack(t.stack)
             return
         with torch.no_grad():
             w = master.detach()
             shards = ([w] if t.group is None else
                       all_gather_tensors(to_group_device(w, t.group), t.group, t.size, name=t.pm.mcore))
             hf = shards_to_hf(t.pm, shards, self.arch)
-            pairs = {name: fake_quantize_weight(tensor, self.cfg, name, self.compiled) for name, tensor in hf.items()}
+            pairs = {name: fake_quantize_weight(tensor, self.cfg, name, self.compiled, check_finite=False)
+                     for name, tensor in hf.items()}
             t.quantized = {name: qw for name, (qw, _) in pairs.items()}
+            flags = [scales_finite(qw) for qw in t.quantized.values()]
+            t.finite = flags[0] if len(flags) == 1 else torch.stack(flags).all()
             # a copy of this rank's shard: hf_to_shard may return a view of the whole gathered tensor (the fused
             # qkv's TP chunk), which would keep every TP rank's bf16 weights alive in the cache (docs/plan.md)
-            t.local_fq = hf_to_shard(t.pm, lambda name: pairs[name][1], self.arch, self.layout).clone(
-                memory_format=torch.contiguous_format)
-        t.version = version
+            t.local_fq = hf_to_shard(t.pm, lambda name: pairs[name][1], self.arch, self.layout).to(
+                master.dtype, memory_format=torch.contiguous_format, copy=True)
+        t.version, t.st = version, {}
+
+    def _refresh_stack(self, s: _Stack) -> None:
+        """One quantizer call over the stack's masters (rows concatenated); each target's dequantized weight is its
+        rows of the result (a view), its codes are sliced when the sync asks (``target_codes``)."""
+        with torch.no_grad():
+            stack = torch.cat([t.param for t in s.targets])  # under no_grad: no detach (one op each)
+            s.qw, s.fq = fake_quantize_weight(stack, self.cfg, s.name, self.compiled, check_finite=False)
+            s.finite, s.st = scales_finite(s.qw), {}
+            for t, part in zip(s.targets, s.fq.split(s.rows), strict=True):
+                t.local_fq, t.quantized, t.st = part, None, {}
+                t.version = (t.param._version, t.param.data_ptr())
 
     def invalidate(self) -> None:
         """Forget every cached quantization (after weights change behind autograd's back)."""
         for t in self.targets:
-            t.version = t.quantized = t.local_fq = None
+            t.version = t.quantized = t.local_fq = t.finite = None
+            t.st = {}
+        for s in self.stacks:
+            s.qw = s.fq = s.finite = None
+            s.st = {}
 
     def target_codes(self, t: _Target) -> dict[str, QuantizedWeight]:
         """Hugging Face name -> the QuantizedWeight of one target, as this rank's forward uses it (the very
-        codes a weight sync sends; quantized once per optimizer step)."""
+        codes a weight sync sends; quantized once per optimizer step). ValueError naming the weight when it holds
+        a nan / inf (the one host read of the finiteness flag, on the sync's path)."""
         self._refresh(t)
+        finite = t.stack.finite if t.stack is not None else t.finite
+        if not bool(finite):
+            where = t.stack.name if t.stack is not None else t.pm.mcore
+            raise ValueError(f"{where}: non-finite value(s) (nan/inf) in the weight; its codes are not sent")
+        if t.quantized is None:
+            t.quantized = self._stack_codes(t)
         return t.quantized
+
+    def _stack_codes(self, t: _Target) -> dict[str, QuantizedWeight]:
+        """``t``'s Hugging Face tensors' codes and scales: their rows of the stack's (gate_proj, up_proj: halves)."""
+        s, cfg = t.stack, self.cfg
+        start = sum(s.rows[: t.index])
+        rows = t.param.shape[0] // len(t.pm.hf)
+        per_scale_row = cfg.group_size if cfg.scheme == "w8a8_fp8" else 1
+        out = {}
+        for i, name in enumerate(t.pm.hf):
+            a, b = start + i * rows, start + (i + 1) * rows
+            zp = s.qw.zero_points
+            out[name] = QuantizedWeight(s.qw.codes[a:b], s.qw.scales[a // per_scale_row: b // per_scale_row],
+                                        None if zp is None else zp[a:b], (rows, s.qw.shape[1]), s.qw.scheme,
+                                        s.qw.group_size)
+        return out
 
     def exact_weight(self, t: _Target) -> Tensor:
         """A target's dequantized codes as float32 with a straight-through gradient to its master weight: what a
@@ -318,9 +466,27 @@ class FakeQuant:
     def _weight_fn(self, t: _Target) -> Callable[[Tensor], Tensor]:
         def fake_quant(w: Tensor) -> Tensor:
             self._refresh(t)
-            return straight_through(w, t.local_fq.to(w.dtype))
+            if w is not t.param:  # not the master itself: its own straight-through
+                return straight_through(w, t.local_fq.to(w.dtype))
+            return self._forward_weight(t)
 
         return fake_quant
+
+    @staticmethod
+    def _forward_weight(t: _Target) -> Tensor:
+        """The weight ``t``'s linear multiplies: its fake-quant weight with a straight-through gradient to its master,
+        made once per weight version and grad mode (for a stack, every target's at once: one op), then reused by
+        every forward until the next refresh: the node saves nothing, so any number of backward passes go through
+        it, each handing its gradient to the master."""
+        mode = torch.is_grad_enabled()
+        if t.stack is None:
+            if mode not in t.st:
+                t.st[mode] = straight_through(t.param, t.local_fq)
+            return t.st[mode]
+        s = t.stack
+        if mode not in s.st:
+            s.st[mode] = _StackStraightThrough.apply(s.fq, s.rows, *(x.param for x in s.targets))
+        return s.st[mode][t.index]
 
     def _act_fn(self, t: _Target) -> Callable[[Tensor], Tensor]:
         def fake_quant(x: Tensor) -> Tensor:

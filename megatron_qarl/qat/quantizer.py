@@ -14,6 +14,7 @@ Numerics rules that make the result identical on CPU and GPU:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -148,10 +149,25 @@ def _compiled_core():
     return _COMPILED["w4a16"]
 
 
+def _symmetric_core(compiled: bool, *args):
+    """``_w4a16_symmetric_core(*args)``, compiled when asked and this torch can: a torch whose Dynamo cannot trace
+    it (torch 2.11's: "call_function <built-in function lshift>(*(1, s12))", the code width as a symbolic int)
+    runs it eager from then on, after one warning naming the key; the bits are the same either way."""
+    if compiled and _COMPILED.get("w4a16") is not False:
+        try:
+            return _compiled_core()(*args)
+        except Exception as err:  # noqa: BLE001 - any compile failure: the eager path computes the same bits
+            _COMPILED["w4a16"] = False
+            warnings.warn(f"learner.compile_quantizer: torch.compile of the W4A16 refresh failed on torch "
+                          f"{torch.__version__} ({type(err).__name__}: {str(err).splitlines()[0][:200]}); it runs "
+                          "eager (same bits). Set learner.compile_quantizer=false to silence this", stacklevel=2)
+    return _w4a16_symmetric_core(*args)
+
+
 def _w4a16(w: Tensor, group_size: int, symmetric: bool, name: str, scale_bits: int | None, num_bits: int,
-           compiled: bool) -> tuple[QuantizedWeight, Tensor]:
+           compiled: bool, check_finite: bool = True) -> tuple[QuantizedWeight, Tensor]:
     """(QuantizedWeight, w_fq fp32 [N, K] = its dequantized weight) of ``quantize_w4a16``'s rules."""
-    check_weight(w, name, finite=not symmetric)  # symmetric: amax (nan/inf propagate) checks finiteness
+    check_weight(w, name, finite=check_finite and not symmetric)  # symmetric: amax (nan/inf propagate) checks
     n, k = w.shape
     if group_size <= 0 or k % group_size:
         raise ValueError(f"{name}: group_size {group_size} does not divide K={k} (weight shape [{n}, {k}])")
@@ -159,9 +175,9 @@ def _w4a16(w: Tensor, group_size: int, symmetric: bool, name: str, scale_bits: i
     levels = float(qmax - qmin)  # 15, 7, 3
     w_ngg = w.detach().float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
     if symmetric:
-        core = _compiled_core() if compiled else _w4a16_symmetric_core
-        codes, scale_ng, w_fq, amax_ng = core(w_ngg, _const(levels / 2, w), qmin, qmax, scale_bits)
-        if not bool(torch.isfinite(amax_ng).all()):
+        codes, scale_ng, w_fq, amax_ng = _symmetric_core(compiled, w_ngg, _const(levels / 2, w), qmin, qmax,
+                                                         scale_bits)
+        if check_finite and not bool(torch.isfinite(amax_ng).all()):
             check_weight(w, name)  # raises, naming the count of non-finite values
         if scale_bits is None or scale_bits > 5:  # w_fq = bf16(q * s) as Marlin computes it; with a scale of
             w_fq = w_fq.to(torch.bfloat16).float()  # <= 5 significant bits q * s (|q| <= 8) is exact in bf16
@@ -196,7 +212,8 @@ def _pad_to_blocks(w: Tensor, block: int) -> Tensor:
     return torch.nn.functional.pad(w, (0, pk, 0, pn)) if pn or pk else w
 
 
-def quantize_fp8_block(w: Tensor, block_size: int = 128, name: str = "weight") -> QuantizedWeight:
+def quantize_fp8_block(w: Tensor, block_size: int = 128, name: str = "weight",
+                       check_finite: bool = True) -> QuantizedWeight:
     """float8 e4m3 weights in ``block_size`` x ``block_size`` blocks (DeepSeek-V3 / Qwen3-FP8 layout).
 
     Per block b (partial blocks at the edges allowed):
@@ -204,7 +221,7 @@ def quantize_fp8_block(w: Tensor, block_size: int = 128, name: str = "weight") -
         q   = e4m3_round_half_even(clamp(w.float() / s_b, -448, 448))
         w_fq = q.float() * s_b                               (fp32; cast to the module dtype by the caller)
     """
-    check_weight(w, name)
+    check_weight(w, name, finite=check_finite)
     n, k = w.shape
     b = block_size
     w_p = _pad_to_blocks(w.detach().float(), b)
@@ -227,14 +244,14 @@ def dequantize_fp8_block(qw: QuantizedWeight, dtype: torch.dtype = torch.float32
 
 
 # ------------------------------------------------------------------------------------- W8A8 INT8 weights
-def quantize_int8_channel(w: Tensor, name: str = "weight") -> QuantizedWeight:
+def quantize_int8_channel(w: Tensor, name: str = "weight", check_finite: bool = True) -> QuantizedWeight:
     """int8 per output channel, symmetric, static (SGLang ``w8a8_int8``). Per row n:
 
     s_n = amax_n / 127   (fp32 [N, 1]; 1 if amax_n = 0)     exported as weight_scale
     q   = clamp(round_half_even(w.float() / s_n), -128, 127)
     w_fq = q.float() * s_n                                   (fp32; cast to the module dtype)
     """
-    check_weight(w, name)
+    check_weight(w, name, finite=check_finite)
     n, k = w.shape
     w_nk = w.detach().float()
     scale_n1 = w_nk.abs().amax(dim=-1, keepdim=True) / _const(127.0, w)
@@ -249,31 +266,41 @@ def dequantize_int8_channel(qw: QuantizedWeight, dtype: torch.dtype = torch.floa
 
 
 # ------------------------------------------------------------------------------------------- dispatchers
-def quantize_weight(w: Tensor, cfg: QuantConfig, name: str = "weight") -> QuantizedWeight:
-    """Quantize ``w`` with the scheme of ``cfg`` (the single entry point of the learner and the exporter)."""
+def quantize_weight(w: Tensor, cfg: QuantConfig, name: str = "weight", check_finite: bool = True) -> QuantizedWeight:
+    """Quantize ``w`` with the scheme of ``cfg`` (the single entry point of the learner and the exporter).
+    ``check_finite`` False: no ValueError for a nan / inf in ``w`` (that check reads a device value on the host);
+    its scales are then non-finite (every scheme's scale is a max of |w| over its group, which propagates them),
+    which the caller checks where it may sync (``scales_finite``)."""
     scheme = check_scheme(cfg.scheme)
     if scheme == "w4a16":
-        return quantize_w4a16(w, cfg.group_size, cfg.symmetric, name, cfg.scale_bits if cfg.symmetric else None,
-                              cfg.num_bits)
+        return _w4a16(w, cfg.group_size, cfg.symmetric, name, cfg.scale_bits if cfg.symmetric else None,
+                      cfg.num_bits, False, check_finite)[0]
     if scheme == "w8a8_fp8":
-        return quantize_fp8_block(w, cfg.group_size, name)
+        return quantize_fp8_block(w, cfg.group_size, name, check_finite)
     if scheme == "w8a8_int8":
-        return quantize_int8_channel(w, name)
+        return quantize_int8_channel(w, name, check_finite)
     raise ValueError(f"{name}: scheme bf16 means quantization is off; nothing to quantize")
 
 
-def fake_quantize_weight(w: Tensor, cfg: QuantConfig, name: str = "weight",
-                         compiled: bool = False) -> tuple[QuantizedWeight, Tensor]:
+def fake_quantize_weight(w: Tensor, cfg: QuantConfig, name: str = "weight", compiled: bool = False,
+                         check_finite: bool = True) -> tuple[QuantizedWeight, Tensor]:
     """(qw, w_fq): ``quantize_weight(w, cfg)`` and its ``dequantize_weight(qw, w.dtype)``, bit for bit, in one
     pass set (the learner's per-step refresh). ``compiled``: the W4A16 symmetric math runs compiled by
-    torch.compile (one fused kernel; same bits, tested), after a one-off compile in each process."""
+    torch.compile (one fused kernel; same bits, tested), after a one-off compile in each process.
+    ``check_finite``: as ``quantize_weight``; without it a nan / inf in ``w`` makes w_fq non-finite too."""
     scheme = check_scheme(cfg.scheme)
     if scheme == "w4a16":
         qw, w_fq = _w4a16(w, cfg.group_size, cfg.symmetric, name, cfg.scale_bits if cfg.symmetric else None,
-                          cfg.num_bits, compiled)
+                          cfg.num_bits, compiled, check_finite)
         return qw, w_fq.to(w.dtype)
-    qw = quantize_weight(w, cfg, name)
+    qw = quantize_weight(w, cfg, name, check_finite)
     return qw, dequantize_weight(qw, w.dtype)
+
+
+def scales_finite(qw: QuantizedWeight) -> Tensor:
+    """A 0-dim bool tensor on qw's device: every scale finite, i.e. the weight was (each scale is a max of |w|
+    over its group, times a finite constant, so a nan / inf anywhere in the weight reaches one). No host sync."""
+    return torch.isfinite(qw.scales).all()
 
 
 def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype | None = None) -> Tensor:
@@ -345,3 +372,28 @@ def quant_act_int8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
 def dequant_act_int8_per_token(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     """x_fq = (q.float() * s_token) in fp32, returned in ``dtype``."""
     return (codes.float() * scales).to(dtype)
+
+
+def fake_quant_act_int8_per_token(x: Tensor) -> Tensor:
+    """``dequant_act_int8_per_token(*quant_act_int8_per_token(x), x.dtype)`` without the int8 codes (the learner's
+    W8A8 forward, every linear's input): q = trunc(2t) - trunc(t) is an integer in [-127, 127] held exactly in fp32,
+    so x_fq = (q * s).to(x.dtype) is the same value, bit for bit, for finite x (a non-finite row gives nan here,
+    code 0 there). 15 aten ops: amax (abs, amax, fp32, floor), 127 / a, x * it, the rounding (x2, two truncs, a
+    subtraction), s = a / 127, q * s, the cast back; each is needed by the formula."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=ACT_EPS)
+    t = torch.mul(x, torch.full_like(amax, 127.0).div_(amax))
+    q = torch.trunc(t * 2).sub_(torch.trunc(t))
+    return (q * (amax / _const(127.0, x))).to(x.dtype)
+
+
+def fake_quant_act_fp8_per_token_group(x: Tensor, group_size: int = 128) -> Tensor:
+    """``dequant_act_fp8_per_token_group(*quant_act_fp8_per_token_group(x, g), x.dtype)`` without materialising
+    the codes' own tensor shape twice: the same operations on the same values (the e4m3 round trip is the rounding),
+    bit for bit."""
+    *lead, k = x.shape
+    if k % group_size:
+        raise ValueError(f"activation: group_size {group_size} does not divide K={k}")
+    x_tgg = x.float().reshape(*lead, k // group_size, group_size)
+    amax = x_tgg.abs().amax(dim=-1, keepdim=True).clamp_(min=ACT_EPS)  # [..., K/G, 1]
+    q = (x_tgg * (torch.full_like(amax, FP8_MAX) / amax)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * (amax * _const(1.0 / FP8_MAX, x))).reshape(*lead, k).to(x.dtype)
