@@ -36,3 +36,4 @@ RequireApiKey  # rollout/vllm_ext/qarl_vllm_auth.py: named by the vLLM server's 
 VLLM_VERSION  # rollout/vllm_launcher.py: the pinned vLLM; tests/test_vllm_contract.py checks the env and requirements
 graphsafe_get_state  # simulated_device.py _Generator: torch.cuda's generator API (Megatron's RNG tracker)
 graphsafe_set_state  # simulated_device.py _Generator: torch.cuda's generator API (Megatron's RNG tracker, CUDA graphs)
+replace_function  # qat/modules.py register_backends: ModelOpt's plugins.custom calls it (our restoring version)

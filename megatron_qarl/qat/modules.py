@@ -230,8 +230,8 @@ class _StackStraightThrough(torch.autograd.Function):
     gradient to its master as is (straight-through, as ``fake_quant.straight_through`` per weight)."""
 
     @staticmethod
-    def forward(ctx, stack: Tensor, rows: list[int], *masters: Tensor) -> tuple[Tensor, ...]:  # noqa: ARG004
-        return stack.split(rows)
+    def forward(ctx, stack: Tensor, rows: list[int], *_masters: Tensor) -> tuple[Tensor, ...]:  # noqa: ARG004
+        return stack.split(rows)  # the masters are inputs only so that backward reaches them
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:

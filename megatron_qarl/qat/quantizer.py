@@ -87,7 +87,7 @@ def int_code_range(num_bits: int) -> tuple[int, int]:
 
 def quantize_w4a16(
     w: Tensor, group_size: int = 128, symmetric: bool = True, name: str = "weight", scale_bits: int | None = None,
-    num_bits: int = 4,
+    num_bits: int = 4, check_finite: bool = True,
 ) -> QuantizedWeight:
     """INT4 per group of ``group_size`` along K, scale in bf16, for SGLang's Marlin (compressed-tensors).
 
@@ -118,7 +118,7 @@ def quantize_w4a16(
     computes exactly the b-bit weights. A code |q| <= 2^(b-1) has at most b - 1 significant bits, so the
     5-bit scale keeps every q * s_b exact in bf16 at every width (5 + 3 = 8 bits at b = 4).
     """
-    return _w4a16(w, group_size, symmetric, name, scale_bits, num_bits, False)[0]
+    return _w4a16(w, group_size, symmetric, name, scale_bits, num_bits, False, check_finite)[0]
 
 
 def _w4a16_symmetric_core(w_ngg: Tensor, half_levels: Tensor, qmin: int, qmax: int,
@@ -273,8 +273,8 @@ def quantize_weight(w: Tensor, cfg: QuantConfig, name: str = "weight", check_fin
     which the caller checks where it may sync (``scales_finite``)."""
     scheme = check_scheme(cfg.scheme)
     if scheme == "w4a16":
-        return _w4a16(w, cfg.group_size, cfg.symmetric, name, cfg.scale_bits if cfg.symmetric else None,
-                      cfg.num_bits, False, check_finite)[0]
+        return quantize_w4a16(w, cfg.group_size, cfg.symmetric, name, cfg.scale_bits if cfg.symmetric else None,
+                              cfg.num_bits, check_finite)
     if scheme == "w8a8_fp8":
         return quantize_fp8_block(w, cfg.group_size, name, check_finite)
     if scheme == "w8a8_int8":
