@@ -65,9 +65,11 @@ ACT_BACKEND = "qarl_act"
 # Megatron parameter split kinds that are linear weights, and whether K (dim 1) is the split dim
 _LINEAR_SPLITS = {"qkv": False, "tp_row": False, "tp_col": True, "fc1": False, "fc2": True}
 
-# a group refresh quantizes at most this many bytes (fp32) in one call: one call per layer and projection at the tiny
-# and CPU shapes; at Qwen3-30B-A3B's (128 experts x 1536 x 2048 in fc1) a few, bounding the call's temporaries
-GROUP_BYTES = 256 << 20
+# a stack refresh quantizes at most this many bytes (fp32) in one call. On a GPU, where each op is a launch: one call
+# per layer and projection up to 256 MiB (Qwen3-30B-A3B's fc1, 128 experts x 1536 x 2048, in a few), bounding the
+# call's temporaries. On a CPU, where the refresh is memory bound, a cache's worth: measured here, 16 experts of
+# [1536, 2048] quantized stacked took 2x as long as one by one (each then stays in cache between its passes)
+GROUP_BYTES = {"cuda": 256 << 20, "cpu": 8 << 20}
 
 # TensorQuantizer -> the function its backend calls (set by FakeQuant; weak: a dropped model frees its entries)
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -369,8 +371,9 @@ class FakeQuant:
         stacks = []
         for key, targets in by_key.items():
             chunk: list[_Target] = []
+            budget = GROUP_BYTES.get(targets[0].param.device.type, GROUP_BYTES["cuda"])
             for t in targets:
-                if chunk and 4 * sum(x.param.numel() for x in chunk + [t]) > GROUP_BYTES:
+                if chunk and 4 * sum(x.param.numel() for x in chunk + [t]) > budget:
                     stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
                     chunk = []
                 chunk.append(t)
@@ -412,7 +415,8 @@ class FakeQuant:
         """One quantizer call over the stack's masters (rows concatenated); each target's dequantized weight is its
         rows of the result (a view), its codes are sliced when the sync asks (``target_codes``)."""
         with torch.no_grad():
-            stack = torch.cat([t.param for t in s.targets])  # under no_grad: no detach (one op each)
+            stack = (s.targets[0].param if len(s.targets) == 1  # under no_grad: no detach (one op each)
+                     else torch.cat([t.param for t in s.targets]))
             s.qw, s.fq = fake_quantize_weight(stack, self.cfg, s.name, self.compiled, check_finite=False)
             s.finite, s.st = scales_finite(s.qw), {}
             for t, part in zip(s.targets, s.fq.split(s.rows), strict=True):
