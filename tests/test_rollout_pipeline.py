@@ -139,22 +139,27 @@ def test_weight_versions_spans_must_tile_the_output():
         token_versions([{"version": "v3", "start": 1, "end": 3}], 3, "x")
 
 
-def test_a_sample_older_than_max_staleness_is_regenerated_never_trained_on(server, model_dirs, tmp_path):
+def _bounded_pipeline(url: str, model_dir: str, tmp_path, version, *overrides: str) -> RolloutPipeline:
+    """train.async=bounded(2) on the module's server at ``url`` holding ``model_dir`` as v1: 2 prompts x 2 samples of
+    4 tokens a step; ``version()`` the learner's weight version."""
     from transformers import AutoTokenizer
 
-    base, _ = server
-    http = httpx.Client(base_url=base, timeout=60)
-    _load(http, model_dirs[0], "v1")
+    _load(httpx.Client(base_url=url, timeout=60), model_dir, "v1")
     cfg = load_config(REPO / "configs" / "cpu_default.yaml", [
         "train.async=bounded", "train.max_staleness=2", "train.prompts_per_step=2", "rollout.sampling.n_samples=2",
-        "rollout.sampling.max_new_tokens=4", "launch.backend=local", f"model.path={model_dirs[0]}", "train.steps=10",
-        f"train.output_dir={tmp_path}"])
-    tokenizer = AutoTokenizer.from_pretrained(model_dirs[0], local_files_only=True)
-    fleet = types.SimpleNamespace(urls=[base], alive=lambda: [True])
+        "rollout.sampling.max_new_tokens=4", "launch.backend=local", f"model.path={model_dir}", "train.steps=10",
+        f"train.output_dir={tmp_path}", *overrides])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    fleet = types.SimpleNamespace(urls=[url], alive=lambda: [True])
     rollouts = TrainRollouts(cfg, None, fleet, [1], on_sync=lambda report: None)
-    stream = PromptStream(cfg.data, tokenizer)
+    return RolloutPipeline(cfg, rollouts, PromptStream(cfg.data, tokenizer), None, version=version)
+
+
+def test_a_sample_older_than_max_staleness_is_regenerated_never_trained_on(server, model_dirs, tmp_path):
+    base, _ = server
+    http = httpx.Client(base_url=base, timeout=60)
     learner = {"version": 1}
-    pipe = RolloutPipeline(cfg, rollouts, stream, None, version=lambda: learner["version"])
+    pipe = _bounded_pipeline(base, model_dirs[0], tmp_path, lambda: learner["version"])
     try:
         first = pipe.take(1)
         assert first.regenerated == 0 and {v for g in first.groups for s in g for v in s.versions()} == {"v1"}
@@ -368,19 +373,9 @@ def test_close_after_an_error_cancels_the_rollouts_in_flight_instead_of_waiting_
     """After an error or a stop signal the trainer closes the pipeline with ``abort``: bounded mode's rollouts in
     flight, whose requests are parked on a paused server (a sync that failed half-way), are cancelled at once.
     Before issue 38 close waited for them: rollout.timeout_s x retries per request, whole rollouts of them."""
-    from transformers import AutoTokenizer
-
     base, _ = server
     http = httpx.Client(base_url=base, timeout=60)
-    _load(http, model_dirs[0], "v1")
-    cfg = load_config(REPO / "configs" / "cpu_default.yaml", [
-        "train.async=bounded", "train.max_staleness=2", "train.prompts_per_step=2", "rollout.sampling.n_samples=2",
-        "rollout.sampling.max_new_tokens=4", "launch.backend=local", f"model.path={model_dirs[0]}", "train.steps=10",
-        "rollout.timeout_s=300", f"train.output_dir={tmp_path}"])
-    tokenizer = AutoTokenizer.from_pretrained(model_dirs[0], local_files_only=True)
-    fleet = types.SimpleNamespace(urls=[base], alive=lambda: [True])
-    rollouts = TrainRollouts(cfg, None, fleet, [1], on_sync=lambda report: None)
-    pipe = RolloutPipeline(cfg, rollouts, PromptStream(cfg.data, tokenizer), None, version=lambda: 1)
+    pipe = _bounded_pipeline(base, model_dirs[0], tmp_path, lambda: 1, "rollout.timeout_s=300")
     assert http.post("/pause_generation", json={"mode": "retract"}).json()["success"]
     try:
         pipe.ahead(0)  # steps 1 and 2: their requests wait on the paused server
