@@ -407,8 +407,9 @@ class FakeQuant:
             t.finite = flags[0] if len(flags) == 1 else torch.stack(flags).all()
             # a copy of this rank's shard: hf_to_shard may return a view of the whole gathered tensor (the fused
             # qkv's TP chunk), which would keep every TP rank's bf16 weights alive in the cache (docs/plan.md)
-            t.local_fq = hf_to_shard(t.pm, lambda name: pairs[name][1], self.arch, self.layout).to(
-                master.dtype, memory_format=torch.contiguous_format, copy=True)
+            local = hf_to_shard(t.pm, lambda name: pairs[name][1], self.arch, self.layout)
+            t.local_fq = (local.clone(memory_format=torch.contiguous_format) if local.dtype == master.dtype
+                          else local.to(master.dtype).contiguous())  # .to another dtype copies
         t.version, t.st = version, {}
 
     def _refresh_stack(self, s: _Stack) -> None:
