@@ -14,11 +14,21 @@
 #      routes replayed), the delta encoder, a checkpoint save; an NCCL broadcast over the visible GPUs
 #   3. the SGLang launch command of a Qwen3-30B-A3B config (and whether sglang imports)
 #   4. the tests marked gpu (a test file that cannot import here, for a package the machine lacks, is reported)
+#   5. --bench: benchmarks/gpu_learner.py, the learner at Qwen3-30B-A3B layer shapes per scheme (forward, train step,
+#      peak memory, kernel launches and host syncs per call, the quantizer's GB/s), into
+#      benchmarks/results/gpu_learner.md: one device call does smoke and bench (a few minutes on an H200)
 # Exits non-zero when a check that could run failed. On a machine without CUDA it says so and exits 0.
-#   bash scripts/gpu_smoke.sh [--no-simulate]     (PY=/path/to/python to choose the interpreter)
+#   bash scripts/gpu_smoke.sh [--no-simulate] [--bench]     (PY=/path/to/python to choose the interpreter)
 set -uo pipefail
 SIMULATE=1
-[ "${1:-}" = "--no-simulate" ] && SIMULATE=0
+BENCH=0
+for arg in "$@"; do
+  case $arg in
+    --no-simulate) SIMULATE=0 ;;
+    --bench) BENCH=1 ;;
+    *) echo "gpu_smoke.sh: unknown flag $arg (--no-simulate, --bench)"; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 export PYTHONUNBUFFERED=1
@@ -67,6 +77,14 @@ else
       *) RC=1 ;;
     esac
   done
+fi
+if [ "$BENCH" -eq 1 ]; then
+  echo "== bench: benchmarks/gpu_learner.py -> benchmarks/results/gpu_learner.md"
+  if [ "$CUDA" -eq 1 ]; then
+    timeout 900 "$PY" benchmarks/gpu_learner.py --out benchmarks/results/gpu_learner.md || RC=1
+  else
+    echo "skipped: no CUDA device"
+  fi
 fi
 echo "== gpu_smoke: $([ $RC -eq 0 ] && echo OK || echo FAILED)"
 exit $RC

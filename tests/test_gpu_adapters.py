@@ -118,3 +118,22 @@ def test_gpu_smoke():
     for scheme in ("bf16", "w4a16", "w8a8_fp8", "w8a8_int8"):
         for check in gpu_smoke.LEARNER_CHECKS:
             assert checks[f"{check}[local,{scheme}]"].startswith("ok")
+
+
+def test_the_gpu_learner_bench_runs_its_rows_on_a_cpu(tmp_path):
+    """benchmarks/gpu_learner.py (scripts/gpu_smoke.sh --bench) runs here with --device cpu --small: each row in its
+    own process, its launches (aten ops here) and host syncs per call, the quantizer alone; so a lent GPU's one call
+    does not fail on the script. Its figures mean nothing for a GPU."""
+    out = tmp_path / "gpu_learner.md"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_learner.py"), "--device", "cpu", "--small",
+                           "--rows", "0,1", "--repeats", "1", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = out.read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| bf16 |") or line.startswith("| w4a16 |")]
+    assert len(rows) == 2 and "failed" not in table, table
+    bf16, w4a16 = (r.split("|") for r in rows)
+    assert w4a16[6].strip().endswith("x"), rows[1]
+    syncs = [int(cells[col].split("/")[1]) for cells in (bf16, w4a16) for col in (8, 9)]
+    assert syncs[:2] == syncs[2:], rows  # fake quant adds no host sync to the forward or the step
+    assert "The quantizer alone" in table and "GB/s" in table

@@ -1,0 +1,206 @@
+"""The learner at Qwen3-30B-A3B layer shapes on one GPU, per scheme: what fake quantization costs (issue 37).
+
+    python benchmarks/gpu_learner.py [--out benchmarks/results/gpu_learner.md]        (scripts/gpu_smoke.sh --bench)
+    python benchmarks/gpu_learner.py --device cpu --small                            (a dry run of the same code)
+
+Each row in its own process (a fresh CUDA context, ModelOpt's state, the allocator's peak): a TP1/EP1 ``Learner``
+(local spec, bf16 parameters) of hidden 2048, 128 experts top-8, expert FFN 768, 32 / 4 heads of 128, vocab 151936,
+2 layers (and W4A16 at 8), on 4 x 1024 tokens; after a warm-up step, the median of 3 of a log-prob forward (which
+re-quantizes every expert weight the optimizer changed) and of a train step. Per call, from torch.profiler: kernel
+launches (CUDA kernels; on a CPU, aten ops) and host syncs (``aten::_local_scalar_dense``, ``aten::item``,
+``aten::is_nonzero``, ``aten::nonzero``). Then the quantizer alone: one refresh of a stacked [128 x 768, 2048] fp32
+expert weight (``fake_quantize_weight``), its GB/s counting the fp32 read and the bf16 fake-quant weight, int8 codes
+and bf16 scales it writes. ``--small`` shrinks the model (hidden 256, 16 experts, vocab 4096, 2 x 128 tokens) so a
+CPU runs the whole table in a few minutes: it checks the script, its figures mean nothing for a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero")
+# (scheme, learner.compile_quantizer, layers)
+ROWS = [("bf16", False, 2), ("w4a16", False, 2), ("w4a16", True, 2), ("w8a8_fp8", False, 2),
+        ("w8a8_int8", False, 2), ("w4a16", False, 8)]
+
+
+def arch(layers: int, small: bool):
+    from megatron_qarl.moe.model import Qwen3MoeArch
+
+    if small:
+        return Qwen3MoeArch(vocab_size=4096, hidden_size=256, num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4,
+                            moe_intermediate_size=128, intermediate_size=512, rms_norm_eps=1e-6, rope_theta=1e6,
+                            max_position_embeddings=4096, norm_topk_prob=True, tie_word_embeddings=False,
+                            attention_bias=False)
+    return Qwen3MoeArch(vocab_size=151936, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
+                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                        moe_intermediate_size=768, intermediate_size=6144, rms_norm_eps=1e-6, rope_theta=1e6,
+                        max_position_embeddings=40960, norm_topk_prob=True, tie_word_embeddings=False,
+                        attention_bias=False)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _profiled(fn, device: str) -> dict:
+    """Launches (CUDA kernels, or aten ops on a CPU) and host syncs of one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        _sync(device)
+    events = prof.events()
+    if device == "cuda":
+        launches = sum(1 for e in events if e.device_type.name == "CUDA")
+    else:
+        launches = sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
+    syncs = sum(1 for e in events if e.name in SYNC_OPS)
+    return {"launches": launches, "syncs": syncs}
+
+
+def _timed(fn, device: str, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def row(scheme: str, compiled: bool, layers: int, device: str, small: bool, repeats: int) -> dict:
+    """One row, in this process."""
+    import torch
+
+    from megatron_qarl.config import OptimConfig, ParallelConfig
+    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
+    from megatron_qarl.moe.parallelize import init_parallel, single_rank_env
+    from megatron_qarl.qat.config import QuantConfig
+
+    single_rank_env()
+    init_parallel()
+    a = arch(layers, small)
+    learner = Learner(a, ParallelConfig(), OptimConfig(lr=1e-5), dtype=torch.bfloat16,
+                      quant=QuantConfig(scheme=scheme), compile_quantizer=compiled)
+    rows, seq = (2, 128) if small else (4, 1024)
+    tokens = torch.randint(0, a.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
+    batch = Batch(tokens, torch.ones(rows, seq - 1))
+
+    def step():
+        learner.train_step(batch, lambda lp, b: token_mean_nll(lp, b, b.loss_mask_BT.numel()))
+
+    def forward():  # after a step: every quantized weight changed, so it is re-quantized here
+        with torch.no_grad():
+            learner.logprobs(tokens)
+
+    step()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t_fwd, t_step = [], []
+    for _ in range(repeats):
+        t_step.append(_timed(step, device, 1))
+        t_fwd.append(_timed(forward, device, 1))
+    step()  # weights changed: the profiled forward refreshes, as in training
+    fwd_prof = _profiled(forward, device)
+    step_prof = _profiled(step, device)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return {"scheme": scheme + (" (compile_quantizer)" if compiled else ""), "layers": layers,
+            "forward_s": statistics.median(t_fwd), "step_s": statistics.median(t_step), "peak_gib": peak,
+            "forward": fwd_prof, "step": step_prof}
+
+
+def quantizer_alone(device: str, small: bool, repeats: int) -> dict:
+    """One refresh of the stacked expert weights of a projection: GB/s over the bytes it must move."""
+    import torch
+
+    from megatron_qarl.qat.config import QuantConfig
+    from megatron_qarl.qat.quantizer import fake_quantize_weight
+
+    n, k = (16 * 128, 256) if small else (128 * 768, 2048)
+    w = torch.randn(n, k, device=device)
+    cfg = QuantConfig(scheme="w4a16")
+    fake_quantize_weight(w.to(torch.bfloat16), cfg, check_finite=False)
+    seconds = _timed(lambda: fake_quantize_weight(w, cfg, check_finite=False), device, repeats)
+    moved = n * k * (4 + 2 + 1) + n * (k // cfg.group_size) * 2
+    return {"shape": [n, k], "seconds": seconds, "gb_s": moved / seconds / 1e9}
+
+
+def _child(args, q) -> None:
+    try:
+        q.put(row(*args))
+    except Exception as err:  # noqa: BLE001 - a row that fails is reported in the table, the others still run
+        q.put({"scheme": args[0] + (" (compile_quantizer)" if args[1] else ""), "layers": args[2],
+               "error": f"{type(err).__name__}: {str(err)[:300]}"})
+
+
+def render(rows: list[dict], alone: dict, device: str, small: bool) -> str:
+    import torch
+
+    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({'--small' if small else 'full size'})"
+    base = {r["layers"]: r for r in rows if r["scheme"] == "bf16" and "error" not in r}
+    out = [f"Device: {where}; torch {torch.__version__}; median of the timed calls after a warm-up step.", "",
+           "| scheme | layers | log-prob forward s | train_step s | forward + step | vs bf16 | peak GiB | "
+           "forward launches / syncs | step launches / syncs |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['scheme']} | {r['layers']} | failed: {r['error']} |||||||")
+            continue
+        total = r["forward_s"] + r["step_s"]
+        ref = base.get(r["layers"])
+        ratio = f"{total / (ref['forward_s'] + ref['step_s']):.2f}x" if ref else "-"
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        out.append(f"| {r['scheme']} | {r['layers']} | {r['forward_s']:.3f} | {r['step_s']:.3f} | {total:.3f} | "
+                   f"{ratio} | {peak} | {r['forward']['launches']} / {r['forward']['syncs']} | "
+                   f"{r['step']['launches']} / {r['step']['syncs']} |")
+    out += ["", f"The quantizer alone, one W4A16 refresh of a stacked {alone['shape']} fp32 weight: "
+                f"{alone['seconds'] * 1e3:.2f} ms, {alone['gb_s']:.1f} GB/s (fp32 read, bf16 + int8 + scales written)."]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--small", action="store_true", help="a small model: checks the script on a CPU")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", default="all", help="comma-separated row indices (0-5) or 'all'")
+    parser.add_argument("--out", default=None, help="also write the table here (markdown)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    args = parser.parse_args()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_learner: no CUDA device here (--device cpu --small checks the script on a CPU)")
+    chosen = ROWS if args.rows == "all" else [ROWS[int(i)] for i in args.rows.split(",")]
+    ctx = mp.get_context("spawn")
+    results = []
+    for scheme, compiled, layers in chosen:
+        q = ctx.SimpleQueue()
+        p = ctx.Process(target=_child, args=((scheme, compiled, layers, args.device, args.small, args.repeats), q))
+        p.start()
+        p.join()
+        results.append(q.get() if not q.empty() else {"scheme": scheme, "layers": layers,
+                                                      "error": f"the row's process exited with {p.exitcode}"})
+        print(json.dumps(results[-1]), flush=True)
+    text = render(results, quantizer_alone(args.device, args.small, args.repeats), args.device, args.small)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.json:
+        print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
