@@ -327,15 +327,19 @@ def quant_act_fp8_per_token_group(x: Tensor, group_size: int = 128) -> tuple[Ten
     Returns (codes float8_e4m3fn [..., K], scales fp32 [..., K/group]). The Triton fallback computes
     s = a / 448 and multiplies by 1 / s: it can differ from this by one ulp in s.
     """
+    codes_tgg, scale = _fp8_act_groups(x.detach(), group_size)
+    return codes_tgg.reshape(x.shape), scale.squeeze(-1)
+
+
+def _fp8_act_groups(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """(codes float8_e4m3fn [..., K/G, G], scales fp32 [..., K/G, 1]) of ``quant_act_fp8_per_token_group``."""
     *lead, k = x.shape
     if k % group_size:
         raise ValueError(f"activation: group_size {group_size} does not divide K={k}")
-    x_tgg = x.detach().float().reshape(*lead, k // group_size, group_size)
-    amax = x_tgg.abs().amax(dim=-1).clamp_(min=ACT_EPS)  # [..., K/G]
-    inv = torch.full_like(amax, FP8_MAX) / amax
-    scale = amax * _const(1.0 / FP8_MAX, x)  # fp32(1/448) * a, as in the kernel
-    codes = (x_tgg * inv[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes.reshape(*lead, k), scale
+    x_tgg = x.float().reshape(*lead, k // group_size, group_size)
+    amax = x_tgg.abs().amax(dim=-1, keepdim=True).clamp_(min=ACT_EPS)  # [..., K/G, 1]
+    codes = (x_tgg * (torch.full_like(amax, FP8_MAX) / amax)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, amax * _const(1.0 / FP8_MAX, x)  # fp32(1/448) * a, as in the kernel
 
 
 def dequant_act_fp8_per_token_group(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
@@ -362,11 +366,15 @@ def quant_act_int8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     no-op for finite x: |t| <= fl(127 / a) * a * (1 + 2^-24) < 127.5, so it is left out.
     tests/test_qat_quantizer.py checks codes and scales against the plain formula, ties included.
     """
-    x = x.detach()
+    q, amax = _int8_act_values(x.detach())
+    return q.to(torch.int8), amax / _const(127.0, x)
+
+
+def _int8_act_values(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(q fp32 [..., K]: the codes' values, a [..., 1]: the floored amax) of ``quant_act_int8_per_token``."""
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=ACT_EPS)
     t = torch.mul(x, torch.full_like(amax, 127.0).div_(amax))
-    codes = torch.trunc(t * 2).sub_(torch.trunc(t)).to(torch.int8)
-    return codes, amax / _const(127.0, x)
+    return torch.trunc(t * 2).sub_(torch.trunc(t)), amax
 
 
 def dequant_act_int8_per_token(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
@@ -380,20 +388,13 @@ def fake_quant_act_int8_per_token(x: Tensor) -> Tensor:
     so x_fq = (q * s).to(x.dtype) is the same value, bit for bit, for finite x (a non-finite row gives nan here,
     code 0 there). 15 aten ops: amax (abs, amax, fp32, floor), 127 / a, x * it, the rounding (x2, two truncs, a
     subtraction), s = a / 127, q * s, the cast back; each is needed by the formula."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=ACT_EPS)
-    t = torch.mul(x, torch.full_like(amax, 127.0).div_(amax))
-    q = torch.trunc(t * 2).sub_(torch.trunc(t))
+    q, amax = _int8_act_values(x)
     return (q * (amax / _const(127.0, x))).to(x.dtype)
 
 
 def fake_quant_act_fp8_per_token_group(x: Tensor, group_size: int = 128) -> Tensor:
-    """``dequant_act_fp8_per_token_group(*quant_act_fp8_per_token_group(x, g), x.dtype)`` without materialising
-    the codes' own tensor shape twice: the same operations on the same values (the e4m3 round trip is the rounding),
-    bit for bit."""
-    *lead, k = x.shape
-    if k % group_size:
-        raise ValueError(f"activation: group_size {group_size} does not divide K={k}")
-    x_tgg = x.float().reshape(*lead, k // group_size, group_size)
-    amax = x_tgg.abs().amax(dim=-1, keepdim=True).clamp_(min=ACT_EPS)  # [..., K/G, 1]
-    q = (x_tgg * (torch.full_like(amax, FP8_MAX) / amax)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * (amax * _const(1.0 / FP8_MAX, x))).reshape(*lead, k).to(x.dtype)
+    """``dequant_act_fp8_per_token_group(*quant_act_fp8_per_token_group(x, g), x.dtype)`` on the grouped codes
+    (no reshape of them to [..., K] and back): the same operations on the same values (the e4m3 round trip is the
+    rounding), bit for bit."""
+    codes_tgg, scale = _fp8_act_groups(x, group_size)
+    return (codes_tgg.float() * scale).reshape(x.shape).to(x.dtype)
