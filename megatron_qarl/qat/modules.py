@@ -254,7 +254,6 @@ class _Stack:
     fq: Tensor | None = None  # the stack's dequantized weights, in the masters' dtype
     finite: Tensor | None = None  # 0-dim bool on the device: every scale of the stack finite
     st: dict[bool, tuple[Tensor, ...]] = dataclasses.field(default_factory=dict)  # grad mode -> each target's weight
-    version: tuple | None = None
 
     @property
     def rows(self) -> list[int]:
@@ -371,12 +370,13 @@ class FakeQuant:
         stacks = []
         for key, targets in by_key.items():
             chunk: list[_Target] = []
-            budget = GROUP_BYTES.get(targets[0].param.device.type, GROUP_BYTES["cuda"])
+            size, budget = 0, GROUP_BYTES.get(targets[0].param.device.type, GROUP_BYTES["cuda"])
             for t in targets:
-                if chunk and 4 * sum(x.param.numel() for x in chunk + [t]) > budget:
+                if chunk and size + 4 * t.param.numel() > budget:
                     stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
-                    chunk = []
+                    chunk, size = [], 0
                 chunk.append(t)
+                size += 4 * t.param.numel()
             stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
         for s in stacks:
             for i, t in enumerate(s.targets):
@@ -452,10 +452,9 @@ class FakeQuant:
         start = sum(s.rows[: t.index])
         rows = t.param.shape[0] // len(t.pm.hf)
         per_scale_row = cfg.group_size if cfg.scheme == "w8a8_fp8" else 1
-        out = {}
+        zp, out = s.qw.zero_points, {}
         for i, name in enumerate(t.pm.hf):
             a, b = start + i * rows, start + (i + 1) * rows
-            zp = s.qw.zero_points
             out[name] = QuantizedWeight(s.qw.codes[a:b], s.qw.scales[a // per_scale_row: b // per_scale_row],
                                         None if zp is None else zp[a:b], (rows, s.qw.shape[1]), s.qw.scheme,
                                         s.qw.group_size)
