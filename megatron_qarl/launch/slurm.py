@@ -37,7 +37,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from megatron_qarl.errors import UserError
-from megatron_qarl.utils.api_key import from_env, key_env
+from megatron_qarl.utils.api_key import ENV as API_KEY_ENV
+from megatron_qarl.utils.api_key import from_env
 
 SBATCH_SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "qarl.sbatch"
 # what the cluster run always sets: Ray joins the job's cluster, rank 0 and the servers use node addresses
@@ -293,7 +294,7 @@ def job_env(config: str, overrides: Sequence[str], env: Mapping[str, str] = os.e
         # for the job's log: what every rollout server starts with (launch/fleet.py server_interpreter)
         "QARL_SERVER_INTERPRETER": shlex.join([*settings["launch_prefix"], str(settings["server_python"] or python)]),
         "QARL_TRAIN": train,
-        **({} if settings["api_key"] else key_env(api_key)),
+        **({} if settings["api_key"] else {API_KEY_ENV: api_key}),
         "QARL_PREFLIGHT": preflight_command(train),
     }
 

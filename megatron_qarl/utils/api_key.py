@@ -28,11 +28,6 @@ def from_env(env: Mapping[str, str] = os.environ) -> str | None:
     return env.get(ENV) or None
 
 
-def key_env(key: str | None) -> dict[str, str]:
-    """The environment entries that give a child process (``qarl serve``, ``qarl train``) the key."""
-    return {ENV: key} if key else {}
-
-
 def sglang_key_file(key: str, directory: str | Path, name: str) -> Path:
     """``directory/name``: the YAML file SGLang's ``--config`` reads, holding only ``api-key``; readable and
     writable by this user alone (0600), written whole under another name and renamed into place, so a server that
