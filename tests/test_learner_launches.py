@@ -66,6 +66,7 @@ def _counts(scheme: str, experts: int) -> dict:
     from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
     from megatron_qarl.qat.config import QuantConfig
 
+    torch.manual_seed(0)  # the same weights, so the same experts get tokens (W8A8 quantizes each one's input)
     learner = Learner(arch_with(experts), ParallelConfig(), OptimConfig(lr=1e-5), quant=QuantConfig(scheme=scheme))
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = Batch(tokens, torch.ones(2, 15))
