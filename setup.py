@@ -30,8 +30,11 @@ EXTRAS = {
     # msgspec, openai, dill: what SGLang's own code runs in tests/test_sglang_contract.py (sglang itself is
     # installed with --no-deps, README); openai pinned as sglang 0.5.23 pins it
     # pytest-xdist: README's test command runs the suite on 2 workers, one test file per worker at a time
+    # triton: the learner's refresh kernels (qat/triton_refresh.py) run in its interpreter on CPU tensors
+    # (tests/test_triton_refresh.py); CUDA builds of torch bring their own, which this range keeps
     "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "hypothesis>=6.100", "ruff>=0.8",
-             "schemathesis>=3.36", "msgspec>=0.19", "openai==2.8.0", "dill>=0.3", "vulture>=2.11"],
+             "schemathesis>=3.36", "msgspec>=0.19", "openai==2.8.0", "dill>=0.3", "vulture>=2.11",
+             "triton>=3.4,<4; platform_system == 'Linux'"],
     # The LEARNER's GPU extra (CUDA nodes; none of it installs on a CPU-only machine; imported lazily): only what
     # the learner imports. No inference engine: sglang 0.5.23 pins torch==2.14.1 and transformers==5.19.0 against
     # our torch==2.13.0 and transformers==5.24.0 (its METADATA), so the rollout servers run in their OWN

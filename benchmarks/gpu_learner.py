@@ -10,8 +10,14 @@ re-quantizes every expert weight the optimizer changed) and of a train step. Per
 launches (CUDA kernels; on a CPU, aten ops) and host syncs (``aten::_local_scalar_dense``, ``aten::item``,
 ``aten::is_nonzero``, ``aten::nonzero``). Then the quantizer alone: one refresh of a stacked [128 x 768, 2048] fp32
 expert weight (``fake_quantize_weight``), its GB/s counting the fp32 read and the bf16 fake-quant weight, int8 codes
-and bf16 scales it writes. ``--small`` shrinks the model (hidden 256, 16 experts, vocab 4096, 2 x 128 tokens) so a
-CPU runs the whole table in a few minutes: it checks the script, its figures mean nothing for a GPU.
+and bf16 scales it writes, for every scheme and refresh kernel (``learner.refresh_kernel``: ``auto`` is the Triton
+kernel on CUDA, qat/triton_refresh.py; ``torch`` the reference ops). ``--small`` shrinks the model (hidden 256, 16
+experts, vocab 4096, 2 x 128 tokens) so a CPU runs the whole table in a few minutes: it checks the script, its figures
+mean nothing for a GPU.
+
+``--plan CONFIG``: the planner meets the GPU (plan/measure.py). The config cut to one GPU (TP 1, EP 1) and to each of
+``--plan-layers`` (2 4), its phases run on the device, each phase's allocator peak (allocated, reserved) beside
+``qarl plan --simulate``'s simulation of the same (run in a process with the GPUs hidden) and the planner's figure.
 """
 
 from __future__ import annotations
@@ -25,9 +31,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero")
-# (scheme, learner.compile_quantizer, layers)
-ROWS = [("bf16", False, 2), ("w4a16", False, 2), ("w4a16", True, 2), ("w8a8_fp8", False, 2),
-        ("w8a8_int8", False, 2), ("w4a16", False, 8)]
+# (scheme, learner.compile_quantizer, layers, learner.refresh_kernel)
+ROWS = [("bf16", False, 2, "auto"), ("w4a16", False, 2, "auto"), ("w4a16", False, 2, "torch"),
+        ("w4a16", True, 2, "auto"), ("w8a8_fp8", False, 2, "auto"), ("w8a8_int8", False, 2, "auto"),
+        ("w4a16", False, 8, "auto")]
+SCHEMES = ("w4a16", "w8a8_fp8", "w8a8_int8")
+
+
+def row_name(scheme: str, compiled: bool, kernel: str) -> str:
+    return scheme + (" (compile_quantizer)" if compiled else "") + (f" (refresh_kernel={kernel})"
+                                                                    if kernel != "auto" else "")
 
 
 def arch(layers: int, small: bool):
@@ -81,7 +94,7 @@ def _timed(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def row(scheme: str, compiled: bool, layers: int, device: str, small: bool, repeats: int) -> dict:
+def row(scheme: str, compiled: bool, layers: int, kernel: str, device: str, small: bool, repeats: int) -> dict:
     """One row, in this process."""
     import torch
 
@@ -94,7 +107,7 @@ def row(scheme: str, compiled: bool, layers: int, device: str, small: bool, repe
     init_parallel()
     a = arch(layers, small)
     learner = Learner(a, ParallelConfig(), OptimConfig(lr=1e-5), dtype=torch.bfloat16,
-                      quant=QuantConfig(scheme=scheme), compile_quantizer=compiled)
+                      quant=QuantConfig(scheme=scheme), compile_quantizer=compiled, refresh_kernel=kernel)
     rows, seq = (2, 128) if small else (4, 1024)
     tokens = torch.randint(0, a.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
     batch = Batch(tokens, torch.ones(rows, seq - 1))
@@ -117,56 +130,150 @@ def row(scheme: str, compiled: bool, layers: int, device: str, small: bool, repe
     fwd_prof = _profiled(forward, device)
     step_prof = _profiled(step, device)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    return {"scheme": scheme + (" (compile_quantizer)" if compiled else ""), "layers": layers,
+    used = learner.fake_quant.kernel if learner.fake_quant else "-"
+    return {"scheme": row_name(scheme, compiled, kernel), "layers": layers, "kernel": used,
             "forward_s": statistics.median(t_fwd), "step_s": statistics.median(t_step), "peak_gib": peak,
             "forward": fwd_prof, "step": step_prof}
 
 
-def quantizer_alone(device: str, small: bool, repeats: int) -> dict:
-    """One refresh of the stacked expert weights of a projection: GB/s over the bytes it must move."""
+def quantizer_alone(device: str, small: bool, repeats: int) -> list[dict]:
+    """One refresh of the stacked expert weights of a projection, per scheme and refresh kernel: GB/s over the bytes
+    it must move (the fp32 read; the bf16 fake-quant weight, the 1-byte codes and the scales written)."""
     import torch
 
     from megatron_qarl.qat.config import QuantConfig
+    from megatron_qarl.qat.modules import resolve_refresh_kernel
     from megatron_qarl.qat.quantizer import fake_quantize_weight
 
     n, k = (16 * 128, 256) if small else (128 * 768, 2048)
     w = torch.randn(n, k, device=device)
-    cfg = QuantConfig(scheme="w4a16")
-    fake_quantize_weight(w.to(torch.bfloat16), cfg, check_finite=False)
-    seconds = _timed(lambda: fake_quantize_weight(w, cfg, check_finite=False), device, repeats)
-    moved = n * k * (4 + 2 + 1) + n * (k // cfg.group_size) * 2
-    return {"shape": [n, k], "seconds": seconds, "gb_s": moved / seconds / 1e9}
+    kernels = ["torch"]
+    try:
+        if resolve_refresh_kernel("auto", w.device) == "triton":
+            kernels.append("triton")
+    except ValueError:
+        pass
+    out = []
+    for scheme in SCHEMES:
+        cfg = QuantConfig(scheme=scheme)
+        for kernel in kernels:
+            if kernel == "triton":
+                from megatron_qarl.qat.triton_refresh import fake_quantize_triton
+
+                def fn(cfg=cfg):
+                    return fake_quantize_triton(w, cfg)
+            else:
+                def fn(cfg=cfg):
+                    return fake_quantize_weight(w, cfg, check_finite=False)
+            qw, _ = fn()  # warm-up (Triton compiles here)
+            seconds = _timed(fn, device, repeats)
+            moved = n * k * (4 + 2 + 1) + qw.scales.numel() * qw.scales.element_size()
+            out.append({"scheme": scheme, "kernel": kernel, "shape": [n, k], "seconds": seconds,
+                        "gb_s": moved / seconds / 1e9, "launches": _profiled(fn, device)["launches"]})
+    return out
+
+
+def plan_rows(config: str, layers: list[int], device: str) -> list[dict]:
+    """``--plan``: per layer count, the phases on the device (a process each), the simulation (a process with the
+    GPUs hidden) and the planner, for ``config`` cut to one GPU (plan/measure.py)."""
+    import os
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for n in layers:
+        results = {}
+        for what in ("device", "simulated"):
+            q = ctx.SimpleQueue()
+            hidden = what == "simulated"
+            saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if hidden:
+                os.environ["CUDA_VISIBLE_DEVICES"] = ""
+            p = ctx.Process(target=_plan_child, args=(what, config, n, device, q))
+            p.start()
+            if hidden:
+                os.environ.pop("CUDA_VISIBLE_DEVICES") if saved is None else os.environ.update(
+                    CUDA_VISIBLE_DEVICES=saved)
+            p.join()
+            results[what] = q.get() if not q.empty() else {"error": f"exited with {p.exitcode}"}
+        rows.append({"layers": n, **results})
+        print(json.dumps(rows[-1], default=str), flush=True)
+    return rows
+
+
+def _plan_child(what: str, config: str, layers: int, device: str, q) -> None:
+    try:
+        from megatron_qarl.plan.measure import measure_phases, one_gpu, planned_phases
+        from megatron_qarl.preflight.rules import load_config
+
+        cfg = one_gpu(load_config(config, []))
+        if what == "simulated":
+            from megatron_qarl.plan.simulate import simulate_learner
+
+            sim = simulate_learner(cfg, layers=layers)
+            q.put({"phases": {p: v["total"] for p, v in sim.phases.items()},
+                   "planned": planned_phases(cfg, layers, tuple(sim.phases))})
+        elif device == "cuda":
+            q.put(measure_phases(cfg, layers=layers)["phases"])
+        else:
+            q.put({"error": "no CUDA device: the device side runs on a GPU only"})
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        q.put({"error": f"{type(err).__name__}: {str(err)[:300]}"})
 
 
 def _child(args, q) -> None:
     try:
         q.put(row(*args))
     except Exception as err:  # noqa: BLE001 - a row that fails is reported in the table, the others still run
-        q.put({"scheme": args[0] + (" (compile_quantizer)" if args[1] else ""), "layers": args[2],
+        q.put({"scheme": row_name(args[0], args[1], args[3]), "layers": args[2],
                "error": f"{type(err).__name__}: {str(err)[:300]}"})
 
 
-def render(rows: list[dict], alone: dict, device: str, small: bool) -> str:
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f}"
+
+
+def render_plan(rows: list[dict], config: str) -> list[str]:
+    out = ["", f"The planner on the device: {config} cut to one GPU (TP 1, EP 1), GiB per phase: the allocator's peak "
+           "(allocated / reserved) beside the simulation's and the plan's.", "",
+           "| layers | phase | device allocated | device reserved | simulated | planned | simulated / device | "
+           "planned / device |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        dev, sim = r.get("device", {}), r.get("simulated", {})
+        if "error" in dev or "error" in sim:
+            out.append(f"| {r['layers']} | failed: {dev.get('error') or sim.get('error')} |||||||")
+            continue
+        for phase, peak in dev.items():
+            s, p, a = sim["phases"].get(phase), sim["planned"].get(phase), peak["allocated"]
+            ratios = f"{s / a:.2f} | {p / a:.2f}" if s and p and a else "- | -"
+            out.append(f"| {r['layers']} | {phase} | {_gib(a)} | {_gib(peak['reserved'])} | {_gib(s)} | {_gib(p)} | "
+                       f"{ratios} |")
+    return out
+
+
+def render(rows: list[dict], alone: list[dict], device: str, small: bool) -> str:
     import torch
 
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({'--small' if small else 'full size'})"
     base = {r["layers"]: r for r in rows if r["scheme"] == "bf16" and "error" not in r}
     out = [f"Device: {where}; torch {torch.__version__}; median of the timed calls after a warm-up step.", "",
-           "| scheme | layers | log-prob forward s | train_step s | forward + step | vs bf16 | peak GiB | "
-           "forward launches / syncs | step launches / syncs |", "|---|---|---|---|---|---|---|---|---|"]
+           "| scheme | refresh | layers | log-prob forward s | train_step s | forward + step | vs bf16 | peak GiB | "
+           "forward launches / syncs | step launches / syncs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['scheme']} | {r['layers']} | failed: {r['error']} |||||||")
+            out.append(f"| {r['scheme']} | - | {r['layers']} | failed: {r['error']} |||||||")
             continue
         total = r["forward_s"] + r["step_s"]
         ref = base.get(r["layers"])
         ratio = f"{total / (ref['forward_s'] + ref['step_s']):.2f}x" if ref else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        out.append(f"| {r['scheme']} | {r['layers']} | {r['forward_s']:.3f} | {r['step_s']:.3f} | {total:.3f} | "
-                   f"{ratio} | {peak} | {r['forward']['launches']} / {r['forward']['syncs']} | "
+        out.append(f"| {r['scheme']} | {r['kernel']} | {r['layers']} | {r['forward_s']:.3f} | {r['step_s']:.3f} | "
+                   f"{total:.3f} | {ratio} | {peak} | {r['forward']['launches']} / {r['forward']['syncs']} | "
                    f"{r['step']['launches']} / {r['step']['syncs']} |")
-    out += ["", f"The quantizer alone, one W4A16 refresh of a stacked {alone['shape']} fp32 weight: "
-                f"{alone['seconds'] * 1e3:.2f} ms, {alone['gb_s']:.1f} GB/s (fp32 read, bf16 + int8 + scales written)."]
+    out += ["", f"The quantizer alone, one refresh of a stacked {alone[0]['shape']} fp32 weight (GB/s over the fp32 "
+                "read and the bf16 weight, 1-byte codes and scales written):", "",
+            "| scheme | refresh kernel | ms | GB/s | launches |", "|---|---|---|---|---|"]
+    out += [f"| {a['scheme']} | {a['kernel']} | {a['seconds'] * 1e3:.2f} | {a['gb_s']:.1f} | {a['launches']} |"
+            for a in alone]
     return "\n".join(out) + "\n"
 
 
@@ -175,7 +282,10 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--small", action="store_true", help="a small model: checks the script on a CPU")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rows", default="all", help="comma-separated row indices (0-5) or 'all'")
+    parser.add_argument("--rows", default="all", help=f"comma-separated row indices (0-{len(ROWS) - 1}), 'all' or "
+                                                      "'none'")
+    parser.add_argument("--plan", default=None, metavar="CONFIG", help="also the planner on the device (one GPU)")
+    parser.add_argument("--plan-layers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out", default=None, help="also write the table here (markdown)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = parser.parse_args()
@@ -183,18 +293,21 @@ def main() -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_learner: no CUDA device here (--device cpu --small checks the script on a CPU)")
-    chosen = ROWS if args.rows == "all" else [ROWS[int(i)] for i in args.rows.split(",")]
+    chosen = {"all": ROWS, "none": []}.get(args.rows) or [ROWS[int(i)] for i in args.rows.split(",")]
     ctx = mp.get_context("spawn")
     results = []
-    for scheme, compiled, layers in chosen:
+    for scheme, compiled, layers, kernel in chosen:
         q = ctx.SimpleQueue()
-        p = ctx.Process(target=_child, args=((scheme, compiled, layers, args.device, args.small, args.repeats), q))
+        p = ctx.Process(target=_child, args=((scheme, compiled, layers, kernel, args.device, args.small,
+                                              args.repeats), q))
         p.start()
         p.join()
-        results.append(q.get() if not q.empty() else {"scheme": scheme, "layers": layers,
+        results.append(q.get() if not q.empty() else {"scheme": row_name(scheme, compiled, kernel), "layers": layers,
                                                       "error": f"the row's process exited with {p.exitcode}"})
         print(json.dumps(results[-1]), flush=True)
     text = render(results, quantizer_alone(args.device, args.small, args.repeats), args.device, args.small)
+    if args.plan:
+        text += "\n".join(render_plan(plan_rows(args.plan, args.plan_layers, args.device), args.plan)) + "\n"
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -156,6 +156,10 @@ class LearnerConfig(_Section):
     optimizer_cpu_offload: Megatron's optimizer CPU offload (HybridDeviceOptimizer, with the distributed
         optimizer): ``optimizer_offload_fraction`` of this rank's optimizer shard lives and steps on the host
         (CPU Adam). GPU learners only.
+    refresh_kernel: what re-quantizes the weights after each optimizer step (same bits on every path): ``triton``
+        one fused Triton kernel per scheme and weight stack (qat/triton_refresh.py; on a CPU learner only under
+        Triton's interpreter, TRITON_INTERPRET=1, for testing), ``torch`` the reference quantizer's torch ops,
+        ``auto`` Triton for CUDA weights where it imports and compile_quantizer is off, else torch.
     recompute: activation recompute (Megatron TransformerConfig): none; selective = the core attention
         (recompute_modules ["core_attn"]: the unfused attention's s^2 scores are not kept); full = every layer,
         keeping only the input of each chunk of ``recompute_num_layers`` layers (recompute_method uniform).
@@ -165,6 +169,7 @@ class LearnerConfig(_Section):
     micro_batch_size: int | None = Field(default=None, ge=1)
     compile_quantizer: bool = False  # the per-step W4A16 re-quantization runs torch.compile'd: same bits, ~10x
     # faster after a one-off compile per process (tens of seconds; inductor needs a C++ compiler on CPU)
+    refresh_kernel: Literal["auto", "torch", "triton"] = "auto"
     distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = Field(default=1.0, gt=0, le=1)
@@ -176,6 +181,9 @@ class LearnerConfig(_Section):
         if self.optimizer_cpu_offload and not self.distributed_optimizer:
             raise ValueError("optimizer_cpu_offload: needs learner.distributed_optimizer=true (Megatron offloads "
                              "through its precision-aware distributed optimizer)")
+        if self.compile_quantizer and self.refresh_kernel == "triton":
+            raise ValueError("refresh_kernel: triton and learner.compile_quantizer=true each choose the refresh's "
+                             "kernel; keep one (auto with compile_quantizer runs the compiled one)")
         return self
 
 

@@ -15,7 +15,8 @@
 #   3. the SGLang launch command of a Qwen3-30B-A3B config (and whether sglang imports)
 #   4. the tests marked gpu (a test file that cannot import here, for a package the machine lacks, is reported)
 #   5. --bench: benchmarks/gpu_learner.py, the learner at Qwen3-30B-A3B layer shapes per scheme (forward, train step,
-#      peak memory, kernel launches and host syncs per call, the quantizer's GB/s), into
+#      peak memory, kernel launches and host syncs per call, the quantizer's GB/s per scheme and refresh kernel; the
+#      planner's phases on the device beside the simulation and the plan, a 30B config cut to one GPU), into
 #      benchmarks/results/gpu_learner.md: one device call does smoke and bench (a few minutes on an H200)
 # Exits non-zero when a check that could run failed. On a machine without CUDA it says so and exits 0.
 #   bash scripts/gpu_smoke.sh [--no-simulate] [--bench]     (PY=/path/to/python to choose the interpreter)
@@ -81,7 +82,8 @@ fi
 if [ "$BENCH" -eq 1 ]; then
   echo "== bench: benchmarks/gpu_learner.py -> benchmarks/results/gpu_learner.md"
   if [ "$CUDA" -eq 1 ]; then
-    timeout 900 "$PY" benchmarks/gpu_learner.py --out benchmarks/results/gpu_learner.md || RC=1
+    timeout 900 "$PY" benchmarks/gpu_learner.py --plan configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml \
+      --out benchmarks/results/gpu_learner.md || RC=1
   else
     echo "skipped: no CUDA device"
   fi

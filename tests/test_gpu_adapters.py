@@ -130,10 +130,14 @@ def test_the_gpu_learner_bench_runs_its_rows_on_a_cpu(tmp_path):
                           timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = out.read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| bf16 |") or line.startswith("| w4a16 |")]
+    learner_table = table.split("The quantizer alone")[0]
+    rows = [line for line in learner_table.splitlines() if line.startswith(("| bf16 |", "| w4a16 |"))]
     assert len(rows) == 2 and "failed" not in table, table
     bf16, w4a16 = (r.split("|") for r in rows)
-    assert w4a16[6].strip().endswith("x"), rows[1]
-    syncs = [int(cells[col].split("/")[1]) for cells in (bf16, w4a16) for col in (8, 9)]
+    assert w4a16[2].strip() == "torch" and w4a16[7].strip().endswith("x"), rows[1]  # auto on a CPU: torch's ops
+    syncs = [int(cells[col].split("/")[1]) for cells in (bf16, w4a16) for col in (9, 10)]
     assert syncs[:2] == syncs[2:], rows  # fake quant adds no host sync to the forward or the step
     assert "The quantizer alone" in table and "GB/s" in table
+    alone = [line.split("|")[1:3] for line in table.split("The quantizer alone")[1].splitlines()
+             if line.startswith("| w")]
+    assert [(a.strip(), b.strip()) for a, b in alone] == [(s, "torch") for s in ("w4a16", "w8a8_fp8", "w8a8_int8")]

@@ -6,6 +6,7 @@ as the planner says when the micro-batch, the recompute or the sequence length c
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from megatron_qarl.plan.layouts import PlanOptions, learner_settings, micro_batc
 from megatron_qarl.plan.memory import LearnerLayout
 from megatron_qarl.plan.simulate import extrapolate, simulate_learner
 from megatron_qarl.plan.tracker import AllocationTracker
+
+REPO = Path(__file__).resolve().parents[1]
 from megatron_qarl.preflight.rules import load_config
 
 pytestmark = [pytest.mark.simulated_device,
@@ -151,3 +154,39 @@ def test_extrapolation_is_the_line_through_two_layer_counts():
     assert step["weights"] == 4 + 2 * 46 / 2 and step["act_layer"] == 6 + 4 * 46 / 2 and step["total"] == 10 + 6 * 23
     assert got["sync"]["bytes"] == 10 + 2 * 46
     assert a.terms()["activations"] == 6 and a.terms()["total"] == 10
+
+
+def _measured_on_the_simulated_device() -> dict:
+    import torch.distributed as dist
+
+    from megatron_qarl.gpu.simulated_device import simulated_cuda
+    from megatron_qarl.moe.parallelize import single_rank_env
+    from megatron_qarl.plan.measure import compare, measure_phases, one_gpu, planned_phases
+    from megatron_qarl.plan.phases import phases_of
+    from megatron_qarl.preflight.rules import load_config
+
+    cfg = one_gpu(load_config(str(REPO / "configs" / "cpu_default.yaml"),
+                              ["parallel.tp=1", "train.prompts_per_step=2", "rollout.sampling.n_samples=2",
+                               "learner.micro_batch_size=2"]))
+    single_rank_env()
+    dist.init_process_group("gloo")  # the simulated GPU's groups are gloo (gpu/smoke.py does the same)
+    with simulated_cuda():
+        measured = measure_phases(cfg, layers=1)
+    planned = planned_phases(cfg, 1, tuple(measured["phases"]))
+    return {"phases": [p.name for p in phases_of(cfg)], "measured": measured, "planned": planned,
+            "rows": compare(measured, {p: {"total": 1} for p in measured["phases"]}, planned)}
+
+
+def test_the_planner_meets_the_device_code_runs_every_phase_on_a_simulated_one():
+    """plan/measure.py (benchmarks/gpu_learner.py --plan, run on a lent GPU) builds the learner qarl train builds, cut
+    to one GPU, and runs each phase the config runs with the allocator's peak read after it: here on the simulated
+    device (whose allocator statistics are stand-ins, 0), so that a lent GPU's one call does not fail on the code;
+    the planner's figure for each phase is positive, and the rows pair them phase by phase."""
+    from megatron_qarl.moe.parallelize import run_ranks
+
+    r = run_ranks(1, _measured_on_the_simulated_device)[0]
+    assert list(r["measured"]["phases"]) == r["phases"] and r["measured"]["layers"] == 1
+    assert all(set(v) == {"allocated", "reserved"} for v in r["measured"]["phases"].values())
+    assert set(r["planned"]) == set(r["phases"]) and all(v > 0 for v in r["planned"].values())
+    assert [row["phase"] for row in r["rows"]] == r["phases"]
+    assert all(row["planned"] == r["planned"][row["phase"]] and row["simulated"] == 1 for row in r["rows"])

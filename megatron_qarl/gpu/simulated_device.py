@@ -576,6 +576,7 @@ CUDA_STANDINS = {
     "manual_seed_all": lambda seed: None,
     "memory_allocated": lambda device=None: 0,
     "max_memory_allocated": lambda device=None: 0,
+    "max_memory_reserved": lambda device=None: 0,
     "reset_peak_memory_stats": lambda device=None: None,
     "empty_cache": lambda: None,
     "is_initialized": lambda: True,

@@ -95,12 +95,13 @@ class Learner:
                  impl: str = "local", compile_quantizer: bool = False, distributed_optimizer: bool = True,
                  optimizer_cpu_offload: bool = False, optimizer_offload_fraction: float = 1.0, recompute: str = "none",
                  recompute_num_layers: int = 1, te_fp8: bool = False, numerics: str = "default",
-                 act_dtype: torch.dtype = torch.bfloat16):
+                 act_dtype: torch.dtype = torch.bfloat16, refresh_kernel: str = "auto"):
         """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
         Transformer Engine layers, in BF16 GEMMs on ModelOpt's fake-quant operands for the quantized schemes
         (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (impl te, schemes bf16 and w4a16,
         ``moe.te.check_te_fp8``).
-        ``compile_quantizer``: learner.compile_quantizer (``qat.quantizer.fake_quantize_weight``).
+        ``compile_quantizer``: learner.compile_quantizer (``qat.quantizer.fake_quantize_weight``); ``refresh_kernel``:
+        learner.refresh_kernel (``qat.modules.resolve_refresh_kernel``).
         The memory options: see the class docstring. ``numerics`` "exact": log-probs from moe/exact.py (the rollout
         engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype)."""
         from megatron.core import parallel_state as ps
@@ -127,7 +128,8 @@ class Learner:
         self.routing_replay = routing_replay  # R3: routes given to logprobs() are replayed by Megatron's routers
         # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
         # the same quantizer only produces what the rollout servers load
-        self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned, compiled=compile_quantizer)
+        self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned, compiled=compile_quantizer,
+                                            refresh_kernel=refresh_kernel)
                            if quant and quant.enabled else None)
         self.exact = exact_forward(numerics, self, act_dtype, quant, aligned)  # None unless numerics: exact
         self.model = DistributedDataParallel(

@@ -80,6 +80,7 @@ class LearnerWorker:
                                temperature=cfg.rollout.sampling.temperature,
                                routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl, te_fp8=cfg.model.te_fp8,
                                compile_quantizer=cfg.learner.compile_quantizer,
+                               refresh_kernel=cfg.learner.refresh_kernel,
                                distributed_optimizer=cfg.learner.distributed_optimizer,
                                optimizer_cpu_offload=cfg.learner.optimizer_cpu_offload,
                                optimizer_offload_fraction=cfg.learner.optimizer_offload_fraction,

@@ -46,6 +46,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
+import os
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -70,6 +73,8 @@ _LINEAR_SPLITS = {"qkv": False, "tp_row": False, "tp_col": True, "fc1": False, "
 # call's temporaries. On a CPU, where the refresh is memory bound, a cache's worth: measured here, 16 experts of
 # [1536, 2048] quantized stacked took 2x as long as one by one (each then stays in cache between its passes)
 GROUP_BYTES = {"cuda": 256 << 20, "cpu": 8 << 20}
+
+REFRESH_KERNELS = ("auto", "torch", "triton")
 
 # TensorQuantizer -> the function its backend calls (set by FakeQuant; weak: a dropped model frees its entries)
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -272,11 +277,34 @@ def _weight_quantizer(module: torch.nn.Module, param_name: str):
     return wq[int(index)]
 
 
+def resolve_refresh_kernel(choice: str, device: torch.device, compiled: bool = False) -> str:
+    """``learner.refresh_kernel`` for weights on ``device``: "triton" or "torch". ``auto`` is Triton on CUDA (a CUDA
+    build of torch) where it imports and ``compiled`` (learner.compile_quantizer) is off. ``triton`` is refused,
+    naming the key, where Triton is not installed, or on CPU weights without its interpreter (TRITON_INTERPRET=1)."""
+    if choice not in REFRESH_KERNELS:
+        raise ValueError(f"learner.refresh_kernel: {choice!r} is not one of {list(REFRESH_KERNELS)}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if choice == "auto":
+        # a CUDA build of torch: the simulated device (gpu/simulated_device.py) reports "cuda" on a CPU build, where
+        # the refresh runs torch's ops (qarl plan --simulate then counts the torch path's temporaries: an upper bound)
+        cuda = device.type == "cuda" and torch.version.cuda is not None
+        return "triton" if cuda and has_triton and not compiled else "torch"
+    if choice == "torch":
+        return "torch"
+    if not has_triton:
+        raise ValueError("learner.refresh_kernel: triton is not installed in the learner's environment "
+                         "(it ships with CUDA builds of torch); use auto or torch")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError("learner.refresh_kernel: triton on a CPU learner runs only under Triton's interpreter "
+                         "(TRITON_INTERPRET=1, a test mode); the CPU's path is torch (or auto)")
+    return "triton"
+
+
 class FakeQuant:
     """The ModelOpt quantizers of one rank's model, bound to the one quantizer; ``remove()`` disables them."""
 
     def __init__(self, model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, layout: Layout | None = None,
-                 forward: bool = True, compiled: bool = False):
+                 forward: bool = True, compiled: bool = False, refresh_kernel: str = "auto"):
         import modelopt.torch.quantization as mtq
 
         if not cfg.enabled:
@@ -291,6 +319,9 @@ class FakeQuant:
         self.targets = [self._target(model, pm, module_name, param_name) for pm, module_name, param_name in chosen]
         self._check_shapes()
         self.stacks = self._stacks()
+        device = self.targets[0].param.device if self.targets else torch.device("cpu")
+        self.kernel_choice = refresh_kernel
+        self.kernel = resolve_refresh_kernel(refresh_kernel, device, compiled)
         bound_modules = {t.module for t in self.targets}
         for name, module in model.named_modules():  # converted linears the config leaves in high precision
             if hasattr(module, "weight_quantizer") and module not in bound_modules:
@@ -400,8 +431,7 @@ class FakeQuant:
             shards = ([w] if t.group is None else
                       all_gather_tensors(to_group_device(w, t.group), t.group, t.size, name=t.pm.mcore))
             hf = shards_to_hf(t.pm, shards, self.arch)
-            pairs = {name: fake_quantize_weight(tensor, self.cfg, name, self.compiled, check_finite=False)
-                     for name, tensor in hf.items()}
+            pairs = {name: self._fake_quantize(tensor, name) for name, tensor in hf.items()}
             t.quantized = {name: qw for name, (qw, _) in pairs.items()}
             flags = [scales_finite(qw) for qw in t.quantized.values()]
             t.finite = flags[0] if len(flags) == 1 else torch.stack(flags).all()
@@ -418,11 +448,29 @@ class FakeQuant:
         with torch.no_grad():
             stack = (s.targets[0].param if len(s.targets) == 1  # under no_grad: no detach (one op each)
                      else torch.cat([t.param for t in s.targets]))
-            s.qw, s.fq = fake_quantize_weight(stack, self.cfg, s.name, self.compiled, check_finite=False)
+            s.qw, s.fq = self._fake_quantize(stack, s.name)
             s.finite, s.st = scales_finite(s.qw), {}
             for t, part in zip(s.targets, s.fq.split(s.rows), strict=True):
                 t.local_fq, t.quantized, t.st = part, None, {}
                 t.version = (t.param._version, t.param.data_ptr())
+
+    def _fake_quantize(self, w: Tensor, name: str) -> tuple[QuantizedWeight, Tensor]:
+        """(codes and scales, dequantized weight in ``w``'s dtype) of ``w``, with no host sync, by the refresh kernel
+        (``learner.refresh_kernel``; the same bits either way). Where ``auto`` chose Triton and its kernel fails
+        (a GPU its compiler does not support), the refresh runs the torch ops from then on, after one warning."""
+        if self.kernel == "triton":
+            from megatron_qarl.qat.triton_refresh import fake_quantize_triton
+
+            try:
+                return fake_quantize_triton(w, self.cfg, name)
+            except Exception as err:  # noqa: BLE001 - auto only: the torch path computes the same bits
+                if self.kernel_choice != "auto":
+                    raise
+                self.kernel = "torch"
+                warnings.warn(f"learner.refresh_kernel: the Triton refresh failed on {name} ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200] if str(err) else ''}); it runs the torch ops (same "
+                              "bits). Set learner.refresh_kernel=torch to silence this", stacklevel=2)
+        return fake_quantize_weight(w, self.cfg, name, self.compiled, check_finite=False)
 
     def invalidate(self) -> None:
         """Forget every cached quantization (after weights change behind autograd's back)."""
@@ -511,11 +559,12 @@ class FakeQuant:
 
 
 def apply_fake_quant(model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, forward: bool = True,
-                     compiled: bool = False) -> FakeQuant:
+                     compiled: bool = False, refresh_kernel: str = "auto") -> FakeQuant:
     """Insert ModelOpt quantizers bound to the one quantizer into this rank's (unwrapped) Megatron model; returns
     the handle.
 
     ``forward=False`` leaves them disabled: the model computes in high precision while the handle still quantizes
     its weights for the rollout servers (unaligned quantized rollout, the baseline). ``compiled``: the per-step
-    W4A16 refresh runs torch.compile'd (``qat.quantizer.fake_quantize_weight``)."""
-    return FakeQuant(model, arch, cfg, forward=forward, compiled=compiled)
+    W4A16 refresh runs torch.compile'd (``qat.quantizer.fake_quantize_weight``); ``refresh_kernel``:
+    learner.refresh_kernel (``resolve_refresh_kernel``)."""
+    return FakeQuant(model, arch, cfg, forward=forward, compiled=compiled, refresh_kernel=refresh_kernel)

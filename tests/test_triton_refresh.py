@@ -1,0 +1,174 @@
+"""The learner's Triton refresh kernels (qat/triton_refresh.py, issue 37) against the one quantizer, run by Triton's
+interpreter on CPU tensors: codes, scales, zero points and the dequantized weight, bit for bit, for every scheme and
+W4A16 variant, from both master dtypes, on weights built to hit each rounding's edge (ties, the e4m3 subnormals and
+its largest value, subnormal and zero scales, partial FP8 blocks, two passes over K); a nan / inf gives non-finite
+scales where the torch path's are. Then through the learner's FakeQuant with ``learner.refresh_kernel=triton``: the
+same forward weights and sync codes as ``torch``. On a lent GPU the same kernels run compiled (scripts/gpu_smoke.sh)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit runs: the kernels are then interpreted (CPU tensors)
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_qarl.qat.config import QuantConfig
+from megatron_qarl.qat.quantizer import fake_quantize_weight, scales_finite
+
+triton_refresh = pytest.importorskip("megatron_qarl.qat.triton_refresh")
+if not triton_refresh.INTERPRETED:  # imported earlier in this process without the interpreter
+    triton_refresh = importlib.reload(triton_refresh)
+
+VARIANTS = {
+    "w4a16": dict(scheme="w4a16"),
+    "w4a16 g64": dict(scheme="w4a16", group_size=64),
+    "w4a16 asymmetric": dict(scheme="w4a16", symmetric=False),
+    "w4a16 scale_bits=None": dict(scheme="w4a16", scale_bits=None),
+    "w4a16 scale_bits=3": dict(scheme="w4a16", scale_bits=3),
+    "w4a16 3-bit": dict(scheme="w4a16", num_bits=3),
+    "w4a16 2-bit asymmetric": dict(scheme="w4a16", num_bits=2, symmetric=False),
+    "w8a8_fp8": dict(scheme="w8a8_fp8"),
+    "w8a8_fp8 b64": dict(scheme="w8a8_fp8", group_size=64),
+    "w8a8_int8": dict(scheme="w8a8_int8"),
+}
+
+
+def _bits(t: torch.Tensor | None):
+    if t is None:
+        return None
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else
+                                                                         torch.int32)
+
+
+def _differ(w: torch.Tensor, cfg: QuantConfig) -> list[str]:
+    """Fields whose bits differ between the torch reference and the Triton kernel."""
+    ref_qw, ref_fq = fake_quantize_weight(w, cfg, check_finite=False)
+    qw, fq = triton_refresh.fake_quantize_triton(w, cfg)
+    out = []
+    for field in ("codes", "scales", "zero_points"):
+        a, b = getattr(ref_qw, field), getattr(qw, field)
+        if (a is None) != (b is None) or (a is not None and (a.dtype != b.dtype or not torch.equal(_bits(a),
+                                                                                                  _bits(b)))):
+            out.append(field)
+    if fq.dtype != ref_fq.dtype or not torch.equal(_bits(fq), _bits(ref_fq)):
+        out.append("dequantized")
+    return out
+
+
+def _edgy_weight(n: int, k: int, cfg: QuantConfig, dtype: torch.dtype) -> torch.Tensor:
+    """Normal weights with rows that hit each rounding's edges."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[0] = 0.0  # all-zero groups: scale 1
+    w[1, :64] = -0.0
+    w[2] *= 1e-37  # subnormal scales (W4A16: amax / 7.5 < 2^-126) and fp8 subnormal codes
+    w[3] = torch.arange(k) % 17 - 8.0  # integer steps: exact ties of w / s at half codes
+    w[4] = (torch.arange(k) % 9) * 0.5 - 2.0
+    w[5, 1::2] = 448.0 * 2.0 ** -torch.arange(0, k // 2).remainder(30).float()  # e4m3 binades, largest value
+    w[6, :] = 1e30  # large
+    w[7] = torch.linspace(-1, 1, k)
+    if cfg.scheme == "w8a8_fp8":  # values between e4m3 neighbours, ties included, in one block with its amax
+        w[8] = 448.0 * (torch.arange(k) % 64 + 0.5) / 64
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_refresh_is_the_reference_quantizer_bit_for_bit(variant, dtype):
+    cfg = QuantConfig(**VARIANTS[variant])
+    k = 256 if cfg.scheme == "w4a16" else 1100  # FP8: partial blocks along K and N; INT8: two passes over K
+    n = 136 if cfg.scheme == "w8a8_fp8" else 40
+    w = _edgy_weight(n, k, cfg, dtype)
+    assert _differ(w, cfg) == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(variant=st.sampled_from(list(VARIANTS)), exponent=st.integers(-140, 60), seed=st.integers(0, 2 ** 16),
+       bf16=st.booleans())
+def test_the_triton_refresh_agrees_at_every_magnitude(variant, exponent, seed, bf16):
+    """Random weights scaled by 2^exponent: the scales cross subnormal, normal and huge binades."""
+    cfg = QuantConfig(**VARIANTS[variant])
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(seed)) * 2.0 ** exponent
+    assert _differ(w.to(torch.bfloat16) if bf16 else w, cfg) == []
+
+
+@pytest.mark.parametrize("variant", ["w4a16", "w4a16 asymmetric", "w8a8_fp8", "w8a8_int8"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_weight_gives_nonfinite_scales_as_on_the_torch_path(variant, bad):
+    cfg = QuantConfig(**VARIANTS[variant])
+    w = torch.randn(128, 256) * 0.02
+    w[70, 200] = bad
+    qw, fq = triton_refresh.fake_quantize_triton(w, cfg)
+    ref, _ = fake_quantize_weight(w, cfg, check_finite=False)
+    assert not bool(scales_finite(qw)) and not bool(scales_finite(ref))
+    assert torch.equal(torch.isfinite(qw.scales), torch.isfinite(ref.scales))
+    assert not bool(torch.isfinite(fq[70]).all())
+    clean = w.clone()
+    clean[70, 200] = 0.0
+    assert bool(scales_finite(triton_refresh.fake_quantize_triton(clean, cfg)[0]))
+
+
+def _fake_quant_paths(scheme: str) -> dict:
+    """The same model's FakeQuant with refresh_kernel triton and torch: forward weights and sync codes."""
+    from megatron_qarl.moe.model import build_model, forward_logits
+    from megatron_qarl.moe.parallelize import init_parallel
+    from megatron_qarl.qat.modules import apply_fake_quant
+    from tests.test_learner_launches import arch_with
+
+    init_parallel()
+    arch = arch_with(8)
+    torch.manual_seed(5)
+    model = build_model(arch)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    cfg = QuantConfig(scheme=scheme)
+    tokens = torch.randint(0, arch.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for kernel in ("triton", "torch"):
+        fq = apply_fake_quant(model, arch, cfg, refresh_kernel=kernel)
+        with torch.no_grad():
+            logits = forward_logits(model, tokens)
+        out[kernel] = {"kernel": fq.kernel, "logits": logits,
+                       "weights": [t.local_fq.clone() for t in fq.targets],
+                       "codes": [{n: (q.codes, q.scales) for n, q in fq.target_codes(t).items()} for t in fq.targets]}
+        fq.remove()
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8_fp8", "w8a8_int8"])
+def test_the_learner_refreshes_with_the_triton_kernel_to_the_same_bits(scheme):
+    from megatron_qarl.moe.parallelize import run_ranks
+
+    r = run_ranks(1, _fake_quant_paths, scheme)[0]
+    assert r["triton"]["kernel"] == "triton" and r["torch"]["kernel"] == "torch"
+    assert torch.equal(r["triton"]["logits"], r["torch"]["logits"])
+    assert all(torch.equal(a, b) for a, b in zip(r["triton"]["weights"], r["torch"]["weights"], strict=True))
+    for a, b in zip(r["triton"]["codes"], r["torch"]["codes"], strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(_bits(a[n][0]), _bits(b[n][0])) and torch.equal(_bits(a[n][1]), _bits(b[n][1]))
+                   for n in a)
+
+
+def test_refresh_kernel_resolution_and_refusals(monkeypatch):
+    from megatron_qarl.config import LearnerConfig
+    from megatron_qarl.qat.modules import resolve_refresh_kernel
+
+    cpu = torch.device("cpu")
+    assert resolve_refresh_kernel("auto", cpu) == "torch"
+    assert resolve_refresh_kernel("torch", cpu) == "torch"
+    assert resolve_refresh_kernel("triton", cpu) == "triton"  # the interpreter is on (this module)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"^learner\.refresh_kernel: triton on a CPU learner"):
+        resolve_refresh_kernel("triton", cpu)
+    if torch.version.cuda is None:  # the simulated device reports cuda on a CPU build: the torch ops run there
+        assert resolve_refresh_kernel("auto", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="refresh_kernel: triton and learner.compile_quantizer"):
+        LearnerConfig(refresh_kernel="triton", compile_quantizer=True)
+    assert LearnerConfig(refresh_kernel="auto", compile_quantizer=True).refresh_kernel == "auto"
