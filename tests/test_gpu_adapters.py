@@ -115,6 +115,7 @@ def test_gpu_smoke():
     assert not failed, failed
     checks = result["checks"]
     assert checks["fp8_gemm"].startswith("ok") and checks["nccl_broadcast"].startswith("ok")
+    assert checks["triton_refresh"].startswith("ok"), checks["triton_refresh"]
     for scheme in ("bf16", "w4a16", "w8a8_fp8", "w8a8_int8"):
         for check in gpu_smoke.LEARNER_CHECKS:
             assert checks[f"{check}[local,{scheme}]"].startswith("ok")

@@ -17,9 +17,9 @@ from megatron_qarl.plan.layouts import PlanOptions, learner_settings, micro_batc
 from megatron_qarl.plan.memory import LearnerLayout
 from megatron_qarl.plan.simulate import extrapolate, simulate_learner
 from megatron_qarl.plan.tracker import AllocationTracker
+from megatron_qarl.preflight.rules import load_config
 
 REPO = Path(__file__).resolve().parents[1]
-from megatron_qarl.preflight.rules import load_config
 
 pytestmark = [pytest.mark.simulated_device,
               pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the simulated device needs none")]

@@ -8,8 +8,12 @@ same forward weights and sync codes as ``torch``. On a lent GPU the same kernels
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
+import re
+import subprocess
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit runs: the kernels are then interpreted (CPU tensors)
 
@@ -172,3 +176,26 @@ def test_refresh_kernel_resolution_and_refusals(monkeypatch):
     with pytest.raises(ValueError, match="refresh_kernel: triton and learner.compile_quantizer"):
         LearnerConfig(refresh_kernel="triton", compile_quantizer=True)
     assert LearnerConfig(refresh_kernel="auto", compile_quantizer=True).refresh_kernel == "auto"
+
+
+def test_the_kernels_compile_for_a_hopper_gpu_without_approximate_division_or_fma():
+    """Triton's own compiler, here without a GPU: every variant the learner launches compiles for compute capability
+    9.0 (H100 / H200) to a cubin (ptxas from the Triton wheel), and what it made of the roundings is the exact
+    operations the interpreter ran: IEEE division (div.rn.f32, no div.full / div.approx), no FMA contraction (the
+    kernels are launched with fp fusion off), the round-to-integer constants +-1.5 * 2^23 (and +-1.5 * 2^14 for the
+    e4m3 subnormals) added and subtracted. This caught a kernel the interpreter ran and the compiler refused (two
+    return statements of different types in a constexpr branch)."""
+    script = ("import json; from megatron_qarl.qat.triton_refresh import compile_variants; "
+              "print(json.dumps(compile_variants(90)))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    variants = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [name for name, _ in variants].count("_w4a16_kernel") == 4 and len(variants) == 8
+    for name, ptx in variants:
+        assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, name
+        assert not re.search(r"\bfma\.", ptx), name
+        if name == "_fp8_block_kernel":
+            assert "0f46C00000" in ptx and "0fC6C00000" in ptx, name  # +-24576
+        else:
+            assert "0f4B400000" in ptx and "0fCB400000" in ptx, name  # +-12582912

@@ -44,8 +44,10 @@ _ROUND_E4M3_SUB = 24576.0  # 1.5 * 2^14: x + it - it rounds |x| < 2^13 to a mult
 def _load_f32(ptr, offs, mask, IN_BF16: tl.constexpr):
     if IN_BF16:  # the 16-bit pattern is the top half of the fp32 one
         bits = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) << 16
-        return bits.to(tl.float32, bitcast=True)
-    return tl.load(ptr + offs, mask=mask, other=0.0)
+        w = bits.to(tl.float32, bitcast=True)
+    else:  # one return: the compiler types every return statement, a constexpr branch's too
+        w = tl.load(ptr + offs, mask=mask, other=0.0)
+    return w
 
 
 @triton.jit
@@ -207,6 +209,8 @@ def _int8_channel_kernel(w_ptr, codes_ptr, scales_ptr, fq_ptr, n, k,
 
 # triton.jit read TRITON_INTERPRET when the kernels above were defined: interpreted kernels run on CPU tensors
 INTERPRETED = type(_w4a16_kernel).__name__ == "InterpretedFunction"
+# no FMA contraction (Triton 3.9 contracts by default): every multiply and add rounds as the reference's
+_OPTIONS = {} if INTERPRETED else {"enable_fp_fusion": False}
 
 
 def _operand(w: Tensor) -> tuple[Tensor, bool]:
@@ -257,7 +261,8 @@ def fake_quantize_triton(w: Tensor, cfg: QuantConfig, name: str = "weight") -> t
             src, codes, scales.view(torch.uint16), codes if zeros is None else zeros, out, n_groups,
             G=g, BLOCK=block, IN_BF16=in_bf16, OUT_BF16=out_bf16, SYMMETRIC=cfg.symmetric, QMIN=float(qmin),
             QMAX=float(qmax), DIVISOR=float(qmax - qmin) / (2.0 if cfg.symmetric else 1.0),
-            SCALE_BITS=scale_bits or 0, FQ_BF16=not cfg.symmetric or scale_bits is None or scale_bits > 5)
+            SCALE_BITS=scale_bits or 0, FQ_BF16=not cfg.symmetric or scale_bits is None or scale_bits > 5,
+            **_OPTIONS)
         qw = QuantizedWeight(codes, scales, zeros, (n, k), "w4a16", g)
     elif scheme == "w8a8_fp8":
         b = cfg.group_size
@@ -267,13 +272,53 @@ def fake_quantize_triton(w: Tensor, cfg: QuantConfig, name: str = "weight") -> t
         codes = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
         scales = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
         _fp8_block_kernel[(nb, kb)](src, codes.view(torch.uint8), scales, out, n, k, kb, B=b, IN_BF16=in_bf16,
-                                    OUT_BF16=out_bf16, num_warps=8)
+                                    OUT_BF16=out_bf16, num_warps=8, **_OPTIONS)
         qw = QuantizedWeight(codes, scales, None, (n, k), "w8a8_fp8", b)
     else:
         codes = torch.empty((n, k), dtype=torch.int8, device=w.device)
         scales = torch.empty((n, 1), dtype=torch.float32, device=w.device)
         block_k = min(triton.next_power_of_2(k), 1024)
         _int8_channel_kernel[(triton.cdiv(n, 4),)](src, codes, scales, out, n, k, BLOCK_R=4, BLOCK_K=block_k,
-                                                   IN_BF16=in_bf16, OUT_BF16=out_bf16)
+                                                   IN_BF16=in_bf16, OUT_BF16=out_bf16, **_OPTIONS)
         qw = QuantizedWeight(codes, scales, None, (n, k), "w8a8_int8", None)
     return qw, (fq if fq.dtype == w.dtype else fq.to(w.dtype))
+
+
+def _signatures() -> list[tuple[object, dict[str, str], dict[str, object]]]:
+    """(kernel, argument types, constexprs) of the kernel variants ``fake_quantize_triton`` launches: each kernel
+    from fp32 and from bf16 masters, and W4A16's asymmetric and unrounded-scale variants."""
+    out = []
+    for bf16 in (False, True):
+        w, fq = ("*i16", "*u16") if bf16 else ("*fp32", "*fp32")
+        w4 = {"w_ptr": w, "codes_ptr": "*i8", "scales_ptr": "*u16", "zeros_ptr": "*i8", "fq_ptr": fq, "n_groups": "i32"}
+        out.append((_w4a16_kernel, w4, dict(G=128, BLOCK=32, IN_BF16=bf16, OUT_BF16=bf16, SYMMETRIC=True, QMIN=-8.0,
+                                            QMAX=7.0, DIVISOR=7.5, SCALE_BITS=5, FQ_BF16=False)))
+        out.append((_fp8_block_kernel, {"w_ptr": w, "codes_ptr": "*u8", "scales_ptr": "*fp32", "fq_ptr": fq, "n": "i32",
+                                        "k": "i32", "kb": "i32"}, dict(B=128, IN_BF16=bf16, OUT_BF16=bf16)))
+        out.append((_int8_channel_kernel, {"w_ptr": w, "codes_ptr": "*i8", "scales_ptr": "*fp32", "fq_ptr": fq,
+                                           "n": "i32", "k": "i32"}, dict(BLOCK_R=4, BLOCK_K=1024, IN_BF16=bf16,
+                                                                         OUT_BF16=bf16)))
+    out.append((_w4a16_kernel, w4, dict(G=128, BLOCK=32, IN_BF16=True, OUT_BF16=True, SYMMETRIC=False, QMIN=-8.0,
+                                        QMAX=7.0, DIVISOR=15.0, SCALE_BITS=0, FQ_BF16=True)))
+    out.append((_w4a16_kernel, w4, dict(G=128, BLOCK=32, IN_BF16=True, OUT_BF16=True, SYMMETRIC=True, QMIN=-8.0,
+                                        QMAX=7.0, DIVISOR=7.5, SCALE_BITS=0, FQ_BF16=True)))
+    return out
+
+
+def compile_variants(capability: int = 90) -> list[tuple[str, str]]:
+    """(kernel name, PTX) of every variant in ``_signatures``, compiled by Triton for CUDA compute capability
+    ``capability`` (90: H100 / H200) down to a cubin by the ptxas Triton ships: no GPU needed, so a CPU checks that
+    the kernels compile and what the compiler made of their roundings (tests/test_triton_refresh.py). FP fusion off,
+    as they are launched (``enable_fp_fusion=False``: no multiply-add is contracted into an FMA)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if INTERPRETED:
+        raise RuntimeError("compile_variants: the kernels were defined under TRITON_INTERPRET=1 (interpreted)")
+    out = []
+    for kernel, signature, constexprs in _signatures():
+        src = ASTSource(fn=kernel, signature={**signature, **{c: "constexpr" for c in constexprs}},
+                        constexprs={(kernel.arg_names.index(c),): v for c, v in constexprs.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"enable_fp_fusion": False})
+        out.append((kernel.fn.__name__, compiled.asm["ptx"]))
+    return out
