@@ -1,8 +1,8 @@
-"""Steps/hour of `qarl train` with train.async off, one_step and bounded(2), learner and servers on their own cores,
-and a model of the speedup on a cluster from the measured phase times.
+"""Steps/hour of `qarl train` with train.async off, one_step and bounded(2) (bounded(1) and R3 on request),
+learner and servers on their own cores, and a model of the speedup on a cluster from the measured phase times.
 
     .venv/bin/python benchmarks/async_overlap.py [--steps 8] [--learner-cores 0] [--server-cores 1]
-        [--out benchmarks/results/async_overlap.md]
+        [--modes off one_step bounded(2) bounded(1) bounded(2)+R3] [--out benchmarks/results/async_overlap.md]
 
 Each mode runs configs/cpu_default.yaml (launch.backend=local, no evaluation between the first and the last step,
 no checkpoints before the end, train.mismatch_split off: it is a diagnostic, one extra prefill per sample) with
@@ -40,8 +40,12 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = (("off", ["train.async=off"]), ("one_step", ["train.async=one_step"]),
-         ("bounded(2)", ["train.async=bounded", "train.max_staleness=2"]))
+MODES = {"off": ["train.async=off"], "one_step": ["train.async=one_step"],
+         "bounded(2)": ["train.async=bounded", "train.max_staleness=2"],
+         "bounded(1)": ["train.async=bounded", "train.max_staleness=1"],
+         "bounded(2)+R3": ["train.async=bounded", "train.max_staleness=2", "algo.routing_replay=true"],
+         "bounded(1)+R3": ["train.async=bounded", "train.max_staleness=1", "algo.routing_replay=true"]}
+DEFAULT_MODES = ("off", "one_step", "bounded(2)")
 PHASES = ("rollout", "reward", "logp", "rescore", "update", "rollout_wait", "sync", "step")
 
 
@@ -86,14 +90,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--learner-cores", default="0")
     ap.add_argument("--server-cores", default="1")
+    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=list(MODES),
+                    help="off first (the ratios are against it); bounded(1), and each bounded with R3 "
+                         "(algo.routing_replay: the sync pauses with abort and the requests continue), on request")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "async_overlap.md"))
     args = ap.parse_args()
+    if args.modes[0] != "off":
+        raise SystemExit("--modes: off first (every ratio is against it)")
     if args.steps < 4:
         raise SystemExit("--steps: at least 4 (the first two are warm-up)")
     measured: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in MODES:
-            rows = run(extra, args.steps, Path(tmp) / name.replace("(", "_").replace(")", ""), args.learner_cores,
+        for name in args.modes:
+            rows = run(MODES[name], args.steps, Path(tmp) / name.replace("(", "_").replace(")", ""), args.learner_cores,
                        args.server_cores)[2:]
             measured[name] = {p: mean(rows, f"time/{p}_s") for p in PHASES}
             measured[name]["regenerated"] = mean(rows, "async/regenerated")
@@ -103,7 +112,7 @@ def main() -> None:
     lines = [f"# train.async: steps/hour, learner on cores {args.learner_cores}, server on cores {args.server_cores}",
              "", f"`python benchmarks/async_overlap.py --steps {args.steps}` on {platform.machine()}, "
              f"{os.cpu_count()} cores (`{platform.processor() or platform.platform()}`); configs/cpu_default.yaml, "
-             "launch.backend=local, bf16 servers; mean over steps 3..N.", "",
+             "launch.backend=local, bf16 servers; mean over steps 3..N; modes one after another.", "",
              "| mode | step s | steps/hour | vs off | rollout wait s | reward s | logp s | rescore s | update s | "
              "wait before sync s | sync s | token staleness | regenerated/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

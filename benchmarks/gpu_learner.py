@@ -17,7 +17,10 @@ mean nothing for a GPU.
 
 ``--plan CONFIG``: the planner meets the GPU (plan/measure.py). The config cut to one GPU (TP 1, EP 1) and to each of
 ``--plan-layers`` (2 4), its phases run on the device, each phase's allocator peak (allocated, reserved) beside
-``qarl plan --simulate``'s simulation of the same (run in a process with the GPUs hidden) and the planner's figure.
+``qarl plan --simulate``'s simulation of the same and the planner's figure. The simulation is device-independent and
+takes minutes on a CPU: ``--plan-sim FILE`` reads it from FILE, or makes it (in a process with the GPUs hidden) and
+writes it there, so a CPU machine makes it ahead of a short GPU lease:
+    python benchmarks/gpu_learner.py --device cpu --rows none --plan CONFIG --plan-sim FILE
 """
 
 from __future__ import annotations
@@ -173,31 +176,46 @@ def quantizer_alone(device: str, small: bool, repeats: int) -> list[dict]:
     return out
 
 
-def plan_rows(config: str, layers: list[int], device: str) -> list[dict]:
-    """``--plan``: per layer count, the phases on the device (a process each), the simulation (a process with the
-    GPUs hidden) and the planner, for ``config`` cut to one GPU (plan/measure.py)."""
+def plan_rows(config: str, layers: list[int], device: str, sim_file: Path | None) -> list[dict]:
+    """``--plan``: per layer count, the phases on the device (a process each; on a CPU, skipped), the simulation and
+    the planner for ``config`` cut to one GPU (plan/measure.py). The simulation is read from ``sim_file`` when it
+    exists (made on any machine: it is device-independent), else run in a process with the GPUs hidden and saved
+    there."""
     import os
 
+    sims = json.loads(sim_file.read_text()) if sim_file and sim_file.exists() else {}
+    if sims and (sims.get("config") != config or any(str(n) not in sims["layers"] for n in layers)):
+        raise SystemExit(f"--plan-sim {sim_file}: made for {sims.get('config')} at layers {list(sims['layers'])}, "
+                         f"not {config} at {layers}")
     ctx = mp.get_context("spawn")
     rows = []
     for n in layers:
-        results = {}
-        for what in ("device", "simulated"):
-            q = ctx.SimpleQueue()
-            hidden = what == "simulated"
+        if str(n) not in sims.get("layers", {}):
             saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if hidden:
-                os.environ["CUDA_VISIBLE_DEVICES"] = ""
-            p = ctx.Process(target=_plan_child, args=(what, config, n, device, q))
-            p.start()
-            if hidden:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the child's torch sees no GPU: the simulated device runs
+            try:
+                sim = _in_child(ctx, "simulated", config, n, device)
+            finally:
                 os.environ.pop("CUDA_VISIBLE_DEVICES") if saved is None else os.environ.update(
                     CUDA_VISIBLE_DEVICES=saved)
-            p.join()
-            results[what] = q.get() if not q.empty() else {"error": f"exited with {p.exitcode}"}
-        rows.append({"layers": n, **results})
+            if "error" not in sim and sim_file:
+                sims = {"config": config, "layers": {**sims.get("layers", {}), str(n): sim}}
+                sim_file.write_text(json.dumps(sims, indent=1) + "\n")
+        else:
+            sim = sims["layers"][str(n)]
+        dev = (_in_child(ctx, "device", config, n, device) if device == "cuda"
+               else {"error": "no CUDA device: the device side runs on a GPU only"})
+        rows.append({"layers": n, "device": dev, "simulated": sim})
         print(json.dumps(rows[-1], default=str), flush=True)
     return rows
+
+
+def _in_child(ctx, what: str, config: str, layers: int, device: str) -> dict:
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=_plan_child, args=(what, config, layers, device, q))
+    p.start()
+    p.join()
+    return q.get() if not q.empty() else {"error": f"the {what} process exited with {p.exitcode}"}
 
 
 def _plan_child(what: str, config: str, layers: int, device: str, q) -> None:
@@ -210,12 +228,10 @@ def _plan_child(what: str, config: str, layers: int, device: str, q) -> None:
             from megatron_qarl.plan.simulate import simulate_learner
 
             sim = simulate_learner(cfg, layers=layers)
-            q.put({"phases": {p: v["total"] for p, v in sim.phases.items()},
+            q.put({"phases": {p: v["total"] for p, v in sim.phases.items()}, "seconds": sim.seconds,
                    "planned": planned_phases(cfg, layers, tuple(sim.phases))})
-        elif device == "cuda":
-            q.put(measure_phases(cfg, layers=layers)["phases"])
         else:
-            q.put({"error": "no CUDA device: the device side runs on a GPU only"})
+            q.put(measure_phases(cfg, layers=layers)["phases"])
     except Exception as err:  # noqa: BLE001 - reported in the table
         q.put({"error": f"{type(err).__name__}: {str(err)[:300]}"})
 
@@ -238,15 +254,19 @@ def render_plan(rows: list[dict], config: str) -> list[str]:
            "| layers | phase | device allocated | device reserved | simulated | planned | simulated / device | "
            "planned / device |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        dev, sim = r.get("device", {}), r.get("simulated", {})
-        if "error" in dev or "error" in sim:
-            out.append(f"| {r['layers']} | failed: {dev.get('error') or sim.get('error')} |||||||")
+        dev, sim = r["device"], r["simulated"]
+        if "error" in sim:
+            out.append(f"| {r['layers']} | simulation failed: {sim['error']} |||||||")
             continue
-        for phase, peak in dev.items():
-            s, p, a = sim["phases"].get(phase), sim["planned"].get(phase), peak["allocated"]
-            ratios = f"{s / a:.2f} | {p / a:.2f}" if s and p and a else "- | -"
-            out.append(f"| {r['layers']} | {phase} | {_gib(a)} | {_gib(peak['reserved'])} | {_gib(s)} | {_gib(p)} | "
-                       f"{ratios} |")
+        for phase in sim["phases"]:
+            s, p = sim["phases"][phase], sim["planned"].get(phase)
+            peak = dev.get(phase) if "error" not in dev else None
+            a = peak["allocated"] if peak else None
+            ratios = f"{s / a:.2f} | {p / a:.2f}" if a and s and p else "- | -"
+            out.append(f"| {r['layers']} | {phase} | {_gib(a)} | {_gib(peak['reserved'] if peak else None)} | "
+                       f"{_gib(s)} | {_gib(p)} | {ratios} |")
+        if "error" in dev:
+            out.append(f"| {r['layers']} | device: {dev['error']} |||||||")
     return out
 
 
@@ -283,19 +303,31 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a small model: checks the script on a CPU")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", default="all", help=f"comma-separated row indices (0-{len(ROWS) - 1}), 'all' or "
-                                                      "'none'")
-    parser.add_argument("--plan", default=None, metavar="CONFIG", help="also the planner on the device (one GPU)")
+                                                      "'none' (then no quantizer table either)")
+    parser.add_argument("--plan", default=None, metavar="CONFIG", help="the planner on the device (one GPU)")
     parser.add_argument("--plan-layers", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--out", default=None, help="also write the table here (markdown)")
+    parser.add_argument("--plan-sim", type=Path, default=None,
+                        help="the simulation's JSON: read when it exists, else made (GPUs hidden) and written")
+    parser.add_argument("--out", default=None, help="also write the table here (markdown), after each stage")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = parser.parse_args()
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_learner: no CUDA device here (--device cpu --small checks the script on a CPU)")
-    chosen = {"all": ROWS, "none": []}.get(args.rows) or [ROWS[int(i)] for i in args.rows.split(",")]
+    if args.rows in ("all", "none"):
+        chosen = ROWS if args.rows == "all" else []
+    else:
+        chosen = [ROWS[int(i)] for i in args.rows.split(",")]
     ctx = mp.get_context("spawn")
-    results = []
+    results, parts = [], []
+
+    def write(text: str) -> None:
+        parts.append(text)
+        print(text, flush=True)
+        if args.out:
+            Path(args.out).write_text("\n".join(parts))
+
     for scheme, compiled, layers, kernel in chosen:
         q = ctx.SimpleQueue()
         p = ctx.Process(target=_child, args=((scheme, compiled, layers, kernel, args.device, args.small,
@@ -305,12 +337,13 @@ def main() -> None:
         results.append(q.get() if not q.empty() else {"scheme": row_name(scheme, compiled, kernel), "layers": layers,
                                                       "error": f"the row's process exited with {p.exitcode}"})
         print(json.dumps(results[-1]), flush=True)
-    text = render(results, quantizer_alone(args.device, args.small, args.repeats), args.device, args.small)
+    if chosen:
+        write(render(results, quantizer_alone(args.device, args.small, args.repeats), args.device, args.small))
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     if args.plan:
-        text += "\n".join(render_plan(plan_rows(args.plan, args.plan_layers, args.device), args.plan)) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+        write("\n".join(render_plan(plan_rows(args.plan, args.plan_layers, args.device, args.plan_sim), args.plan))
+              + "\n")
     if args.json:
         print(json.dumps(results, indent=1))
 

@@ -425,6 +425,11 @@ class QarlConfig(_Section):
                               "(Megatron's HybridDeviceOptimizer needs CUDA streams and pinned memory), but this is "
                               "a CPU run (launch.gpus_per_node=0, launch.gpus_per_learner_rank=0, rollout.backend "
                               "embedded), whose learner's states are on the host already; set it false")
+        if le.refresh_kernel == "triton" and not self.learner_on_gpus:
+            raise ConfigError("learner.refresh_kernel: triton runs on the learner's GPUs, but this is a CPU run "
+                              "(launch.gpus_per_node=0, launch.gpus_per_learner_rank=0, rollout.backend embedded); "
+                              "use auto or torch (Triton's interpreter, TRITON_INTERPRET=1, is the kernels' test mode: "
+                              "tests/test_triton_refresh.py)")
         if le.recompute == "full" and self.algo.routing_replay:
             raise ConfigError("learner.recompute: 'full' reruns each layer's router in the backward, which would "
                               "route on its own instead of replaying the servers' routes (algo.routing_replay); "

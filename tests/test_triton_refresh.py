@@ -199,3 +199,15 @@ def test_the_kernels_compile_for_a_hopper_gpu_without_approximate_division_or_fm
             assert "0f46C00000" in ptx and "0fC6C00000" in ptx, name  # +-24576
         else:
             assert "0f4B400000" in ptx and "0fCB400000" in ptx, name  # +-12582912
+
+
+def test_a_cpu_run_with_the_triton_refresh_is_refused_at_load_and_a_gpu_config_takes_it():
+    from megatron_qarl.errors import ConfigError
+    from megatron_qarl.preflight.rules import load_config
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with pytest.raises(ConfigError, match=r"^learner\.refresh_kernel: triton runs on the learner's GPUs"):
+        load_config(os.path.join(repo, "configs", "cpu_default.yaml"), ["learner.refresh_kernel=triton"])
+    cfg = load_config(os.path.join(repo, "configs", "qwen3-30b-a3b", "w4a16_tbpo_2x8.yaml"),
+                      ["learner.refresh_kernel=triton", "rollout.api_key=test"])
+    assert cfg.learner.refresh_kernel == "triton"

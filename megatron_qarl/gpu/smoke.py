@@ -10,8 +10,10 @@ can run on the real GPU, sized for a short lease on one GPU (about a minute of w
   blocks, fp32 scales) computed from our quantizer's codes with ``torch._scaled_mm`` per 128-wide K block, against
   the same operands dequantized and multiplied in fp32; with Transformer Engine also TE's Float8BlockScaling GEMM of
   the same bf16 operands, against the bf16 product and against the SGLang-recipe result.
-- ``triton_refresh``: the learner's refresh kernels (qat/triton_refresh.py, what ``learner.refresh_kernel`` auto runs
-  on CUDA) compiled on this GPU, and the torch path on it, bit for bit against the reference quantizer on the CPU.
+- ``triton_refresh``, ``torch_refresh``: the learner's refresh kernels (qat/triton_refresh.py, what
+  ``learner.refresh_kernel`` auto runs on CUDA) compiled on this GPU, and the torch path on it, each bit for bit
+  against the reference quantizer on the CPU (reported apart: a torch op on CUDA could differ where the kernels
+  do not).
 - ``LEARNER_CHECKS[impl,scheme]`` (``learner_checks``): a TP1/EP1 ``Learner`` on CUDA for each quant scheme (bf16,
   w4a16, w8a8_fp8, w8a8_int8), impl "local" always, "te" too where Transformer Engine is installed: build and load
   the tiny model, its first (aligned) forward, the weight-sync payload (what a sync sends SGLang) broadcast over an
@@ -418,16 +420,26 @@ def _summary(v) -> str:
     return f"mean {float(v.mean()):.9g}" if torch.is_tensor(v) else f"{v:.9g}"
 
 
-def _triton_refresh() -> str:
-    """The learner's Triton refresh kernels (qat/triton_refresh.py) compiled on this GPU against the reference
+def _refresh_vs_cpu(path: str) -> str:
+    """The learner's refresh on this GPU (``path`` "triton": the kernels of qat/triton_refresh.py, what
+    ``learner.refresh_kernel`` auto runs on CUDA; "torch": the reference ops on the GPU) against the reference
     quantizer on the CPU, bit for bit: codes, scales, zero points and the dequantized weight, every scheme (W4A16
-    symmetric, asymmetric and with bf16-rounded products too), from fp32 and bf16 masters, weights with zero, tiny,
-    tie and huge rows; and the torch path on this GPU against the same CPU reference."""
+    symmetric, asymmetric and with bf16-rounded products too), from fp32 and bf16 masters, finite weights with zero,
+    tiny (subnormal scales), tie and huge rows."""
     import torch
 
     from megatron_qarl.qat.config import QuantConfig
     from megatron_qarl.qat.quantizer import fake_quantize_weight
-    from megatron_qarl.qat.triton_refresh import fake_quantize_triton
+
+    if path == "triton":
+        import triton
+
+        from megatron_qarl.qat.triton_refresh import fake_quantize_triton as refresh
+        version = f"triton {triton.__version__}"
+    else:
+        def refresh(x, cfg):
+            return fake_quantize_weight(x, cfg, check_finite=False)
+        version = f"torch {torch.__version__}"
 
     def bits(t):
         return None if t is None else t.cpu().view(torch.uint8)
@@ -445,18 +457,17 @@ def _triton_refresh() -> str:
         for dtype in (torch.float32, torch.bfloat16):
             x = w.to(dtype)
             ref_qw, ref_fq = fake_quantize_weight(x, cfg, check_finite=False)
-            for path, (qw, fq) in (("triton", fake_quantize_triton(x.cuda(), cfg)),
-                                   ("torch", fake_quantize_weight(x.cuda(), cfg, check_finite=False))):
-                n += 1
-                for field in ("codes", "scales", "zero_points"):
-                    a, b = getattr(ref_qw, field), getattr(qw, field)
-                    if (a is None) != (b is None) or (a is not None and not torch.equal(bits(a), bits(b))):
-                        differ.append(f"{path} {kwargs} {dtype} {field}")
-                if not torch.equal(bits(fq), bits(ref_fq)):
-                    differ.append(f"{path} {kwargs} {dtype} dequantized")
+            qw, fq = refresh(x.cuda(), cfg)
+            n += 1
+            for field in ("codes", "scales", "zero_points"):
+                a, b = getattr(ref_qw, field), getattr(qw, field)
+                if (a is None) != (b is None) or (a is not None and not torch.equal(bits(a), bits(b))):
+                    differ.append(f"{kwargs} {dtype} {field}")
+            if not torch.equal(bits(fq), bits(ref_fq)):
+                differ.append(f"{kwargs} {dtype} dequantized")
     if differ:
-        raise AssertionError(f"{len(differ)} of {n * 4} fields differ from the CPU reference: {differ[:8]}")
-    return f"{n} refreshes (Triton and torch on the GPU) bit-equal to the CPU reference"
+        raise AssertionError(f"{version}: {len(differ)} of {n * 4} fields differ from the CPU reference: {differ[:8]}")
+    return f"{version}: {n} refreshes bit-equal to the CPU reference"
 
 
 def _broadcast_rank(rank: int, world: int, port: int, q) -> None:
@@ -518,7 +529,8 @@ def smoke(model: str | None = None) -> dict[str, Any]:
     checks: dict[str, str] = {}
     te = info["transformer_engine"]
     checks["fp8_gemm"] = _timed(_fp8_gemm, te)
-    checks["triton_refresh"] = _timed(_triton_refresh)
+    checks["triton_refresh"] = _timed(_refresh_vs_cpu, "triton")
+    checks["torch_refresh"] = _timed(_refresh_vs_cpu, "torch")
     impls = ["local", "te"] if te else ["local"]
     try:
         with tempfile.TemporaryDirectory() as workdir:

@@ -61,7 +61,7 @@ def measure_phases(cfg: QarlConfig, *, layers: int, phases: tuple[str, ...] | No
     out: dict[str, dict[str, int]] = {}
     try:
         micro = micro_batch_sequences(cfg, 1)
-        learner = _build_learner(cfg, arch, micro)
+        learner = _build_learner(cfg, arch, micro, real_device=torch.version.cuda is not None)
         batch = _batch(cfg, 1, micro, step_shape(cfg)[1], min(1000, arch.vocab_size))
         loss_fn = policy_loss_fn(cfg.algo.loss, batch)
         runs = _phase_runs(learner, cfg, batch, loss_fn, _NoTracker(), {})

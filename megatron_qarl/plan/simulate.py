@@ -295,17 +295,23 @@ def _phase_runs(learner, cfg: QarlConfig, batch, loss_fn, tracker: AllocationTra
     }
 
 
-def _build_learner(cfg: QarlConfig, arch: Qwen3MoeArch, micro: int):
+def _build_learner(cfg: QarlConfig, arch: Qwen3MoeArch, micro: int, real_device: bool = False):
+    """The learner ``qarl train`` builds from ``cfg`` (local spec). On the simulated device (``real_device`` False)
+    the refresh runs torch's ops, whatever learner.refresh_kernel / compile_quantizer say: it cannot run Triton or
+    inductor kernels, and the torch path's temporaries bound theirs from above; on a real one (plan/measure.py), as
+    configured."""
     from megatron_qarl.learner.rank import Learner
     from megatron_qarl.wire import parse_dtype
 
     le = cfg.learner
+    kernels = ({"refresh_kernel": le.refresh_kernel, "compile_quantizer": le.compile_quantizer} if real_device
+               else {"refresh_kernel": "torch"})
     return Learner(arch, cfg.parallel, cfg.optim, dtype=parse_dtype(cfg.model.dtype), quant=cfg.quant,
                    aligned=le.aligned, micro_batch_size=micro, temperature=cfg.rollout.sampling.temperature,
                    routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl if cfg.model.impl != "auto" else "local",
                    distributed_optimizer=le.distributed_optimizer, optimizer_cpu_offload=le.optimizer_cpu_offload,
                    optimizer_offload_fraction=le.optimizer_offload_fraction, recompute=le.recompute,
-                   recompute_num_layers=le.recompute_num_layers)
+                   recompute_num_layers=le.recompute_num_layers, **kernels)
 
 
 def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_tokens: int | None = None,

@@ -300,6 +300,13 @@ def resolve_refresh_kernel(choice: str, device: torch.device, compiled: bool = F
     return "triton"
 
 
+def _device_failure(err: BaseException) -> bool:
+    """An error the torch path would meet too (out of memory, a CUDA error that poisons the context): raised, not
+    answered by falling back from the Triton refresh."""
+    kinds = tuple(k for k in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None)) if k)
+    return isinstance(err, kinds) or "CUDA error" in str(err)
+
+
 class FakeQuant:
     """The ModelOpt quantizers of one rank's model, bound to the one quantizer; ``remove()`` disables them."""
 
@@ -459,12 +466,12 @@ class FakeQuant:
         (``learner.refresh_kernel``; the same bits either way). Where ``auto`` chose Triton and its kernel fails
         (a GPU its compiler does not support), the refresh runs the torch ops from then on, after one warning."""
         if self.kernel == "triton":
-            from megatron_qarl.qat.triton_refresh import fake_quantize_triton
-
             try:
+                from megatron_qarl.qat.triton_refresh import fake_quantize_triton
+
                 return fake_quantize_triton(w, self.cfg, name)
             except Exception as err:  # noqa: BLE001 - auto only: the torch path computes the same bits
-                if self.kernel_choice != "auto":
+                if self.kernel_choice != "auto" or _device_failure(err):
                     raise
                 self.kernel = "torch"
                 warnings.warn(f"learner.refresh_kernel: the Triton refresh failed on {name} ({type(err).__name__}: "

@@ -1,10 +1,11 @@
 """The learner's per-step refresh on CUDA: one Triton kernel per scheme, bit for bit the one quantizer.
 
 ``fake_quantize_triton(w, cfg)`` returns what ``quantizer.fake_quantize_weight(w, cfg, check_finite=False)`` returns
-(codes, scales, zero points, and the dequantized weight in ``w``'s dtype), the same bits, from one kernel launch that
-reads the weight once and writes each output once (the torch path runs ~15 kernels and re-reads the weight in
-each). The formulas are those of ``qat/quantizer.py``; this module only re-expresses their roundings in operations
-that are exact and identical on a GPU and in Triton's interpreter:
+(codes, scales, zero points, and the dequantized weight in ``w``'s dtype), the same bits for a finite weight, from one
+kernel launch that reads the weight once and writes each output once (FP8: twice, a pass for the block's amax; the
+torch path runs ~15 kernels and re-reads the weight in each). The formulas are those of ``qat/quantizer.py``; this
+module only re-expresses their roundings in operations that are exact and identical on a GPU and in Triton's
+interpreter:
 
 - divisions are ``tl.math.div_rn`` (IEEE round to nearest; Triton's ``/`` may be approximate on a GPU);
 - round half to even of |x| <= 2^22 is ``(|x| + 1.5 * 2^23) - 1.5 * 2^23`` (fp32 adds round to nearest even) with
@@ -17,7 +18,8 @@ that are exact and identical on a GPU and in Triton's interpreter:
 - fp32 -> float8_e4m3fn (round to nearest even, after the clamp to +-448): the same integer rounding to 3 mantissa
   bits from 2^-6 up, and ``(x + 1.5 * 2^14) - 1.5 * 2^14`` (a multiple of 2^-9) below;
 - a max reduction carries nan explicitly (a GPU max may drop it): a nan / inf weight gives a non-finite scale, as on
-  the torch path, which ``quantizer.scales_finite`` reads without a host sync;
+  the torch path, which ``quantizer.scales_finite`` reads without a host sync (its codes and dequantized values are
+  then not the torch path's bits: nan payloads and clamps of nan differ between devices; they are never sent);
 - bf16 tensors are read and written as their 16-bit patterns (exact widening, and the interpreter has no bf16).
 
 Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported) runs the same kernels on CPU tensors:
@@ -27,6 +29,8 @@ CUDA weights and Triton importable, ``qat.modules.refresh_kernel``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -163,22 +167,30 @@ def _e4m3(x):
 
 @triton.jit
 def _fp8_block_kernel(w_ptr, codes_ptr, scales_ptr, fq_ptr, n, k, kb,
-                      B: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr):
-    """One B x B block per program; see ``quantizer.quantize_fp8_block``."""
+                      B: tl.constexpr, ROWS: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr):
+    """One B x B block per program, in chunks of ROWS rows (a whole block's tile spills registers): a pass for its
+    amax, a pass for the codes; see ``quantizer.quantize_fp8_block``."""
     bn, bk = tl.program_id(0), tl.program_id(1)
-    rows = bn.to(tl.int64) * B + tl.arange(0, B)
     cols = bk.to(tl.int64) * B + tl.arange(0, B)
-    mask = (rows < n)[:, None] & (cols < k)[None, :]
-    offs = rows[:, None] * k + cols[None, :]
-    w = _load_f32(w_ptr, offs, mask, IN_BF16)
-    amax = _max_nan(tl.reshape(tl.abs(w), (B * B,)), 0)
-    scale = tl.math.div_rn(amax, 448.0)
+    amax = tl.zeros((B,), tl.float32)
+    for r in range(0, B, ROWS):
+        rows = bn.to(tl.int64) * B + r + tl.arange(0, ROWS)
+        mask = (rows < n)[:, None] & (cols < k)[None, :]
+        w = _load_f32(w_ptr, rows[:, None] * k + cols[None, :], mask, IN_BF16)
+        chunk = _max_nan(tl.abs(w), 0)
+        amax = tl.where((chunk != chunk) | (amax != amax), float("nan"), tl.maximum(amax, chunk))
+    scale = tl.math.div_rn(_max_nan(amax, 0), 448.0)
     scale = tl.where(scale == 0.0, 1.0, scale)
     tl.store(scales_ptr + bn * kb + bk, scale)
-    x = tl.math.div_rn(w, tl.full((B, B), 1.0, tl.float32) * scale)
-    value, code = _e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
-    tl.store(codes_ptr + offs, code.to(tl.uint8), mask=mask)
-    _store_out(fq_ptr, offs, value * scale, mask, OUT_BF16)
+    for r in range(0, B, ROWS):
+        rows = bn.to(tl.int64) * B + r + tl.arange(0, ROWS)
+        mask = (rows < n)[:, None] & (cols < k)[None, :]
+        offs = rows[:, None] * k + cols[None, :]
+        w = _load_f32(w_ptr, offs, mask, IN_BF16)
+        x = tl.math.div_rn(w, tl.full((ROWS, B), 1.0, tl.float32) * scale)
+        value, code = _e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
+        tl.store(codes_ptr + offs, code.to(tl.uint8), mask=mask)
+        _store_out(fq_ptr, offs, value * scale, mask, OUT_BF16)
 
 
 @triton.jit
@@ -238,11 +250,18 @@ def _check_device(w: Tensor, name: str) -> None:
 
 
 def fake_quantize_triton(w: Tensor, cfg: QuantConfig, name: str = "weight") -> tuple[QuantizedWeight, Tensor]:
-    """(qw, w_fq) of ``quantizer.fake_quantize_weight(w, cfg, name, check_finite=False)``, bit for bit, in one kernel
-    launch. No host sync: a nan / inf in ``w`` makes its scales non-finite (``quantizer.scales_finite``)."""
+    """(qw, w_fq) of ``quantizer.fake_quantize_weight(w, cfg, name, check_finite=False)``, bit for bit for a finite
+    ``w``, in one kernel launch on ``w``'s device. No host sync: a nan / inf in ``w`` makes its scales non-finite, as
+    on the torch path (``quantizer.scales_finite``; its codes and dequantized values are then not the torch path's
+    bits, and never sent: ``FakeQuant.target_codes`` refuses such a weight)."""
     scheme = check_scheme(cfg.scheme)
     check_weight(w, name, finite=False)
     _check_device(w, name)
+    with torch.cuda.device(w.device) if w.device.type == "cuda" else contextlib.nullcontext():
+        return _launch(w, cfg, scheme, name)
+
+
+def _launch(w: Tensor, cfg: QuantConfig, scheme: str, name: str) -> tuple[QuantizedWeight, Tensor]:
     n, k = w.shape
     src, in_bf16 = _operand(w)
     fq, out, out_bf16 = _output((n, k), w.dtype if w.dtype == torch.bfloat16 else torch.float32, w.device)
@@ -271,8 +290,8 @@ def fake_quantize_triton(w: Tensor, cfg: QuantConfig, name: str = "weight") -> t
         nb, kb = triton.cdiv(n, b), triton.cdiv(k, b)
         codes = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
         scales = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
-        _fp8_block_kernel[(nb, kb)](src, codes.view(torch.uint8), scales, out, n, k, kb, B=b, IN_BF16=in_bf16,
-                                    OUT_BF16=out_bf16, num_warps=8, **_OPTIONS)
+        _fp8_block_kernel[(nb, kb)](src, codes.view(torch.uint8), scales, out, n, k, kb, B=b, ROWS=min(b, 16),
+                                    IN_BF16=in_bf16, OUT_BF16=out_bf16, **_OPTIONS)
         qw = QuantizedWeight(codes, scales, None, (n, k), "w8a8_fp8", b)
     else:
         codes = torch.empty((n, k), dtype=torch.int8, device=w.device)
@@ -294,7 +313,7 @@ def _signatures() -> list[tuple[object, dict[str, str], dict[str, object]]]:
         out.append((_w4a16_kernel, w4, dict(G=128, BLOCK=32, IN_BF16=bf16, OUT_BF16=bf16, SYMMETRIC=True, QMIN=-8.0,
                                             QMAX=7.0, DIVISOR=7.5, SCALE_BITS=5, FQ_BF16=False)))
         out.append((_fp8_block_kernel, {"w_ptr": w, "codes_ptr": "*u8", "scales_ptr": "*fp32", "fq_ptr": fq, "n": "i32",
-                                        "k": "i32", "kb": "i32"}, dict(B=128, IN_BF16=bf16, OUT_BF16=bf16)))
+                                        "k": "i32", "kb": "i32"}, dict(B=128, ROWS=16, IN_BF16=bf16, OUT_BF16=bf16)))
         out.append((_int8_channel_kernel, {"w_ptr": w, "codes_ptr": "*i8", "scales_ptr": "*fp32", "fq_ptr": fq,
                                            "n": "i32", "k": "i32"}, dict(BLOCK_R=4, BLOCK_K=1024, IN_BF16=bf16,
                                                                          OUT_BF16=bf16)))
