@@ -190,3 +190,35 @@ def test_the_planner_meets_the_device_code_runs_every_phase_on_a_simulated_one()
     assert set(r["planned"]) == set(r["phases"]) and all(v > 0 for v in r["planned"].values())
     assert [row["phase"] for row in r["rows"]] == r["phases"]
     assert all(row["planned"] == r["planned"][row["phase"]] and row["simulated"] == 1 for row in r["rows"])
+
+
+def _codes_with_an_unknown_flag() -> dict:
+    from megatron_qarl.moe.model import build_model
+    from megatron_qarl.moe.parallelize import init_parallel
+    from megatron_qarl.qat.config import QuantConfig
+    from megatron_qarl.qat.modules import apply_fake_quant
+    from tests.test_learner_launches import arch_with
+
+    init_parallel()
+    arch = arch_with(8)
+    fq = apply_fake_quant(build_model(arch), arch, QuantConfig(scheme="w4a16"))
+    t = next(t for t in fq.targets if t.stack is not None)
+    fq.target_codes(t)  # refreshed on the CPU
+    t.quantized = None
+    with simulated_cuda(shapes_only=True):
+        unknown = torch.empty(1 << 23, device="cuda").isfinite().all()  # 32 MiB: shape-only, its value unknown
+        t.stack.finite = unknown
+        stand_in = bool(unknown)
+        codes = fq.target_codes(t)
+    return {"stand_in": stand_in, "codes": sorted(codes)}
+
+
+def test_the_weight_sync_of_a_simulated_quantized_learner_takes_an_unknown_finiteness_flag_as_finite():
+    """qarl plan --simulate of a quantized config at full size: the sync phase asks each target for its codes, whose
+    finiteness flag the shape-only device does not know, and answers 0 / False for (``_scalar_stand_in``: "no
+    inf/nan found"). target_codes asks "any non-finite?" so that answer passes; it asked "all finite?" and refused
+    every stacked expert weight as non-finite (found by simulating configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml)."""
+    from megatron_qarl.moe.parallelize import run_ranks
+
+    r = run_ranks(1, _codes_with_an_unknown_flag)[0]
+    assert r["stand_in"] is False and len(r["codes"]) == 2, r  # gate_proj and up_proj of one expert

@@ -345,7 +345,7 @@ def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_
             _wrap_optimizer(learner, tracker)
             _skip_host_adam(learner)
             _label_kinds(learner, tracker)
-            batch = _batch(cfg, dp, micro, seq_len)
+            batch = _batch(cfg, dp, micro, seq_len, min(1000, arch.vocab_size))
             loss_fn = policy_loss_fn(cfg.algo.loss, batch)
             runs = _phase_runs(learner, cfg, batch, loss_fn, tracker, sync)
             with tracker.labelled("act_layer"):

@@ -494,7 +494,9 @@ class FakeQuant:
         a nan / inf (the one host read of the finiteness flag, on the sync's path)."""
         self._refresh(t)
         finite = t.stack.finite if t.stack is not None else t.finite
-        if not bool(finite):
+        # asked as "any non-finite?": the simulated device (qarl plan --simulate) answers False to a flag whose value
+        # it does not know (gpu/simulated_device.py, _scalar_stand_in), i.e. nothing found
+        if bool(torch.logical_not(finite)):
             where = t.stack.name if t.stack is not None else t.pm.mcore
             raise ValueError(f"{where}: non-finite value(s) (nan/inf) in the weight; its codes are not sent")
         if t.quantized is None:
