@@ -9,7 +9,9 @@ the name its module gives it, which must be its key in ``SUBCOMMANDS``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
+import signal
 import sys
 
 from megatron_qarl.errors import UserError
@@ -40,6 +42,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv else None).parse_args(argv)
+    if hasattr(signal, "SIGUSR1"):  # a run that stops moving: `kill -USR1 <pid>` prints every thread's stack
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return int(args.func(args) or 0)
     except UserError as err:

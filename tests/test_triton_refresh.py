@@ -182,7 +182,8 @@ def test_the_kernels_compile_for_a_hopper_gpu_without_approximate_division_or_fm
     """Triton's own compiler, here without a GPU: every variant the learner launches compiles for compute capability
     9.0 (H100 / H200) to a cubin (ptxas from the Triton wheel), and what it made of the roundings is the exact
     operations the interpreter ran: IEEE division (div.rn.f32, no div.full / div.approx), no FMA contraction (the
-    kernels are launched with fp fusion off), the round-to-integer constants +-1.5 * 2^23 (and +-1.5 * 2^14 for the
+    kernels are launched with fp fusion off), no flush of subnormals to zero (no .ftz: subnormal scales and e4m3
+    codes stay exact), the round-to-integer constants +-1.5 * 2^23 (and +-1.5 * 2^14 for the
     e4m3 subnormals) added and subtracted. This caught a kernel the interpreter ran and the compiler refused (two
     return statements of different types in a constexpr branch)."""
     script = ("import json; from megatron_qarl.qat.triton_refresh import compile_variants; "
@@ -194,7 +195,7 @@ def test_the_kernels_compile_for_a_hopper_gpu_without_approximate_division_or_fm
     assert [name for name, _ in variants].count("_w4a16_kernel") == 4 and len(variants) == 8
     for name, ptx in variants:
         assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, name
-        assert not re.search(r"\bfma\.", ptx), name
+        assert not re.search(r"\bfma\.", ptx) and ".ftz" not in ptx, name  # no FMA, subnormals kept (no ftz)
         if name == "_fp8_block_kernel":
             assert "0f46C00000" in ptx and "0fC6C00000" in ptx, name  # +-24576
         else:
