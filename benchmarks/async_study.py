@@ -121,7 +121,7 @@ def table(runs: dict[str, dict[int, dict]]) -> str:
                 "0 / 1 / 2 (fraction) | mismatch per token: quantization / staleness | mean step s |",
             "|---|---|---|---|---|---|---|---|---|"]
     for mode, gs in gains.items():
-        rs = list(runs[mode].values())
+        rs = [r for r in runs[mode].values() if _gain(r) is not None]  # finished runs only
         m = statistics.fmean(gs)
         vs = "-" if off is None or mode == "off" else f"{m - off:+.1f}"
         stale = " / ".join(f"{statistics.fmean(r['stale'][i] for r in rs if r['stale'][i] is not None):.3f}"
