@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import importlib
+import io
 import signal
 import sys
 
@@ -39,11 +40,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _stacks_on_sigusr1() -> None:
+    """A run that stops moving: `kill -USR1 <pid>` prints every thread's Python stack to stderr (the trainer's log,
+    a server's log). Skipped where stderr is no file (a caller that captures it) or the platform has no SIGUSR1."""
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv else None).parse_args(argv)
-    if hasattr(signal, "SIGUSR1"):  # a run that stops moving: `kill -USR1 <pid>` prints every thread's stack
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _stacks_on_sigusr1()
     try:
         return int(args.func(args) or 0)
     except UserError as err:

@@ -37,3 +37,4 @@ VLLM_VERSION  # rollout/vllm_launcher.py: the pinned vLLM; tests/test_vllm_contr
 graphsafe_get_state  # simulated_device.py _Generator: torch.cuda's generator API (Megatron's RNG tracker)
 graphsafe_set_state  # simulated_device.py _Generator: torch.cuda's generator API (Megatron's RNG tracker, CUDA graphs)
 replace_function  # qat/modules.py register_backends: ModelOpt's plugins.custom calls it (our restoring version)
+compile_variants  # qat/triton_refresh.py: the sm_90 compile check, run by tests/test_triton_refresh.py (python -c)

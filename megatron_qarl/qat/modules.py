@@ -300,6 +300,18 @@ def resolve_refresh_kernel(choice: str, device: torch.device, compiled: bool = F
     return "triton"
 
 
+def _check_group_divides_k(targets: list[_Target], cfg: QuantConfig) -> None:
+    """W4A16's group must divide every quantized weight's K (the Hugging Face tensor's): refused when the learner is
+    built, not at its first forward."""
+    if cfg.scheme != "w4a16":
+        return
+    for t in targets:
+        k = t.param.shape[1] * (t.size if t.splits_k else 1)
+        if k % cfg.group_size:
+            raise ValueError(f"quant.group_size: {cfg.group_size} does not divide K={k} of {t.pm.hf[0]} "
+                             "(W4A16 quantizes groups of that many along K)")
+
+
 def _device_failure(err: BaseException) -> bool:
     """An error the torch path would meet too (out of memory, a CUDA error that poisons the context): raised, not
     answered by falling back from the Triton refresh."""
@@ -324,7 +336,7 @@ class FakeQuant:
         with _sequential_mlp_as_children(model, self.layout), _convert_only(model, {m for _, m, _ in chosen}, fp8):
             mtq.quantize(model, modelopt_config(cfg), forward_loop=None)
         self.targets = [self._target(model, pm, module_name, param_name) for pm, module_name, param_name in chosen]
-        self._check_shapes()
+        _check_group_divides_k(self.targets, cfg)
         self.stacks = self._stacks()
         device = self.targets[0].param.device if self.targets else torch.device("cpu")
         self.kernel_choice = refresh_kernel
@@ -382,17 +394,6 @@ class FakeQuant:
             quantizers = getattr(module, name)
             for q in (quantizers if isinstance(quantizers, torch.nn.ModuleList) else [quantizers]):
                 q.enable() if on else q.disable()
-
-    def _check_shapes(self) -> None:
-        """W4A16's group must divide every quantized weight's K (the Hugging Face tensor's): refused here, at the
-        build, not at the first forward."""
-        if self.cfg.scheme != "w4a16":
-            return
-        for t in self.targets:
-            k = t.param.shape[1] * (t.size if t.splits_k else 1)
-            if k % self.cfg.group_size:
-                raise ValueError(f"quant.group_size: {self.cfg.group_size} does not divide K={k} of {t.pm.hf[0]} "
-                                 "(W4A16 quantizes groups of that many along K)")
 
     def _stacks(self) -> list[_Stack]:
         """The experts' targets of each layer and projection (fc1, fc2) that no expert-tensor-parallel group splits,
