@@ -150,12 +150,7 @@ def quantizer_alone(device: str, small: bool, repeats: int) -> list[dict]:
 
     n, k = (16 * 128, 256) if small else (128 * 768, 2048)
     w = torch.randn(n, k, device=device)
-    kernels = ["torch"]
-    try:
-        if resolve_refresh_kernel("auto", w.device) == "triton":
-            kernels.append("triton")
-    except ValueError:
-        pass
+    kernels = ["torch"] + (["triton"] if resolve_refresh_kernel("auto", w.device) == "triton" else [])
     out = []
     for scheme in SCHEMES:
         cfg = QuantConfig(scheme=scheme)

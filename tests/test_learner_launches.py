@@ -129,32 +129,31 @@ def test_fake_quant_adds_no_host_sync_and_no_op_per_expert_weight(counts, scheme
     assert growth <= 24 * per_expert + 8, f"{scheme} {phase}: ops added {added} grow with the experts"
 
 
-def _same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(bits[a.element_size()]),
-                                                                     b.view(bits[b.element_size()]))
+def random_model(arch, seed: int):
+    """Megatron's model of ``arch`` with every weight drawn from N(0, 0.05) after ``seed`` (experts differ)."""
+    from megatron_qarl.moe.model import build_model
+
+    torch.manual_seed(seed)
+    model = build_model(arch)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model
 
 
 def _stack_vs_alone(scheme: str, group_size: int | None) -> dict:
     """Each stacked target's codes, scales, zero points and forward weight against the one quantizer run on its
     Hugging Face tensors one by one (the path before issue 37); which targets were stacked."""
+    from megatron_qarl.gpu.smoke import same_bits
     from megatron_qarl.moe.convert import Layout, hf_to_shard, shards_to_hf
-    from megatron_qarl.moe.model import build_model
     from megatron_qarl.qat.config import QuantConfig
     from megatron_qarl.qat.modules import apply_fake_quant
     from megatron_qarl.qat.quantizer import fake_quantize_weight
 
     init_parallel()
     arch = arch_with(8)
-    torch.manual_seed(3)
-    model = build_model(arch)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
     cfg = QuantConfig(scheme=scheme, **({"group_size": group_size} if group_size else {}))
-    fq = apply_fake_quant(model, arch, cfg)
+    fq = apply_fake_quant(random_model(arch, 3), arch, cfg)
     differ, stacked = [], 0
     for t in fq.targets:
         codes = fq.target_codes(t)
@@ -163,7 +162,7 @@ def _stack_vs_alone(scheme: str, group_size: int | None) -> dict:
         alone = {n: fake_quantize_weight(w, cfg, n) for n, w in hf.items()}
         for n, (qw, _) in alone.items():
             for field in ("codes", "scales", "zero_points"):
-                if not _same_bits(getattr(codes[n], field), getattr(qw, field)):
+                if not same_bits(getattr(codes[n], field), getattr(qw, field)):
                     differ.append(f"{n}.{field}")
         local = hf_to_shard(t.pm, lambda n, alone=alone: alone[n][1], arch, Layout.current())
         if not torch.equal(local, t.local_fq):

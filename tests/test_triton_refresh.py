@@ -43,26 +43,12 @@ VARIANTS = {
 }
 
 
-def _bits(t: torch.Tensor | None):
-    if t is None:
-        return None
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else
-                                                                         torch.int32)
-
-
 def _differ(w: torch.Tensor, cfg: QuantConfig) -> list[str]:
-    """Fields whose bits differ between the torch reference and the Triton kernel."""
-    ref_qw, ref_fq = fake_quantize_weight(w, cfg, check_finite=False)
-    qw, fq = triton_refresh.fake_quantize_triton(w, cfg)
-    out = []
-    for field in ("codes", "scales", "zero_points"):
-        a, b = getattr(ref_qw, field), getattr(qw, field)
-        if (a is None) != (b is None) or (a is not None and (a.dtype != b.dtype or not torch.equal(_bits(a),
-                                                                                                  _bits(b)))):
-            out.append(field)
-    if fq.dtype != ref_fq.dtype or not torch.equal(_bits(fq), _bits(ref_fq)):
-        out.append("dequantized")
-    return out
+    """Fields whose dtype or bits differ between the torch reference and the Triton kernel."""
+    from megatron_qarl.gpu.smoke import refresh_differences
+
+    return refresh_differences(fake_quantize_weight(w, cfg, check_finite=False),
+                               triton_refresh.fake_quantize_triton(w, cfg))
 
 
 def _edgy_weight(n: int, k: int, cfg: QuantConfig, dtype: torch.dtype) -> torch.Tensor:
@@ -120,18 +106,14 @@ def test_a_nonfinite_weight_gives_nonfinite_scales_as_on_the_torch_path(variant,
 
 def _fake_quant_paths(scheme: str) -> dict:
     """The same model's FakeQuant with refresh_kernel triton and torch: forward weights and sync codes."""
-    from megatron_qarl.moe.model import build_model, forward_logits
+    from megatron_qarl.moe.model import forward_logits
     from megatron_qarl.moe.parallelize import init_parallel
     from megatron_qarl.qat.modules import apply_fake_quant
-    from tests.test_learner_launches import arch_with
+    from tests.test_learner_launches import arch_with, random_model
 
     init_parallel()
     arch = arch_with(8)
-    torch.manual_seed(5)
-    model = build_model(arch)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
+    model = random_model(arch, 5)
     cfg = QuantConfig(scheme=scheme)
     tokens = torch.randint(0, arch.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     out = {}
@@ -148,6 +130,7 @@ def _fake_quant_paths(scheme: str) -> dict:
 
 @pytest.mark.parametrize("scheme", ["w4a16", "w8a8_fp8", "w8a8_int8"])
 def test_the_learner_refreshes_with_the_triton_kernel_to_the_same_bits(scheme):
+    from megatron_qarl.gpu.smoke import same_bits
     from megatron_qarl.moe.parallelize import run_ranks
 
     r = run_ranks(1, _fake_quant_paths, scheme)[0]
@@ -156,8 +139,7 @@ def test_the_learner_refreshes_with_the_triton_kernel_to_the_same_bits(scheme):
     assert all(torch.equal(a, b) for a, b in zip(r["triton"]["weights"], r["torch"]["weights"], strict=True))
     for a, b in zip(r["triton"]["codes"], r["torch"]["codes"], strict=True):
         assert a.keys() == b.keys()
-        assert all(torch.equal(_bits(a[n][0]), _bits(b[n][0])) and torch.equal(_bits(a[n][1]), _bits(b[n][1]))
-                   for n in a)
+        assert all(same_bits(a[n][0], b[n][0]) and same_bits(a[n][1], b[n][1]) for n in a)
 
 
 def test_refresh_kernel_resolution_and_refusals(monkeypatch):

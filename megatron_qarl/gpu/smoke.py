@@ -420,6 +420,26 @@ def _summary(v) -> str:
     return f"mean {float(v.mean()):.9g}" if torch.is_tensor(v) else f"{v:.9g}"
 
 
+def same_bits(a, b) -> bool:
+    """Two tensors (any devices; or both None) of the same shape and dtype holding the same bits (nan payloads and
+    -0 included, where ``torch.equal`` compares values)."""
+    import torch
+
+    if a is None or b is None:
+        return a is b
+    def raw(t):
+        return t.detach().cpu().contiguous().view(torch.uint8)
+
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(raw(a), raw(b))
+
+
+def refresh_differences(ref: tuple, got: tuple) -> list[str]:
+    """The fields of ``got`` = (QuantizedWeight, dequantized weight) whose shape, dtype or bits differ from ``ref``'s:
+    "codes", "scales", "zero_points", "dequantized"."""
+    fields = [f for f in ("codes", "scales", "zero_points") if not same_bits(getattr(ref[0], f), getattr(got[0], f))]
+    return fields + ([] if same_bits(ref[1], got[1]) else ["dequantized"])
+
+
 def _refresh_vs_cpu(path: str) -> str:
     """The learner's refresh on this GPU (``path`` "triton": the kernels of qat/triton_refresh.py, what
     ``learner.refresh_kernel`` auto runs on CUDA; "torch": the reference ops on the GPU) against the reference
@@ -441,9 +461,6 @@ def _refresh_vs_cpu(path: str) -> str:
             return fake_quantize_weight(x, cfg, check_finite=False)
         version = f"torch {torch.__version__}"
 
-    def bits(t):
-        return None if t is None else t.cpu().view(torch.uint8)
-
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1024, 2304, generator=g) * 0.02
     w[0], w[1] = 0.0, torch.arange(2304) % 17 - 8.0
@@ -456,15 +473,10 @@ def _refresh_vs_cpu(path: str) -> str:
         cfg = QuantConfig(**kwargs)
         for dtype in (torch.float32, torch.bfloat16):
             x = w.to(dtype)
-            ref_qw, ref_fq = fake_quantize_weight(x, cfg, check_finite=False)
-            qw, fq = refresh(x.cuda(), cfg)
+            got = refresh(x.cuda(), cfg)
             n += 1
-            for field in ("codes", "scales", "zero_points"):
-                a, b = getattr(ref_qw, field), getattr(qw, field)
-                if (a is None) != (b is None) or (a is not None and not torch.equal(bits(a), bits(b))):
-                    differ.append(f"{kwargs} {dtype} {field}")
-            if not torch.equal(bits(fq), bits(ref_fq)):
-                differ.append(f"{kwargs} {dtype} dequantized")
+            differ += [f"{kwargs} {dtype} {field}"
+                       for field in refresh_differences(fake_quantize_weight(x, cfg, check_finite=False), got)]
     if differ:
         raise AssertionError(f"{version}: {len(differ)} of {n * 4} fields differ from the CPU reference: {differ[:8]}")
     return f"{version}: {n} refreshes bit-equal to the CPU reference"

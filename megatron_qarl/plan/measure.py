@@ -17,24 +17,17 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.plan.phases import PHASE_NAMES, phases_of
+from megatron_qarl.plan.tracker import AllocationTracker
 
 
 def one_gpu(cfg: QarlConfig) -> QarlConfig:
     """``cfg`` with a one-GPU learner: TP 1, EP 1, world size 1, sequence parallel off (the rest as configured)."""
     parallel = cfg.parallel.model_copy(update={"tp": 1, "ep": 1, "world_size": 1, "sequence_parallel": False})
     return cfg.model_copy(update={"parallel": parallel})
-
-
-class _NoTracker:
-    """The simulation's phases label what they allocate for its tracker; on a real device nothing listens."""
-
-    def labelled(self, label):  # noqa: ARG002
-        import contextlib
-
-        return contextlib.nullcontext()
 
 
 def measure_phases(cfg: QarlConfig, *, layers: int, phases: tuple[str, ...] | None = None) -> dict:
@@ -53,8 +46,6 @@ def measure_phases(cfg: QarlConfig, *, layers: int, phases: tuple[str, ...] | No
         raise RuntimeError("measure_phases: no CUDA device (the simulation is plan.simulate's)")
     arch = _arch(cfg, layers)
     wanted = [p.name for p in phases_of(cfg)] if phases is None else [p for p in PHASE_NAMES if p in phases]
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         single_rank_env()
     init_parallel(tp=1, ep=1, seed=cfg.seed)
@@ -62,9 +53,10 @@ def measure_phases(cfg: QarlConfig, *, layers: int, phases: tuple[str, ...] | No
     try:
         micro = micro_batch_sequences(cfg, 1)
         learner = _build_learner(cfg, arch, micro, real_device=torch.version.cuda is not None)
-        batch = _batch(cfg, 1, micro, step_shape(cfg)[1], min(1000, arch.vocab_size))
+        batch = _batch(cfg, 1, micro, step_shape(cfg)[1], arch.vocab_size)
         loss_fn = policy_loss_fn(cfg.algo.loss, batch)
-        runs = _phase_runs(learner, cfg, batch, loss_fn, _NoTracker(), {})
+        # the phases label what they allocate for a tracker; on a real device none is told of a tensor
+        runs = _phase_runs(learner, cfg, batch, loss_fn, AllocationTracker(), {})
         learner.train_step(batch, loss_fn)
         for name in wanted:
             torch.cuda.synchronize()

@@ -111,14 +111,15 @@ def _fake_side_groups() -> Iterator[None]:
         dist.new_group = new_group
 
 
-def _batch(cfg: QarlConfig, dp: int, micro_sequences: int, seq_len: int, vocab: int = 1000):
-    """One micro-batch of ``micro_sequences`` full-length sequences per data-parallel rank (token ids below
-    ``vocab``), with what the policy loss reads (advantages, old and sampler log-probs) and, for R3, the routes."""
+def _batch(cfg: QarlConfig, dp: int, micro_sequences: int, seq_len: int, vocab_size: int):
+    """One micro-batch of ``micro_sequences`` full-length sequences per data-parallel rank (token ids below 1000 and
+    the model's ``vocab_size``), with what the policy loss reads (advantages, old and sampler log-probs) and, for R3,
+    the routes."""
     from megatron_qarl.learner.rank import Batch
 
     rows = dp * micro_sequences
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    tokens = torch.randint(0, min(1000, vocab_size), (rows, seq_len), generator=g)
     mask = torch.ones(rows, seq_len - 1)
     extra = {"adv_B": torch.randn(rows, generator=g), "logp_old_BT": -torch.rand(rows, seq_len - 1, generator=g),
              "logp_sampler_BT": -torch.rand(rows, seq_len - 1, generator=g)}
@@ -345,7 +346,7 @@ def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_
             _wrap_optimizer(learner, tracker)
             _skip_host_adam(learner)
             _label_kinds(learner, tracker)
-            batch = _batch(cfg, dp, micro, seq_len, min(1000, arch.vocab_size))
+            batch = _batch(cfg, dp, micro, seq_len, arch.vocab_size)
             loss_fn = policy_loss_fn(cfg.algo.loss, batch)
             runs = _phase_runs(learner, cfg, batch, loss_fn, tracker, sync)
             with tracker.labelled("act_layer"):

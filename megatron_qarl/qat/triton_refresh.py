@@ -40,9 +40,6 @@ from torch import Tensor
 from megatron_qarl.qat.config import QuantConfig, check_scheme
 from megatron_qarl.qat.quantizer import QuantizedWeight, check_weight, int_code_range
 
-_ROUND = 12582912.0  # 1.5 * 2^23: x + it - it rounds |x| <= 2^22 to an integer, half to even
-_ROUND_E4M3_SUB = 24576.0  # 1.5 * 2^14: x + it - it rounds |x| < 2^13 to a multiple of 2^-9 (e4m3 subnormals)
-
 
 @triton.jit
 def _load_f32(ptr, offs, mask, IN_BF16: tl.constexpr):
@@ -89,6 +86,12 @@ def _max_nan(x, axis: tl.constexpr):
     """max over ``axis`` that is nan when any element is (fp32)."""
     has_nan = tl.max((x != x).to(tl.int32), axis=axis)
     return tl.where(has_nan > 0, float("nan"), tl.max(x, axis=axis))
+
+
+@triton.jit
+def _maximum_nan(a, b):
+    """Elementwise max that is nan where either is (a running amax over chunks)."""
+    return tl.where((a != a) | (b != b), float("nan"), tl.maximum(a, b))
 
 
 @triton.jit
@@ -178,7 +181,7 @@ def _fp8_block_kernel(w_ptr, codes_ptr, scales_ptr, fq_ptr, n, k, kb,
         mask = (rows < n)[:, None] & (cols < k)[None, :]
         w = _load_f32(w_ptr, rows[:, None] * k + cols[None, :], mask, IN_BF16)
         chunk = _max_nan(tl.abs(w), 0)
-        amax = tl.where((chunk != chunk) | (amax != amax), float("nan"), tl.maximum(amax, chunk))
+        amax = _maximum_nan(amax, chunk)
     scale = tl.math.div_rn(_max_nan(amax, 0), 448.0)
     scale = tl.where(scale == 0.0, 1.0, scale)
     tl.store(scales_ptr + bn * kb + bk, scale)
@@ -205,7 +208,7 @@ def _int8_channel_kernel(w_ptr, codes_ptr, scales_ptr, fq_ptr, n, k,
         mask = in_range[:, None] & (cols < k)[None, :]
         w = _load_f32(w_ptr, rows[:, None] * k + cols[None, :], mask, IN_BF16)
         block_max = _max_nan(tl.abs(w), 1)
-        amax = tl.where((block_max != block_max) | (amax != amax), float("nan"), tl.maximum(amax, block_max))
+        amax = _maximum_nan(amax, block_max)
     scale = tl.math.div_rn(amax, tl.full((BLOCK_R,), 127.0, tl.float32))
     scale = tl.where(scale == 0.0, 1.0, scale)
     tl.store(scales_ptr + rows, scale, mask=in_range)
