@@ -34,6 +34,7 @@ from megatron_qarl.algo.policy_loss import PolicyLossConfig
 from megatron_qarl.data.prompts import PromptDataConfig
 from megatron_qarl.data.reward import RewardConfig
 from megatron_qarl.errors import ConfigError
+from megatron_qarl.moe.parallelize import COLLECTIVE_TIMEOUT_S
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.rollout.manager import SamplingConfig
 from megatron_qarl.utils.api_key import from_env as api_key_from_env
@@ -349,6 +350,21 @@ class LaunchConfig(_Section):
     # qarl train measures a GPU of its node (torch.cuda), qarl plan assumes an H100 80GB (79.65)
     gpu_gib: float | None = Field(default=None, gt=0)
     memory_check: bool = True  # qarl train refuses a GPU learner run that qarl plan says does not fit
+    # every wait on another process is bounded (docs/cluster.md, "Every wait is bounded"):
+    # rank_timeout_s: one call of every learner rank's Ray actor (setup: build + load, a step, a sync, a save);
+    # past it the trainer raises a UserError naming the rank, the call and Ray's resources
+    rank_timeout_s: float = Field(default=1800.0, gt=0)
+    # collective_timeout_s: torch.distributed's learner groups (the default group and Megatron's): a collective
+    # whose peers do not join within it fails on gloo and NCCL alike, instead of NCCL's silent default
+    collective_timeout_s: float = Field(default=COLLECTIVE_TIMEOUT_S, gt=0)
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> LaunchConfig:
+        if self.rank_timeout_s <= self.collective_timeout_s:
+            raise ConfigError(f"launch.rank_timeout_s: {self.rank_timeout_s:g} s must be above "
+                              f"launch.collective_timeout_s ({self.collective_timeout_s:g} s): a rank stuck in a "
+                              "collective then fails with torch's error naming the collective, not a Ray timeout")
+        return self
 
 
 class QarlConfig(_Section):

@@ -12,6 +12,7 @@ step 2 with train.async off, the fresh rollout always)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from pathlib import Path
@@ -113,7 +114,7 @@ def _launch(cfg, shared: list[str] | None):
         return learners, SharedServers(shared), [learners.close]
     import ray
 
-    from megatron_qarl.launch.ray_launcher import RayCluster, RayLearnerRanks, _init_ray
+    from megatron_qarl.launch.ray_launcher import RayCluster, RayLearnerRanks, _init_ray, ray_get
     from megatron_qarl.learner.worker import LearnerWorker
     from megatron_qarl.train.cli import rollout_model_dir
 
@@ -123,8 +124,13 @@ def _launch(cfg, shared: list[str] | None):
     _init_ray(cfg)
     actor = ray.remote(LearnerWorker).options(num_cpus=1, runtime_env={"env_vars": {"LOCAL_RANK": "0"}}).remote(
         cfg, 0, 1, cfg.train.learner_threads)
-    learners = RayLearnerRanks([actor])
-    learners.on_every_rank(LearnerWorker.setup, *ray.get(actor.address.remote()))
+    learners = RayLearnerRanks([actor], cfg.launch.rank_timeout_s)
+    try:
+        learners.on_every_rank(LearnerWorker.setup, *ray_get(actor.address.remote(), cfg.launch.rank_timeout_s,
+                                                             "the learner actor's LearnerWorker.address"))
+    except BaseException:
+        ray.kill(actor)
+        raise
     return learners, SharedServers(shared), [learners.close, lambda: ray.kill(actor)]
 
 
@@ -147,16 +153,13 @@ def run_one(cfg, shared: list[str] | None) -> dict:
         return train(batch, loss_cfg, poison)
 
     learners.train = recording
-    trainer = None
-    try:
+    with contextlib.ExitStack() as stack:  # as qarl train closes: every closer runs even when one before it raises
+        for close in reversed(closers):
+            stack.callback(close)
         trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, progress=False)
+        stack.callback(trainer.close)
         trainer.run()
         fresh = fresh_mismatch(trainer)
-    finally:
-        if trainer is not None:
-            trainer.close()
-        for close in closers:
-            close()
     rows = {r["step"]: r for r in read_metrics(Path(cfg.train.output_dir) / "metrics.jsonl") if "loss/loss" in r}
     return {"steps": steps, "fresh": fresh, "seconds": time.perf_counter() - t0,
             "metrics": {step: {k: r[k] for k in KEEP if k in r} for step, r in rows.items()}}
@@ -211,23 +214,31 @@ def unrunnable_here(combo: tuple) -> str | None:
     return None
 
 
-def run_groups(runs: list[tuple], shared: dict, workdir, ray_shared: bool = False, extra: tuple = ()) -> list[dict]:
-    """Each group of runs (model.te_fp8, launch) in its own fresh process, one after the other; ``extra``
-    overrides every run gets last."""
+# the tests that run plans have pytest-timeout's 900 s (pyproject.toml): the groups share a budget below it, so a
+# stuck group fails with its own stacks (tests/bounded_child.py) before pytest-timeout would end the test
+GROUPS_BUDGET_S = 840.0
+
+
+def run_groups(runs: list[tuple], shared: dict, workdir, ray_shared: bool = False, extra: tuple = (),
+               budget_s: float = GROUPS_BUDGET_S) -> list[dict]:
+    """Each group of runs (model.te_fp8, launch) in its own fresh process, one after the other, all of them
+    within ``budget_s``: a group still running when it is spent is killed with what it started, and the error
+    names its runs and where it waited (``bounded_child.run_in_child``); ``extra`` overrides every run gets last."""
     import collections
-    import concurrent.futures
-    import multiprocessing
 
     import combination_space as cs
+    from bounded_child import run_in_child
 
     groups = collections.defaultdict(list)
     for i, combo in enumerate(runs):
         d = dict(zip(cs.KEYS, combo, strict=True))
         groups[(d["model.te_fp8"], d["launch.backend"])].append((f"run{i:02d}", [*cs.as_overrides(combo), *extra]))
     results = []
-    for (te, _launch), group in sorted(groups.items()):
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results += pool.submit(run_group, group, shared, te, str(workdir), ray_shared).result(timeout=3600)
+    deadline = time.monotonic() + budget_s
+    for (te, launch), group in sorted(groups.items()):
+        name = f"combination runs {', '.join(n for n, _ in group)} (launch {launch}, te_fp8 {te})"
+        results += run_in_child(run_group, group, shared, te, str(workdir), ray_shared, name=name,
+                                timeout_s=max(1.0, deadline - time.monotonic()))
     return sorted(results, key=lambda r: r["name"])
 
 

@@ -42,6 +42,36 @@ LONGEST_FIRST = [
 ]
 
 
+def machine_report() -> list[str]:
+    """What the session ran on (pytest's header, issue 46): the CPU, the ISA flags that gate tests (torch's, vLLM's
+    and oneDNN's kernels differ by them), the cores, and which optional environments were found."""
+    import shutil
+
+    from vllm_tools import VLLM_PYTHON
+
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 "unknown")
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")),
+                     []))
+    isa = " ".join(f"{f}={'yes' if f in flags else 'no'}"
+                   for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"))
+    slurm = shutil.which("slurmctld") or ("/usr/sbin/slurmctld" if Path("/usr/sbin/slurmctld").is_file() else None)
+    found = {".vllm-venv": VLLM_PYTHON if Path(VLLM_PYTHON).is_file() else None, "Slurm": slurm,
+             "cc": shutil.which("cc"), "c++": shutil.which("c++")}
+    return [f"machine: {model}; {os.cpu_count()} cores (affinity {len(os.sched_getaffinity(0))}); "
+            f"torch {torch.__version__}, AMX tiles per torch: {torch.cpu._is_amx_tile_supported()}",
+            f"ISA: {isa}",
+            "optional environments: " + ", ".join(f"{k} {v or 'MISSING'}" for k, v in found.items())]
+
+
+def pytest_report_header(config):
+    return machine_report()
+
+
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep our order, not its fewest-tests-last one
         config.option.loadscopereorder = False

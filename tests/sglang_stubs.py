@@ -268,8 +268,15 @@ class SGLangProcess:
     def submit(self, fn, *args) -> concurrent.futures.Future:
         return self._pool.submit(_call, fn, args)
 
-    def run(self, fn, *args):
-        return self.submit(fn, *args).result()
+    def run(self, fn, *args, timeout_s: float = 300.0):
+        """``fn(*args)`` there, ``timeout_s`` at most: past it the process is ended (``close``) and the error names
+        the call."""
+        try:
+            return self.submit(fn, *args).result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.close()
+            raise AssertionError(f"SGLang's process: {fn.__name__} gave no result within {timeout_s:.0f} s "
+                                 "(the process was ended)") from None
 
     def close(self) -> None:
         workers = list(getattr(self._pool, "_processes", {}).values())

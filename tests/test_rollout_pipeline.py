@@ -168,7 +168,7 @@ def test_a_sample_older_than_max_staleness_is_regenerated_never_trained_on(serve
         state_before_2 = pipe.pending[2].data_before
         assert pipe.data_state() == state_before_2  # a checkpoint now resumes at step 2's prompts
         for job in pipe.pending.values():
-            job.future.result()
+            job.future.result(timeout=300)
 
         learner["version"] = 3  # step 2 trains at v3: its v1 samples are 2 behind, within the bound
         two = pipe.take(2)

@@ -105,7 +105,7 @@ def test_server_killed_during_a_sync_fails_naming_it_and_a_restarted_one_joins(t
         with pytest.raises(SyncError, match=url.replace(".", r"\.")) as failure:
             killer.sync(learner)
         killer.close()
-        server.proc.wait()
+        server.proc.wait(timeout=60)
         server.start()  # the same command: the same port
         report = DistributedBroadcaster([Engine(url)], dtype=torch.float32, verify=True, group_name="second",
                                         ).sync(learner)
@@ -237,3 +237,48 @@ def test_a_failing_continue_on_the_first_server_still_continues_the_second(monke
         sync.sync(learner=None)
     assert (urls[1], "continue_generation") in calls, "the second server was left paused"
     assert urls[1] not in str(failure.value)
+
+
+def _nan_on_rank_one(model_dir: str, url: str) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_qarl.errors import UserError
+
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(ep=2, seed=11)
+    learner = Learner(arch, ParallelConfig(ep=2), OptimConfig(), quant=QuantConfig(scheme="w4a16"))
+    learner.load_hf(model_dir)
+    sync = DistributedBroadcaster([Engine(url)], dtype=torch.float32, bucket_bytes=1 << 20)
+    sync.sync(learner)  # v1: the weights the servers must keep
+    prompt = {"input_ids": [3, 9, 4, 12, 8], "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
+    before = httpx.post(url + "/generate", json=prompt, timeout=60).json()["output_ids"] \
+        if dist.get_rank() == 0 else None
+    expert = next(t for t in learner.fake_quant.targets if t.pm.split == "fc1")
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            expert.param[0, 0] = float("nan")
+    t0 = time.perf_counter()
+    with pytest.raises(UserError) as refusal:
+        sync.sync(learner)
+    out = {"message": str(refusal.value), "seconds": time.perf_counter() - t0}
+    if dist.get_rank() == 0:
+        after = httpx.post(url + "/generate", json=prompt, timeout=60).json()
+        out["version"], out["same_output"] = after["meta_info"]["weight_version"], after["output_ids"] == before
+    sync.close()
+    return out
+
+
+def test_a_nan_on_one_expert_parallel_rank_fails_every_rank_alike_and_the_server_keeps_its_weights(
+        tiny_model_dir, w4a16_server):
+    """Issue 46 item 3: the NaN is in rank 1's weights only. Before, rank 1 raised inside the sync's collective loop
+    and rank 0 blocked in the next gather (run_ranks' timeout ended it). Now every rank agrees on the weights'
+    finiteness first, and both raise the same UserError naming the weight and the rank, within seconds."""
+    out = run_ranks(2, _nan_on_rank_one, tiny_model_dir, w4a16_server.url, timeout=120)
+    print(f"\nNaN on EP rank 1: {out[0]['message'][:300]} ({out[0]['seconds']:.2f} s / {out[1]['seconds']:.2f} s)")
+    assert out[0]["message"] == out[1]["message"]
+    assert "on learner rank 1" in out[0]["message"] and "on learner rank 0" not in out[0]["message"]
+    assert "linear_fc1" in out[0]["message"] or "fc1" in out[0]["message"], out[0]["message"]
+    assert max(o["seconds"] for o in out) < 30
+    assert out[0]["version"] == "v1" and out[0]["same_output"]

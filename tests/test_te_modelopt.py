@@ -19,9 +19,7 @@ goes through the plugin's backward. ``model.te_fp8`` (bf16 only) runs every TE G
 
 from __future__ import annotations
 
-import concurrent.futures
 import io
-import multiprocessing
 import os
 from pathlib import Path
 
@@ -185,8 +183,9 @@ def sg_block_dequant(tensors: bytes, block: int) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def te_run():
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(te_learners_under_modelopts_te_plugin).result(timeout=900)
+    from bounded_child import run_in_child
+
+    return run_in_child(te_learners_under_modelopts_te_plugin, timeout_s=840, name="TE learners under ModelOpt")
 
 
 def test_modelopts_te_plugin_converts_the_te_linears_and_w8a8_fp8_runs_without_fp8_autocast(te_run):

@@ -52,7 +52,7 @@ def _kill_9_after_checkpoint(proc: subprocess.Popen, out: Path, step: str, timeo
         assert time.monotonic() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.wait(timeout=60)
 
 
 def _stable(row: dict) -> dict:

@@ -98,5 +98,5 @@ def test_closing_ray_learner_ranks_logs_what_it_swallows(caplog):
             raise RuntimeError(f"{method.__name__}: the actor died")
 
     with caplog.at_level("WARNING"):
-        GoneActors([]).close()
+        GoneActors([], timeout_s=1.0).close()
     assert "closing the learner ranks failed: RuntimeError: close: the actor died" in caplog.text

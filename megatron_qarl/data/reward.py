@@ -35,6 +35,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from megatron_qarl.data.math_task import extract_boxed
+from megatron_qarl.utils.processes import reap
 
 Verdict = Literal["correct", "incorrect", "timeout", "error"]
 STAT_KEYS: tuple[str, ...] = ("timeouts", "no_answer", "errors", "workers_replaced")
@@ -217,9 +218,8 @@ class _Worker:
                 self.proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 kill = True
-        if kill and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        if kill:
+            reap(self.proc, "reward worker", grace_s=0.0)
         self.conn.close()
 
 
@@ -324,7 +324,7 @@ class RewardScorer:
                     message = conn.recv()
                 except (EOFError, OSError):
                     if not w.ready:
-                        code = w.proc.wait()
+                        code = reap(w.proc, "reward worker", grace_s=5.0)  # it closed its socket: it is exiting
                         message = f"reward worker exited during start-up (code {code}); see its stderr"
                         raise RuntimeError(message) from None
                     if w.item is not None and w.item[0] == call:

@@ -86,8 +86,24 @@ def placement_summary(pg, learner_ranks: int) -> str:
             f"{', '.join(where[learner_ranks:])}")
 
 
+def ray_get(refs, timeout_s: float, what: str):
+    """``ray.get(refs, timeout=timeout_s)``; past the bound a UserError naming ``what`` (the actor and method), the
+    seconds and Ray's resources, total and free (a rank never placed shows as a demand no node can meet)."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        raise UserError(f"{what}: no answer within {timeout_s:g} s (ray cluster resources {ray.cluster_resources()}, "
+                        f"available {ray.available_resources()}); see the actor's log, and the timeout's key in "
+                        "docs/cluster.md ('Every wait is bounded')") from None
+
+
 class RayCluster:
-    """The placement group and both kinds of actors; ``learners`` and ``servers`` are what the trainer uses."""
+    """The placement group and both kinds of actors; ``learners`` and ``servers`` are what the trainer uses. On
+    every exit path that leaves ``__init__`` by an exception (a server that does not start, a learner rank's
+    setup that fails, KeyboardInterrupt) and on ``close`` the actors are killed and the placement group removed."""
 
     def __init__(self, cfg: QarlConfig, rollout_model_dir: str):
         import ray
@@ -95,64 +111,81 @@ class RayCluster:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         _init_ray(cfg)
+        self.pg, self.actors, self.server_actors = None, [], []
+        self._stop_timeout_s = cfg.rollout.timeout_s
         world, servers = cfg.world_size, cfg.rollout.servers
         gl, gs = cfg.launch.gpus_per_learner_rank, cfg.rollout.gpus_per_server
         bundles = [{"CPU": 1, **({"GPU": gl} if gl else {})} for _ in range(world)]
         bundles += [{"CPU": 1, **({"GPU": gs} if gs else {})} for _ in range(servers)]
         single_node = len(ray.nodes()) == 1
-        self.pg = placement_group(bundles, strategy="STRICT_PACK" if single_node else "PACK")
-        ready, _ = ray.wait([self.pg.ready()], timeout=cfg.rollout.startup_timeout_s)
-        if not ready:
-            ray.util.remove_placement_group(self.pg)
-            raise UserError(f"Ray could not place {world} learner ranks x {gl} GPU and {servers} servers x {gs} GPU "
-                            f"(cluster resources: {ray.cluster_resources()}); check launch.* and rollout.*")
-
-        def strategy(i):
-            return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
-
-        threads = cfg.train.learner_threads or max(1, (os.cpu_count() or 1) // world)
-        worker_cls = ray.remote(LearnerWorker)
-        self.actors = [worker_cls.options(num_cpus=1, num_gpus=gl, scheduling_strategy=strategy(r),
-                                          runtime_env={"env_vars": {"LOCAL_RANK": "0"}} if not gl else None)
-                       .remote(cfg, r, world, threads) for r in range(world)]
-        server_cls = ray.remote(_ServerActor)
-        self.server_actors = [server_cls.options(num_cpus=1, num_gpus=gs, scheduling_strategy=strategy(world + i))
-                              .remote(cfg, rollout_model_dir, i) for i in range(servers)]
-        if not single_node:
-            print(f"ray: {placement_summary(self.pg, world)}", flush=True)
-        self.learners = RayLearnerRanks(self.actors)
-        self.servers = _RayServers(self.server_actors)
         try:
-            addr, port = ray.get(self.actors[0].address.remote())
+            self.pg = placement_group(bundles, strategy="STRICT_PACK" if single_node else "PACK")
+            ready, _ = ray.wait([self.pg.ready()], timeout=cfg.rollout.startup_timeout_s)
+            if not ready:
+                raise UserError(f"Ray could not place {world} learner ranks x {gl} GPU and {servers} servers x {gs} "
+                                f"GPU within rollout.startup_timeout_s={cfg.rollout.startup_timeout_s:g} s (cluster "
+                                f"resources: {ray.cluster_resources()}, available: {ray.available_resources()}); "
+                                "check launch.* and rollout.*")
+
+            def strategy(i):
+                return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
+
+            threads = cfg.train.learner_threads or max(1, (os.cpu_count() or 1) // world)
+            worker_cls = ray.remote(LearnerWorker)
+            self.actors = [worker_cls.options(num_cpus=1, num_gpus=gl, scheduling_strategy=strategy(r),
+                                              runtime_env={"env_vars": {"LOCAL_RANK": "0"}} if not gl else None)
+                           .remote(cfg, r, world, threads) for r in range(world)]
+            server_cls = ray.remote(_ServerActor)
+            self.server_actors = [server_cls.options(num_cpus=1, num_gpus=gs, scheduling_strategy=strategy(world + i))
+                                  .remote(cfg, rollout_model_dir, i) for i in range(servers)]
+            if not single_node:
+                print(f"ray: {placement_summary(self.pg, world)}", flush=True)
+            self.learners = RayLearnerRanks(self.actors, cfg.launch.rank_timeout_s)
+            self.servers = _RayServers(self.server_actors, cfg)
+            addr, port = ray_get(self.actors[0].address.remote(), cfg.launch.rank_timeout_s,
+                                 "learner rank 0's LearnerWorker.address (launch.rank_timeout_s)")
             self.learners.on_every_rank(LearnerWorker.setup, addr, port)
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
+        """Stop the servers, kill every actor, remove the placement group; safe to call twice and after a partial
+        ``__init__``, and each step runs whatever the one before it raised."""
         import ray
 
-        for a in self.server_actors:
+        try:
+            for i, a in enumerate(self.server_actors):
+                try:
+                    ray_get(a.stop.remote(), self._stop_timeout_s, f"rollout server {i}'s _ServerActor.stop")
+                except Exception as err:  # noqa: BLE001 - shutting down: an actor already gone is fine
+                    log.debug("stopping rollout server %d: %s", i, err)
+        finally:
             try:
-                ray.get(a.stop.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - shutting down: an actor already gone is fine
-                pass
-        for a in self.actors + self.server_actors:
-            ray.kill(a)
-        ray.util.remove_placement_group(self.pg)
+                for a in self.actors + self.server_actors:
+                    try:
+                        ray.kill(a)
+                    except Exception as err:  # noqa: BLE001 - already dead
+                        log.debug("killing %s: %s", a, err)
+            finally:
+                self.actors, self.server_actors = [], []
+                if self.pg is not None:
+                    ray.util.remove_placement_group(self.pg)
+                    self.pg = None
 
 
 class RayLearnerRanks(LearnerRanks):
-    """The learner ranks as Ray actors (one LearnerWorker each)."""
+    """The learner ranks as Ray actors (one LearnerWorker each); every call waits ``timeout_s`` at most
+    (launch.rank_timeout_s)."""
 
-    def __init__(self, actors):
+    def __init__(self, actors, timeout_s: float):
         self.actors = actors
         self.world = len(actors)
+        self.timeout_s = timeout_s
 
     def on_every_rank(self, method: Callable[..., Any], *args: Any) -> list[Any]:
-        import ray
-
-        return ray.get([getattr(a, method.__name__).remote(*args) for a in self.actors])
+        return ray_get([getattr(a, method.__name__).remote(*args) for a in self.actors], self.timeout_s,
+                       f"LearnerWorker.{method.__name__} on {self.world} learner rank(s) (launch.rank_timeout_s)")
 
     def close(self) -> None:
         """Close every rank's process groups; a rank that fails to (its actor already gone, say) is logged, and
@@ -165,29 +198,29 @@ class RayLearnerRanks(LearnerRanks):
 
 
 class _RayServers:
-    def __init__(self, actors):
-        import ray
+    """The server actors as the trainer's ServerFleet. A start or restart waits for the server's own start-up bound
+    (rollout.startup_timeout_s) plus the actor's creation (launch.rank_timeout_s covers a slow node); a question
+    (alive, pids) rollout.timeout_s."""
 
+    def __init__(self, actors, cfg: QarlConfig):
         self.actors = actors
-        self.urls = ray.get([a.start.remote() for a in actors])
+        self.start_timeout_s = cfg.rollout.startup_timeout_s + 60.0  # + the actor's own start (imports, a port)
+        self.ask_timeout_s = cfg.rollout.timeout_s
+        self.urls = ray_get([a.start.remote() for a in actors], self.start_timeout_s,
+                            f"{len(actors)} rollout server(s)' _ServerActor.start (rollout.startup_timeout_s + 60 s)")
 
     def alive(self) -> list[bool]:
-        import ray
-
-        return ray.get([a.alive.remote() for a in self.actors])
+        return ray_get([a.alive.remote() for a in self.actors], self.ask_timeout_s,
+                       "the rollout servers' _ServerActor.alive (rollout.timeout_s)")
 
     def restart(self, i: int) -> str:
-        import ray
-
-        self.urls[i] = ray.get(self.actors[i].restart.remote())
+        self.urls[i] = ray_get(self.actors[i].restart.remote(), self.start_timeout_s,
+                               f"rollout server {i}'s _ServerActor.restart (rollout.startup_timeout_s + 60 s)")
         return self.urls[i]
 
     def pids(self) -> list[int | None]:
-        import ray
-
-        return ray.get([a.pid.remote() for a in self.actors])
+        return ray_get([a.pid.remote() for a in self.actors], self.ask_timeout_s,
+                       "the rollout servers' _ServerActor.pid (rollout.timeout_s)")
 
     def close(self) -> None:
         pass  # RayCluster.close stops them
-
-

@@ -73,7 +73,7 @@ class LearnerWorker:
         if self.threads:
             torch.set_num_threads(self.threads)
         self.master_addr = master_addr
-        init_parallel(tp=cfg.parallel.tp, ep=cfg.parallel.ep, seed=cfg.seed)
+        init_parallel(tp=cfg.parallel.tp, ep=cfg.parallel.ep, seed=cfg.seed, timeout_s=cfg.launch.collective_timeout_s)
         arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
         self.learner = Learner(arch, cfg.parallel, cfg.optim, dtype=parse_dtype(cfg.model.dtype), quant=cfg.quant,
                                aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size,

@@ -129,8 +129,18 @@ def barrier(group=None) -> None:
     dist.barrier(group=group, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
-    """Join the default process group (env:// variables) and create Megatron's parallel groups."""
+# launch.collective_timeout_s's default: how long a collective of the learner's groups waits for its peers
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+    """Join the default process group (env:// variables) and create Megatron's parallel groups. Every group gets
+    ``timeout_s`` (launch.collective_timeout_s): a collective whose peers do not all join within it raises, on
+    gloo and NCCL alike, instead of waiting on torch's or NCCL's own defaults (Megatron's groups take whole
+    minutes: ``distributed_timeout_minutes``, rounded up)."""
+    import datetime
+    import math
+
     from megatron_qarl.moe.te import prefer_fp32_block_scales
 
     prefer_fp32_block_scales()  # before Megatron imports Transformer Engine (it reads the variable on import)
@@ -145,12 +155,13 @@ def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
         backend = dist_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world % tp or world % ep:
         raise ValueError(f"world size {world} is not divisible by tp={tp} and ep={ep}")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 expert_tensor_parallel_size=expert_tp(tp, ep))
+                                 expert_tensor_parallel_size=expert_tp(tp, ep),
+                                 distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
 
 

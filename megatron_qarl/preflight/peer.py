@@ -27,7 +27,8 @@ class ProbeProcess:
                                      text=True, env=env)
         self.proc.stdin.write(json.dumps(task))
         self.proc.stdin.close()
-        self.timer = threading.Timer(timeout_s, self.proc.kill)
+        self.killed = ""  # why this side killed it, for ``failure``
+        self.timer = threading.Timer(timeout_s, self._kill, args=(f"killed after {timeout_s:.0f} s",))
         self.timer.daemon = True
         self.timer.start()
         self.timeout_s = timeout_s
@@ -44,12 +45,22 @@ class ProbeProcess:
         self.close()
         self.stderr.seek(0)
         tail = " | ".join(self.stderr.read().strip().splitlines()[-4:])
-        rc = self.proc.returncode
-        how = f"killed after {self.timeout_s:.0f} s" if rc == -9 else f"exit {rc}"
+        how = self.killed or f"exit {self.proc.returncode}"
         return f"{shlex.join(self.cmd)}: {how}{': ' + tail if tail else ''}"
 
+    def _kill(self, why: str) -> None:
+        self.killed = self.killed or why
+        self.proc.kill()
+
     def close(self) -> None:
+        """Stop listening: the probe gets 5 s to exit on its own once this side is done with it, its output drained
+        meanwhile (a full pipe would block it), then it is killed and drained again, 10 s at most."""
         self.timer.cancel()
-        for _ in self.proc.stdout:
-            pass
-        self.proc.wait()
+        try:
+            self.proc.communicate(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self._kill("killed 5 s after its last answer was read")
+            try:
+                self.proc.communicate(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                pass  # stuck in the kernel even after SIGKILL: nothing more to wait for

@@ -489,15 +489,15 @@ class FakeQuant:
             s.qw = s.fq = s.finite = None
             s.st = {}
 
-    def target_codes(self, t: _Target) -> dict[str, QuantizedWeight]:
+    def target_codes(self, t: _Target, checked: bool = False) -> dict[str, QuantizedWeight]:
         """Hugging Face name -> the QuantizedWeight of one target, as this rank's forward uses it (the very
         codes a weight sync sends; quantized once per optimizer step). ValueError naming the weight when it holds
-        a nan / inf (the one host read of the finiteness flag, on the sync's path)."""
+        a nan / inf (a host read), unless ``checked`` (the sync read every rank's ``finite_flags`` at once)."""
         self._refresh(t)
         finite = t.stack.finite if t.stack is not None else t.finite
         # asked as "any non-finite?": the simulated device (qarl plan --simulate) answers False to a flag whose value
         # it does not know (gpu/simulated_device.py, _scalar_stand_in), i.e. nothing found
-        if bool(torch.logical_not(finite)):
+        if not checked and bool(torch.logical_not(finite)):
             where = t.stack.name if t.stack is not None else t.pm.mcore
             raise ValueError(f"{where}: non-finite value(s) (nan/inf) in the weight; its codes are not sent")
         if t.quantized is None:
@@ -566,6 +566,20 @@ class FakeQuant:
         """Disable the quantizers: the model computes with its master weights (the handle still exports)."""
         for t in self.targets:
             self._quantizers_of(t.module, on=False)
+
+
+def finite_flags(fq: FakeQuant) -> list[tuple[str, Tensor]]:
+    """(name, 0-dim bool "every scale finite") of each of ``fq``'s quantizer calls, stacks and lone targets, in one
+    fixed order (the same on every rank), every target refreshed: what the weight sync agrees on before it sends
+    (sync/payload.py, ``check_sendable``), with no host read here."""
+    out, seen = [], set()
+    for t in fq.targets:
+        fq._refresh(t)  # noqa: SLF001 - this module's own class
+        unit = t.stack if t.stack is not None else t
+        if id(unit) not in seen:
+            seen.add(id(unit))
+            out.append((t.stack.name if t.stack is not None else t.pm.mcore, unit.finite))
+    return out
 
 
 def apply_fake_quant(model: torch.nn.Module, arch: Qwen3MoeArch, cfg: QuantConfig, forward: bool = True,

@@ -19,6 +19,7 @@ import httpx
 from megatron_qarl.errors import UserError
 from megatron_qarl.utils.http import tls_context
 from megatron_qarl.utils.parent_death import die_with_parent
+from megatron_qarl.utils.processes import reap
 
 
 def embedded_command(model_dir: str, port: int, *, host: str = "127.0.0.1", dtype: str = "bfloat16",
@@ -101,13 +102,7 @@ class ServerProcess:
         """Stop the server (SIGTERM, then SIGKILL after 10 s), then whatever is left of its process group."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        reap(self.proc, f"rollout server {self.url}", grace_s=10.0)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the group's id is the server's pid (start_new_session)
         except (ProcessLookupError, PermissionError):

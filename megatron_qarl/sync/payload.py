@@ -15,14 +15,46 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_qarl.errors import UserError
 from megatron_qarl.moe.convert import ParamMap, iter_hf_tensors, peer_expert_name
 from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 from megatron_qarl.qat.export import to_sglang_tensors
 
 
+def check_sendable(fq) -> None:
+    """UserError on every learner rank alike, before any tensor moves, when a quantized weight of any rank holds a
+    nan / inf (its scales are non-finite; the codes would be garbage): every rank's finiteness flags, one per
+    quantizer call, are all-gathered over the default group (one collective every rank joins) and read to the host
+    once. A refusal on the one rank that found it would leave the others blocked in the sync's next gather."""
+    import torch.distributed as dist
+
+    from megatron_qarl.qat.modules import finite_flags
+
+    flags = finite_flags(fq)
+    if not flags:
+        return
+    bad = torch.stack([torch.logical_not(f) for _, f in flags]).to(torch.uint8)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = all_gather_tensors(to_group_device(bad), None, world, name="the weights' finiteness flags") \
+        if world > 1 else [bad]
+    table = torch.stack(rows).cpu().tolist()  # the one host read: [rank][quantizer call]
+    found = [f"{name} on learner rank {r}" for r, row in enumerate(table) for (name, _), b in zip(flags, row,
+                                                                                                strict=True) if b]
+    if found:
+        raise UserError(f"weight sync refused on every rank: non-finite value(s) (nan/inf) in {'; '.join(found)}; "
+                        "no tensor was sent, the rollout servers keep their previous weights")
+
+
 def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) in the server's checkpoint format, in one fixed order (collective)."""
+    """(name, tensor) in the server's checkpoint format, in one fixed order (collective). Every rank first agrees
+    that every quantized weight is finite (``check_sendable``, raised here, before the generator's first item)."""
     fq = learner.fake_quant
+    if fq:
+        check_sendable(fq)
+    return _sync_tensors(learner, fq, dtype)
+
+
+def _sync_tensors(learner, fq, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     quantized = {t.pm.mcore for t in fq.targets} if fq else set()
 
     def high_precision(pm: ParamMap) -> bool:
@@ -38,7 +70,7 @@ def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16) -> Iterator[
     ep_group = ps.get_expert_model_parallel_group() if lay.ep > 1 else None
     n_local = learner.arch.num_experts // lay.ep
     for t in fq.targets:
-        for hf_name, qw in fq.target_codes(t).items():
+        for hf_name, qw in fq.target_codes(t, checked=True).items():
             tensors = to_sglang_tensors(hf_name.removesuffix(".weight"), qw)
             if t.pm.split not in ("fc1", "fc2"):
                 yield from tensors.items()

@@ -62,7 +62,7 @@ class BroadcastTransport:
                 group_name=self.group_name, backend=self.backend) for off in offsets])
         self.group = init_custom_process_group(
             backend=self.backend, init_method=f"tcp://{self.master_addr}:{self.master_port}", world_size=world,
-            rank=0, group_name=self.group_name)
+            rank=0, group_name=self.group_name, timeout_s=self.timeout_s)
         calls.join()
 
     def close(self) -> None:
@@ -131,8 +131,13 @@ class BroadcastTransport:
                                                             weight_version=version, load_format=load_format)
         ] * len(self.apis))
         works = [broadcast(tensor, 0, self.group, async_op=True, name=name) for name, tensor in bucket]
+        deadline = time.monotonic() + self.timeout_s
         try:
             while not all(w.is_completed() for w in works):
+                if time.monotonic() > deadline:
+                    raise SyncError(f"broadcast of a bucket of {len(bucket)} tensors ({names[0]} ...) not received "
+                                    f"within rollout.sync.timeout_s={self.timeout_s:g} s by "
+                                    f"{', '.join(e.url for e in self.engines)}")
                 early = calls.failed()
                 if early and not (all(map(_after_receiving, early)) and _complete_within(works, ANSWER_GRACE_S)):
                     raise SyncError(f"broadcast of a bucket of {len(bucket)} tensors abandoned: {'; '.join(early)}")

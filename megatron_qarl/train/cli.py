@@ -12,6 +12,7 @@ mean time of each phase.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -126,16 +127,13 @@ def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
             learners.close()
             raise
         closers = [learners.close, servers.close]
-    trainer = None
-    try:
+    with contextlib.ExitStack() as stack:  # every closer runs (last pushed first) even when one before it raises
+        for close in reversed(closers):
+            stack.callback(close)
         trainer = Trainer(cfg, learners, servers, tokenizer=tokenizer, resume=resume, progress=progress,
                           stream=stream)
+        stack.callback(trainer.close)
         summary = trainer.run(stop)
-    finally:
-        if trainer is not None:
-            trainer.close()
-        for close in closers:
-            close()
     summary["time/total_s"] = time.perf_counter() - started
     write_summary(out / "summary.json", summary)
     return summary
