@@ -38,14 +38,17 @@ def is_linear_weight(name: str, tensor: Tensor) -> bool:
     return name.endswith(".weight") and tensor.ndim == 2
 
 
-def to_sglang_tensors(prefix: str, qw: QuantizedWeight) -> dict[str, Tensor]:
+def to_sglang_tensors(prefix: str, qw: QuantizedWeight, weight_shape: Tensor | None = None) -> dict[str, Tensor]:
     """The tensors of one quantized linear ``prefix`` in SGLang's checkpoint format for ``qw.scheme``, all on the
-    device of ``qw.codes`` (a weight sync all-gathers and broadcasts them together)."""
+    device of ``qw.codes`` (a weight sync all-gathers and broadcasts them together). ``weight_shape``: W4A16's
+    int32 [2] shape tensor, when the caller made it once for many weights of that shape (the weight sync: one per
+    stack; each fresh ``torch.tensor(shape, device=...)`` is a host-to-device copy that waits for the stream)."""
     if qw.scheme == "w4a16":
         out = {
             f"{prefix}.weight_packed": pack_int4(qw.codes),
             f"{prefix}.weight_scale": qw.scales.to(torch.bfloat16).contiguous(),
-            f"{prefix}.weight_shape": torch.tensor(qw.shape, dtype=torch.int32, device=qw.codes.device),
+            f"{prefix}.weight_shape": weight_shape if weight_shape is not None else
+            torch.tensor(qw.shape, dtype=torch.int32, device=qw.codes.device),
         }
         if qw.zero_points is not None:
             out[f"{prefix}.weight_zero_point"] = pack_int4(qw.zero_points, packed_dim=0)

@@ -25,7 +25,8 @@ def check_sendable(fq) -> None:
     """UserError on every learner rank alike, before any tensor moves, when a quantized weight of any rank holds a
     nan / inf (its scales are non-finite; the codes would be garbage): every rank's finiteness flags, one per
     quantizer call, are all-gathered over the default group (one collective every rank joins) and read to the host
-    once. A refusal on the one rank that found it would leave the others blocked in the sync's next gather."""
+    once (their ``any``; the table itself only to name what was found). A refusal on the one rank that found it
+    would leave the others blocked in the sync's next gather."""
     import torch.distributed as dist
 
     from megatron_qarl.qat.modules import finite_flags
@@ -37,12 +38,14 @@ def check_sendable(fq) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = all_gather_tensors(to_group_device(bad), None, world, name="the weights' finiteness flags") \
         if world > 1 else [bad]
-    table = torch.stack(rows).cpu().tolist()  # the one host read: [rank][quantizer call]
+    table = torch.stack(rows)  # [rank][quantizer call]
+    if not bool(table.any()):  # the one host read when all is well
+        return
+    table = table.cpu().tolist()
     found = [f"{name} on learner rank {r}" for r, row in enumerate(table) for (name, _), b in zip(flags, row,
                                                                                                 strict=True) if b]
-    if found:
-        raise UserError(f"weight sync refused on every rank: non-finite value(s) (nan/inf) in {'; '.join(found)}; "
-                        "no tensor was sent, the rollout servers keep their previous weights")
+    raise UserError(f"weight sync refused on every rank: non-finite value(s) (nan/inf) in {'; '.join(found)}; "
+                    "no tensor was sent, the rollout servers keep their previous weights")
 
 
 def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
@@ -69,9 +72,16 @@ def _sync_tensors(learner, fq, dtype: torch.dtype) -> Iterator[tuple[str, torch.
     lay = fq.layout
     ep_group = ps.get_expert_model_parallel_group() if lay.ep > 1 else None
     n_local = learner.arch.num_experts // lay.ep
+    shapes: dict[tuple, torch.Tensor] = {}  # W4A16's weight_shape, made once per shape and device (per stack)
     for t in fq.targets:
         for hf_name, qw in fq.target_codes(t, checked=True).items():
-            tensors = to_sglang_tensors(hf_name.removesuffix(".weight"), qw)
+            shape = None
+            if qw.scheme == "w4a16":
+                key = (tuple(qw.shape), qw.codes.device)
+                shape = shapes.get(key)
+                if shape is None:
+                    shape = shapes[key] = torch.tensor(qw.shape, dtype=torch.int32, device=qw.codes.device)
+            tensors = to_sglang_tensors(hf_name.removesuffix(".weight"), qw, shape)
             if t.pm.split not in ("fc1", "fc2"):
                 yield from tensors.items()
                 continue
