@@ -167,7 +167,11 @@ def test_the_kernels_compile_for_a_hopper_gpu_without_approximate_division_or_fm
     kernels are launched with fp fusion off), no flush of subnormals to zero (no .ftz: subnormal scales and e4m3
     codes stay exact), the round-to-integer constants +-1.5 * 2^23 (and +-1.5 * 2^14 for the
     e4m3 subnormals) added and subtracted. This caught a kernel the interpreter ran and the compiler refused (two
-    return statements of different types in a constexpr branch)."""
+    return statements of different types in a constexpr branch). And the NaN checks survive (issue 48): Triton
+    builds with LLVM's NoNaNsFPMath, under which ``x != x`` could fold to false; only InstCombine turning it into an
+    unordered compare keeps it, which PTX writes ``setp.nan``. Every variant carries NaN (``_max_nan``,
+    ``_bf16_bits``), so every variant's PTX must hold one: a Triton that drops them fails here, not on a GPU
+    (where a nan weight would then get a finite scale and garbage codes)."""
     script = ("import json; from megatron_qarl.qat.triton_refresh import compile_variants; "
               "print(json.dumps(compile_variants(90)))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -178,6 +182,7 @@ def test_the_kernels_compile_for_a_hopper_gpu_without_approximate_division_or_fm
     for name, ptx in variants:
         assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, name
         assert not re.search(r"\bfma\.", ptx) and ".ftz" not in ptx, name  # no FMA, subnormals kept (no ftz)
+        assert "setp.nan.f32" in ptx, name  # the nan checks were compiled, not folded away
         if name == "_fp8_block_kernel":
             assert "0f46C00000" in ptx and "0fC6C00000" in ptx, name  # +-24576
         else:
