@@ -418,3 +418,24 @@ def test_qarl_train_refuses_a_missing_server_python_before_writing_anything(tmp_
            f"rollout.server_python: '{tmp_path}/nowhere/bin/python' is not an executable file" in err
     assert "fix: install megatron_qarl" in err and "preflight: 1 problem of 4 checks" in err
 
+
+
+def test_preflight_reports_the_waits_bounds_and_refuses_a_nccl_that_would_not_honour_them():
+    """Issue 46: every wait is bounded. The bounds are in the report; a GPU run whose learner environment sets
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=0 is a problem naming launch.collective_timeout_s (torch's watchdog would only
+    log a stuck NCCL collective); a CPU run (gloo honours the timeout itself) is not; and the load refuses a rank
+    timeout that does not exceed the collective one, naming both keys."""
+    from megatron_qarl.errors import ConfigError
+    from megatron_qarl.preflight.cli import timeouts_finding
+    from megatron_qarl.preflight.rules import load_config
+
+    gpu = load_config("configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml")
+    ok = timeouts_finding(gpu, environ={})
+    assert ok.ok and "launch.collective_timeout_s 300 s < launch.rank_timeout_s 1800 s" in ok.detail, ok
+    bad = timeouts_finding(gpu, environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
+    assert bad.ok is False and bad.key == "launch.collective_timeout_s" and "only logged" in bad.detail, bad
+    assert timeouts_finding(gpu, environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}).ok
+    assert timeouts_finding(load_config("configs/cpu_default.yaml"),
+                            environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}).ok
+    with pytest.raises(ConfigError, match=r"launch\.rank_timeout_s: 60 s must be above launch\.collective_timeout_s"):
+        load_config("configs/cpu_default.yaml", ["launch.rank_timeout_s=60", "launch.collective_timeout_s=120"])

@@ -381,6 +381,8 @@ def join_ray(cmd: Sequence[str], env: Mapping[str, str], *, head_up, label: str 
         for attempt in range(1, tries + 1):
             started = time.monotonic()
             running[:] = [subprocess.Popen(list(cmd), env=dict(env))]
+            # unbounded by design: `ray start --block` lives as long as the job; Slurm's time limit and the
+            # signals passed on above end it (docs/cluster.md, 'Every wait is bounded')
             rc = running[0].wait()
             took = time.monotonic() - started
             if rc == 0 or told or attempt == tries or took > window_s or not head_up():

@@ -4,6 +4,7 @@ Loads the config as ``qarl train`` does (same overrides; a bad key is refused na
 node and lists every finding at once, each problem naming the config key, the environment and the fix:
 
 - the GPU memory plan (``qarl train``'s ``check_memory``: GPU runs only);
+- the bounds on the run's waits, and NCCL honouring ``launch.collective_timeout_s`` (``timeouts_finding``);
 - the learner's environment (this interpreter) imports Megatron-Core; the servers' environment
   (``rollout.launch_prefix`` + ``rollout.server_python``) exists and imports its backend;
 - one NCCL in every member of the weight-update group; Transformer Engine inside megatron-core's tested range; the
@@ -19,6 +20,7 @@ builds anything; ``slurm/qarl.sbatch`` runs this on every node first and stops t
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 
@@ -47,9 +49,27 @@ def memory_finding(cfg: QarlConfig, config: str) -> Finding:
     return Finding("GPU memory plan", True, f"fits (qarl plan --config {config})")
 
 
+def timeouts_finding(cfg: QarlConfig, environ=os.environ) -> Finding:
+    """The run's bounds on its waits (docs/cluster.md, "Every wait is bounded"), and whether NCCL will honour
+    ``launch.collective_timeout_s``: with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (and no ``TORCH_NCCL_BLOCKING_WAIT``)
+    torch's watchdog only logs a timed-out NCCL collective, and the ranks wait on; the Ray driver then waits
+    ``launch.rank_timeout_s`` and names the call, not the collective."""
+    r, la = cfg.rollout, cfg.launch
+    detail = (f"launch.collective_timeout_s {la.collective_timeout_s:g} s < launch.rank_timeout_s "
+              f"{la.rank_timeout_s:g} s; rollout.startup_timeout_s {r.startup_timeout_s:g} s, rollout.timeout_s "
+              f"{r.timeout_s:g} s, rollout.sync.timeout_s {r.sync.timeout_s:g} s")
+    if cfg.learner_on_gpus and environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0" and \
+            environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") in ("0", ""):
+        return Finding("bounded waits", False, "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a NCCL collective past "
+                       f"launch.collective_timeout_s ({la.collective_timeout_s:g} s) is only logged, its ranks wait "
+                       "on", key="launch.collective_timeout_s", env="learner",
+                       fix="unset TORCH_NCCL_ASYNC_ERROR_HANDLING (torch's default, 3, ends the process group)")
+    return Finding("bounded waits", True, detail)
+
+
 def preflight(cfg: QarlConfig, config: str, *, round_trip: bool = True) -> list[Finding]:
     """Every check of the run on this node, as findings."""
-    return [memory_finding(cfg, config), *check_environments(cfg, round_trip=round_trip)]
+    return [memory_finding(cfg, config), timeouts_finding(cfg), *check_environments(cfg, round_trip=round_trip)]
 
 
 def _run(args: argparse.Namespace) -> int:
