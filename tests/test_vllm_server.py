@@ -184,21 +184,57 @@ def test_with_an_api_key_every_route_but_health_asks_for_it(vllm_server):
     assert httpx.get(url + "/health", timeout=60).status_code == 200
 
 
+def _quantized_servers(runs: list[tuple], root) -> dict[str, LocalServers]:
+    """One vLLM server per quantized scheme among ``runs`` (AMX CPUs only: elsewhere ``unrunnable_here`` left them
+    out), started as a run of that scheme would start its own (the combination runs' base config and overrides,
+    serving the run's export, ``rollout_model_dir``), all spawned before any is waited for."""
+    import combination_space as cs
+    from combination_runs import BASE_YAML, SMALL
+
+    from megatron_qarl.train.cli import rollout_model_dir
+
+    schemes = sorted({dict(zip(cs.KEYS, c, strict=True))["quant.scheme"] for c in runs} - {"bf16"})
+    servers: dict[str, LocalServers] = {}
+    try:
+        for scheme in schemes:
+            cfg = load_config(str(BASE_YAML), [
+                *SMALL, f"quant.scheme={scheme}", "rollout.backend=vllm", f"rollout.server_python={VLLM_PYTHON}",
+                f"rollout.api_key={KEY}", f"train.output_dir={root / scheme}", "rollout.startup_timeout_s=900",
+                "launch.backend=local"])
+            servers[scheme] = LocalServers(cfg, rollout_model_dir(cfg), wait=False)
+        for s in servers.values():
+            s.wait_ready()
+    except BaseException:
+        for s in servers.values():
+            s.close()
+        raise
+    return servers
+
+
 @needs_vllm
 def test_every_accepted_vllm_combination_runs_two_correct_steps(vllm_server, tmp_path):
     """Issue 29: the pairwise plan of the accepted rollout.backend=vllm combinations (tests/combination_space.py),
     each run two training steps against this module's float32 server (tests/combination_runs.py; launch ray: the
     learner rank as a Ray actor, the server shared). On CPUs without AMX vLLM serves bf16 only: the pairs of w4a16
-    and w8a8_int8 are left to machines with AMX (tests/test_vllm_train.py runs those there)."""
+    and w8a8_int8 are left to machines with AMX (tests/test_vllm_train.py runs those there too). On AMX CPUs the
+    plan runs them, each quantized scheme against one shared vLLM server of its own (``_quantized_servers``), as
+    bf16 does: a cluster per run took 40-100 s to start its server, and one of them left its placement group behind
+    and hung the suite (issue 46)."""
     import collections
+    import contextlib
 
     import combination_space as cs
     from combination_runs import check_runs, run_groups, unrunnable_here
 
     runs, left = cs.plan("vllm", cs.census("vllm"), unrunnable_here)
     t0 = time.perf_counter()
-    results = run_groups(runs, {"bf16": vllm_server[1].urls}, tmp_path, ray_shared=True,
-                         extra=(f"rollout.api_key={KEY}",))
+    with contextlib.ExitStack() as stack:
+        shared = {"bf16": vllm_server[1].urls}
+        for scheme, servers in _quantized_servers(runs, tmp_path / "quantized_servers").items():
+            stack.callback(servers.close)
+            shared[scheme] = servers.urls
+        print(f"\nshared vLLM servers: {shared}")
+        results = run_groups(runs, shared, tmp_path, ray_shared=True, extra=(f"rollout.api_key={KEY}",))
     print(f"\n{len(runs)} vLLM runs of 2 steps in {time.perf_counter() - t0:.0f} s; pairs left to other machines: "
           f"{dict(collections.Counter(left.values()))}")
     check_runs(runs, results)
