@@ -76,6 +76,10 @@ GROUP_BYTES = {"cuda": 256 << 20, "cpu": 8 << 20}
 
 REFRESH_KERNELS = ("auto", "torch", "triton")
 
+# False: every expert weight refreshes alone (one quantizer call per Hugging Face tensor, after its own expert-TP
+# all_gather at ETP > 1), for models built from then on: the path the stacks are tested against, bit for bit
+STACK_EXPERTS = True
+
 # TensorQuantizer -> the function its backend calls (set by FakeQuant; weak: a dropped model frees its entries)
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -247,22 +251,93 @@ class _StackStraightThrough(torch.autograd.Function):
 
 @dataclasses.dataclass(eq=False)
 class _Stack:
-    """Targets refreshed by one quantizer call over their stacked master weights: the same projection of the local
-    experts of one layer, not split over expert-tensor-parallel ranks (then each master is its Hugging Face tensors'
-    rows, gate_proj over up_proj for fc1). Their rows are quantized independently under every scheme (W4A16 groups
-    and INT8 scales along a row, FP8 blocks of B rows, so each tensor's rows must be whole blocks), so the stack's
-    codes, scales and dequantized weights are those of each weight alone, bit for bit."""
+    """Targets refreshed by one quantizer call over their stacked weights: the same projection of the local experts
+    of one layer, each as its whole Hugging Face tensors' rows (gate_proj over up_proj for fc1). Split over
+    expert-tensor-parallel ranks (ETP > 1: EP 1, TP > 1), the concatenation of this rank's shards is all-gathered
+    once per stack and laid out as those rows (``_gather_stack``), as the lone path's gather and ``shards_to_hf`` do
+    per target. Their rows are quantized independently under every scheme (W4A16 groups and INT8 scales along a
+    row over the whole K, FP8 blocks of B rows, so each tensor's rows must be whole blocks), so the stack's codes,
+    scales and dequantized weights are those of each weight alone, bit for bit; ``fq`` is this rank's shards of
+    them (``_local_rows``: ``hf_to_shard`` of each target)."""
 
     name: str
     targets: list[_Target]
-    qw: QuantizedWeight | None = None  # the stack's codes and scales (sliced per weight for the sync)
-    fq: Tensor | None = None  # the stack's dequantized weights, in the masters' dtype
+    qw: QuantizedWeight | None = None  # the stack's codes and scales, whole tensors (sliced per weight for the sync)
+    fq: Tensor | None = None  # this rank's shards of the dequantized weights (the masters stacked), their dtype
     finite: Tensor | None = None  # 0-dim bool on the device: every scale of the stack finite
     st: dict[bool, tuple[Tensor, ...]] = dataclasses.field(default_factory=dict)  # grad mode -> each target's weight
 
     @property
     def rows(self) -> list[int]:
+        """Each master's rows (of ``fq``)."""
         return [t.param.shape[0] for t in self.targets]
+
+    @property
+    def hf_rows(self) -> list[int]:
+        """Each target's rows of ``qw``: its Hugging Face tensors' together."""
+        return [_hf_rows(t) for t in self.targets]
+
+
+def _hf_rows(t: _Target) -> int:
+    """Rows of ``t``'s Hugging Face tensors together (gate_proj and up_proj for fc1): its master's, times the
+    expert-TP size where that splits rows (fc1; fc2 is split along K)."""
+    return t.param.shape[0] * (t.size if t.group is not None and not t.splits_k else 1)
+
+
+def _stacks(targets: list[_Target], cfg: QuantConfig) -> list[_Stack]:
+    """The experts' targets of each layer and projection (fc1, fc2), in stacks of at most GROUP_BYTES (fp32, of the
+    gathered weights) that one quantizer call refreshes; FP8 only where every Hugging Face tensor is whole blocks of
+    rows (a block must not straddle two weights). The rest refresh alone (all of them without STACK_EXPERTS)."""
+    block = cfg.group_size if cfg.scheme == "w8a8_fp8" else 1
+    by_key: dict[str, list[_Target]] = {}
+    for t in targets:
+        if STACK_EXPERTS and t.pm.split in ("fc1", "fc2") and _hf_rows(t) // len(t.pm.hf) % block == 0:
+            layer = t.pm.mcore.split(".mlp.experts.")[0]
+            by_key.setdefault(f"{layer}.mlp.experts.{t.pm.split}", []).append(t)
+    stacks = []
+    for key, group in by_key.items():
+        chunk: list[_Target] = []
+        size, budget = 0, GROUP_BYTES.get(group[0].param.device.type, GROUP_BYTES["cuda"])
+        for t in group:  # the same shapes on every expert-TP rank: the same stacks, so the same all_gathers
+            if chunk and size + 4 * t.param.numel() * t.size > budget:
+                stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
+                chunk, size = [], 0
+            chunk.append(t)
+            size += 4 * t.param.numel() * t.size
+        stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
+    for s in stacks:
+        for i, t in enumerate(s.targets):
+            t.stack, t.index = s, i
+    return stacks
+
+
+def _gather_stack(s: _Stack) -> Tensor:
+    """The stack's weights as their whole Hugging Face tensors' rows, in target order (no autograd). At ETP > 1 the
+    concatenation of this rank's shards is all-gathered once; as ``shards_to_hf`` per target: fc1's rows
+    [rank][expert][gate | up][rows / ETP] are laid out [expert][gate | up][rank][rows / ETP], fc2's ranks are put
+    side by side along K."""
+    t0 = s.targets[0]
+    local = t0.param if len(s.targets) == 1 else torch.cat([t.param for t in s.targets])
+    if t0.group is None:
+        return local
+    parts = all_gather_tensors(to_group_device(local, t0.group), t0.group, t0.size, name=s.name)
+    if t0.splits_k:
+        return torch.cat(parts, dim=1)
+    k = local.shape[1]
+    tensors = len(t0.pm.hf) * len(s.targets)
+    return torch.stack(parts).view(t0.size, tensors, -1, k).transpose(0, 1).reshape(-1, k)
+
+
+def _local_rows(s: _Stack, full: Tensor) -> Tensor:
+    """This rank's shards of the stack's whole rows ``full`` (``_gather_stack``'s layout), concatenated as the masters
+    are: ``hf_to_shard`` of each target, in one op (a copy where ETP > 1)."""
+    t0 = s.targets[0]
+    if t0.group is None:
+        return full
+    if t0.splits_k:
+        return full.chunk(t0.size, dim=1)[t0.rank].contiguous()
+    k = full.shape[1]
+    return full.view(len(t0.pm.hf) * len(s.targets), t0.size, -1, k)[:, t0.rank].reshape(-1, k)
 
 
 def _weight_quantizer(module: torch.nn.Module, param_name: str):
@@ -337,7 +412,7 @@ class FakeQuant:
             mtq.quantize(model, modelopt_config(cfg), forward_loop=None)
         self.targets = [self._target(model, pm, module_name, param_name) for pm, module_name, param_name in chosen]
         _check_group_divides_k(self.targets, cfg)
-        self.stacks = self._stacks()
+        self.stacks = _stacks(self.targets, cfg)
         device = self.targets[0].param.device if self.targets else torch.device("cpu")
         self.kernel_choice = refresh_kernel
         self.kernel = resolve_refresh_kernel(refresh_kernel, device, compiled)
@@ -395,33 +470,6 @@ class FakeQuant:
             for q in (quantizers if isinstance(quantizers, torch.nn.ModuleList) else [quantizers]):
                 q.enable() if on else q.disable()
 
-    def _stacks(self) -> list[_Stack]:
-        """The experts' targets of each layer and projection (fc1, fc2) that no expert-tensor-parallel group splits,
-        in stacks of at most GROUP_BYTES (fp32) that one quantizer call refreshes; FP8 only where every Hugging
-        Face tensor is whole blocks of rows (a block must not straddle two weights). The rest refresh alone."""
-        block = self.cfg.group_size if self.cfg.scheme == "w8a8_fp8" else 1
-        by_key: dict[str, list[_Target]] = {}
-        for t in self.targets:
-            rows_per_hf = t.param.shape[0] // len(t.pm.hf)
-            if t.pm.split in ("fc1", "fc2") and t.group is None and rows_per_hf % block == 0:
-                layer = t.pm.mcore.split(".mlp.experts.")[0]
-                by_key.setdefault(f"{layer}.mlp.experts.{t.pm.split}", []).append(t)
-        stacks = []
-        for key, targets in by_key.items():
-            chunk: list[_Target] = []
-            size, budget = 0, GROUP_BYTES.get(targets[0].param.device.type, GROUP_BYTES["cuda"])
-            for t in targets:
-                if chunk and size + 4 * t.param.numel() > budget:
-                    stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
-                    chunk, size = [], 0
-                chunk.append(t)
-                size += 4 * t.param.numel()
-            stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
-        for s in stacks:
-            for i, t in enumerate(s.targets):
-                t.stack, t.index = s, i
-        return stacks
-
     # ------------------------------------------------------------------ quantization, cached per version
     def _refresh(self, t: _Target) -> None:
         """Quantize ``t`` (with its stack) when its master changed since: no host sync (a nan / inf in a weight
@@ -451,12 +499,12 @@ class FakeQuant:
         t.version, t.st = version, {}
 
     def _refresh_stack(self, s: _Stack) -> None:
-        """One quantizer call over the stack's masters (rows concatenated); each target's dequantized weight is its
-        rows of the result (a view), its codes are sliced when the sync asks (``target_codes``)."""
-        with torch.no_grad():
-            stack = (s.targets[0].param if len(s.targets) == 1  # under no_grad: no detach (one op each)
-                     else torch.cat([t.param for t in s.targets]))
-            s.qw, s.fq = self._fake_quantize(stack, s.name)
+        """One quantizer call over the stack's whole weights (``_gather_stack``: rows concatenated, one all_gather at
+        ETP > 1); each target's dequantized weight is its rows of this rank's shards (a view), its codes are sliced
+        when the sync asks (``target_codes``)."""
+        with torch.no_grad():  # under no_grad: no detach (one op each)
+            s.qw, full = self._fake_quantize(_gather_stack(s), s.name)
+            s.fq = _local_rows(s, full)
             s.finite, s.st = scales_finite(s.qw), {}
             for t, part in zip(s.targets, s.fq.split(s.rows), strict=True):
                 t.local_fq, t.quantized, t.st = part, None, {}
@@ -505,10 +553,11 @@ class FakeQuant:
         return t.quantized
 
     def _stack_codes(self, t: _Target) -> dict[str, QuantizedWeight]:
-        """``t``'s Hugging Face tensors' codes and scales: their rows of the stack's (gate_proj, up_proj: halves)."""
+        """``t``'s Hugging Face tensors' codes and scales, whole (gathered at ETP > 1, as the lone path's): their rows
+        of the stack's (gate_proj, up_proj: halves)."""
         s, cfg = t.stack, self.cfg
-        start = sum(s.rows[: t.index])
-        rows = t.param.shape[0] // len(t.pm.hf)
+        start = sum(s.hf_rows[: t.index])
+        rows = s.hf_rows[t.index] // len(t.pm.hf)
         per_scale_row = cfg.group_size if cfg.scheme == "w8a8_fp8" else 1
         zp, out = s.qw.zero_points, {}
         for i, name in enumerate(t.pm.hf):
