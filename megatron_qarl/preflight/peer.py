@@ -27,6 +27,7 @@ class ProbeProcess:
                                      text=True, env=env)
         self.proc.stdin.write(json.dumps(task))
         self.proc.stdin.close()
+        self.proc.stdin = None  # written and closed: communicate() in close() would flush it (ValueError)
         self.killed = ""  # why this side killed it, for ``failure``
         self.timer = threading.Timer(timeout_s, self._kill, args=(f"killed after {timeout_s:.0f} s",))
         self.timer.daemon = True
