@@ -129,6 +129,23 @@ def test_fake_quant_adds_no_host_sync_and_no_op_per_expert_weight(counts, scheme
     assert growth <= 24 * per_expert + 8, f"{scheme} {phase}: ops added {added} grow with the experts"
 
 
+# what a train step still reads to the host, at any number of experts: the global loss (``Learner._dp_sum``'s float)
+# and the grad norm (Megatron's get_grad_norm_fp32: ``total_norm.item()``, which clipping and the finite check
+# need). Megatron's MoE token counts (``tokens_per_expert.tolist()`` in experts.py, one per layer and pass on GPUs)
+# are read outside aten's dispatch, so no count here sees them; they do not grow with the experts either.
+STEP_SYNCS = 2
+
+
+def test_a_train_step_reads_the_host_the_same_at_8_and_32_experts(counts):
+    """Issue 48: the total host reads of a train step, not only what fake quant adds. Before, without TE and Apex,
+    Megatron's fallback Adam (torch's for-loop AdamW) read every parameter's step counter and its local l2 norm every
+    gradient's norm: the count grew with the experts (megatron_cpu.fix_torch_adam / fix_multi_tensor_fallbacks)."""
+    rows = {scheme: (counts[(scheme, 8)]["step"][1], counts[(scheme, 32)]["step"][1]) for scheme in ("bf16", *SCHEMES)}
+    print("\ntrain step host reads (8 experts, 32 experts): "
+          + ", ".join(f"{s} {a} / {b}" for s, (a, b) in rows.items()))
+    assert all(a == b <= STEP_SYNCS for a, b in rows.values()), rows
+
+
 def random_model(arch, seed: int):
     """Megatron's model of ``arch`` with every weight drawn from N(0, 0.05) after ``seed`` (experts differ)."""
     from megatron_qarl.moe.model import build_model

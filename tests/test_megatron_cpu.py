@@ -121,23 +121,27 @@ def _names(fixes) -> list[str]:
 
 
 def test_each_fix_is_keyed_on_the_condition_of_its_failure(monkeypatch):
-    """This machine (Linux, no CUDA, no Transformer Engine) needs every fix; a Linux GPU without TE (the H200 smoke
-    machine) needs the te_general_gemm fix and the checkpoint writer's only; a GPU with TE the latter only, and
-    elsewhere than Linux none; the TE fix follows Megatron's own HAVE_TE."""
+    """This machine (Linux, no CUDA, no Transformer Engine, no Apex) needs every fix; a Linux GPU without TE and Apex
+    (the H200 smoke machine) needs the TE fixes, the multi-tensor and Adam fallbacks' and the checkpoint writer's; a
+    GPU with TE the latter only, and elsewhere than Linux none; the TE fix follows Megatron's own HAVE_TE, the
+    fallbacks' fixes what clip_grads.py bound."""
+    from megatron.core.optimizer import clip_grads
     from megatron.core.transformer.moe import moe_utils
 
     every = _names(megatron_cpu.FIXES)
+    fallbacks = ["fix_multi_tensor_fallbacks", "fix_torch_adam"]
     assert _names(megatron_cpu.needed_fixes()) == every
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert _names(megatron_cpu.needed_fixes()) == ["fix_te_general_gemm", "fix_te_min_version",
+    assert _names(megatron_cpu.needed_fixes()) == ["fix_te_general_gemm", "fix_te_min_version", *fallbacks,
                                                    "fix_write_results_queue"]
     monkeypatch.setattr(moe_utils, "HAVE_TE", True)
+    monkeypatch.setattr(clip_grads, "multi_tensor_applier", object())  # as TE's or Apex's
     assert _names(megatron_cpu.needed_fixes()) == ["fix_write_results_queue"]
     monkeypatch.setattr(megatron_cpu.sys, "platform", "darwin")
     assert _names(megatron_cpu.needed_fixes()) == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _names(megatron_cpu.needed_fixes()) == [n for n in every if n not in ("fix_te_general_gemm",
-                                                                                 "fix_te_min_version",
+                                                                                 "fix_te_min_version", *fallbacks,
                                                                                  "fix_write_results_queue")]
 
 
@@ -297,3 +301,101 @@ def test_a_cpu_run_does_not_ask_for_gpus(tiny_model_dir):
     from megatron_qarl.preflight.rules import load_config
 
     assert load_config(REPO / "configs" / "cpu_default.yaml").gpu_run_keys == []
+
+
+def _host_reads(fn, *args) -> tuple[object, int]:
+    """fn(*args) and the host reads its aten ops made (tests/test_learner_launches.py's count)."""
+    from test_learner_launches import Count
+
+    with Count() as c:
+        out = fn(*args)
+    return out, c.syncs
+
+
+def _grads(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) * scale for shape, scale in
+            (((64, 32), 1e-3), ((7,), 1.0), ((3, 5, 11), 1e2), ((1,), 1e-8), ((128, 128), 3e-2))]
+
+
+def test_fix_multi_tensor_fallbacks_gives_megatrons_grad_norm_bit_for_bit_without_a_host_read():
+    """Issue 48: Megatron's local l2 norm (what clip_grads.py binds without TE and Apex) reads the host once per tensor
+    and once more (``torch.tensor([torch.norm(t) ...])``, ``float(...)``); foreach_l2_norm gives the same float32
+    bits with no host read, for one dtype and for mixed ones."""
+    from megatron.core import utils as mutils
+
+    for grads in (_grads(), [*_grads(1)[:3], _grads(2)[4].bfloat16()]):
+        with megatron_cpu._CudaAllocationsOnCpu():  # Megatron's returns a device='cuda' tensor
+            (upstream, _), upstream_reads = _host_reads(mutils.local_multi_tensor_l2_norm, 0, None, [grads], False)
+        (ours, _), reads = _host_reads(megatron_cpu.foreach_l2_norm, 0, None, [grads], False)
+        # upstream's per-tensor reads happen inside torch.tensor's C++ conversion, which no dispatch mode sees (on
+        # CUDA each is a device-to-host copy); its float() of the total is the one counted here
+        assert upstream_reads >= 1 and reads == 0, (upstream_reads, reads)
+        assert ours.dtype == upstream.dtype == torch.float32 and ours.shape == upstream.shape == (1,)
+        assert torch.equal(ours, upstream), (ours, upstream)
+
+
+@pytest.mark.parametrize("case", ["in place", "copy and cast", "copy at 1.0"])
+def test_fix_multi_tensor_fallbacks_scales_and_clips_bit_for_bit(case):
+    """foreach_scale equals Megatron's local multi_tensor_scale (dst <- src x scale) bit for bit: in place (what
+    clipping does), into other tensors of another dtype (the main params copied to the bf16 model params), at 1.0;
+    and the CPU clip (fix_clip_grads, now one _foreach_mul_) equals the per-tensor rule g <- g x max_norm / (norm +
+    1e-6)."""
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import optimizer as opt
+
+    src, scale = _grads(), {"in place": 0.37, "copy and cast": 0.81, "copy at 1.0": 1.0}[case]
+    dtype = torch.bfloat16 if case == "copy and cast" else torch.float32
+
+    def lists():
+        a = [t.clone() for t in src]
+        return [a, a] if case == "in place" else [a, [torch.empty_like(t, dtype=dtype) for t in a]]
+
+    upstream, ours = lists(), lists()
+    mutils.local_multi_tensor_scale(0, None, upstream, scale)
+    _, reads = _host_reads(megatron_cpu.foreach_scale, 0, None, ours, scale)
+    assert reads == 0 and all(torch.equal(a, b) for a, b in zip(upstream[1], ours[1], strict=True))
+
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in src]
+    for p, g in zip(params, src, strict=True):
+        p.grad = g.clone()
+    norm = float(megatron_cpu.foreach_l2_norm(0, None, [src], False)[0])
+    megatron_cpu.apply()
+    _, reads = _host_reads(opt.clip_grad_by_total_norm_fp32, params, 1e-2, norm)
+    coeff = 1e-2 / (norm + 1.0e-6)
+    assert reads == 0 and all(torch.equal(p.grad, g * coeff) for p, g in zip(params, src, strict=True))
+
+
+def test_fix_torch_adam_steps_within_ulps_of_torchs_for_loop_and_the_same_bits_for_a_shard():
+    """Megatron's fallback Adam is torch.optim.AdamW with neither foreach nor fused: torch's for-loop on CPU (its
+    foreach on CUDA: torch/optim/optimizer.py ``_default_to_fused_or_foreach``), each step reading every
+    parameter's step counter to the host. The fused AdamW (use_fused_adam) reads none, steps within 8 ulps (of each
+    parameter, or of its updates where it is smaller) of the for-loop over 5 steps, and gives an element the same
+    bits whether its parameter is whole or a shard of it (tensor-parallel runs compare with single-rank ones)."""
+    torch.manual_seed(0)
+    start = [torch.randn(67, 33), torch.randn(1000)]
+
+    def run(fused: bool, tensors=start) -> tuple[list[torch.Tensor], int]:
+        params = [torch.nn.Parameter(t.clone()) for t in tensors]
+        adam = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+        class Wrapped:  # what Megatron's optimizers hold: the torch optimizer as .optimizer
+            optimizer = adam
+
+        if fused:
+            assert megatron_cpu.use_fused_adam(Wrapped) == 1
+        reads = 0
+        for i in range(5):
+            for p in params:
+                p.grad = torch.sin(p.detach() * (i + 1))
+            reads += _host_reads(adam.step)[1]
+        return [p.detach() for p in params], reads
+
+    (loop, loop_reads), (fused, fused_reads) = run(False), run(True)
+    assert loop_reads == 5 * len(start) and fused_reads == 0, (loop_reads, fused_reads)
+    for a, b in zip(loop, fused, strict=True):  # in ulps of the parameter or of the 5 updates of lr, the larger
+        ulp = torch.finfo(torch.float32).eps * torch.maximum(a.abs(), torch.tensor(5 * 1e-3))
+        print(f"fused vs for-loop: {float(((a - b).abs() / ulp).max()):.2f} ulps")
+        assert float(((a - b).abs() / ulp).max()) <= 8
+    shard, _ = run(True, [start[1][123:456]])
+    assert torch.equal(shard[0], fused[1][123:456])

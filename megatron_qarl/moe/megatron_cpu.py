@@ -3,7 +3,8 @@ without CUDA (or without Transformer Engine), and the one it needs on every Linu
 results-queue process, ``fix_write_results_queue``, which outlives a killed trainer with or without a GPU).
 
 Each fix is a small function named ``fix_*`` whose docstring gives the reason, marked with the condition under which
-the machine needs it (``@when(cuda_absent)``, ``@when(te_absent)``, ``@when(linux)``): the condition of the failure
+the machine needs it (``@when(cuda_absent)``, ``@when(te_absent)``, ``@when(te_and_apex_absent)``,
+``@when(linux)``): the condition of the failure
 itself, so a GPU machine without Transformer Engine gets the Transformer Engine fix (and the Linux one) and nothing
 else. A fix changes installed code only through ``_replace``, which records the attribute it replaced, so every fix
 can be undone.
@@ -44,6 +45,16 @@ def te_absent() -> bool:
     from megatron.core.transformer.moe import moe_utils
 
     return not moe_utils.HAVE_TE
+
+
+def te_and_apex_absent() -> bool:
+    """Megatron found neither Transformer Engine nor Apex: clip_grads.py's ``import transformer_engine`` and
+    ``import amp_C`` both failed, so it bound megatron.core.utils' local multi-tensor fallbacks (as did optimizer.py).
+    Read from its ``multi_tensor_applier``, which no fix replaces (``fix_multi_tensor_fallbacks`` replaces the ops)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    return clip_grads.multi_tensor_applier is utils.local_multi_tensor_applier
 
 
 def linux() -> bool:
@@ -187,12 +198,102 @@ def fix_clip_grads() -> None:
         attr = "decoupled_grad" if use_decoupled_grad else "grad"
         coeff = max_norm / (total_norm + 1.0e-6)
         if coeff < 1.0:
-            for p in params:
-                g = getattr(p, attr, None)
-                if g is not None:
-                    g.detach().mul_(coeff)
+            grads = [g.detach() for g in (getattr(p, attr, None) for p in params) if g is not None]
+            if grads:
+                torch._foreach_mul_(grads, coeff)
 
     _replace(opt, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for ``amp_C.multi_tensor_l2norm``: (||[||t_1||, ..., ||t_n||]||_2 as a float32 [1] tensor, the
+    per-tensor norms or None), on the tensors' device. The per-tensor norms are one ``torch._foreach_norm`` (a
+    constant number of kernels per dtype group on CUDA), their norm one more; nothing is read to the host."""
+    tensors = [t for group in tensor_lists for t in group]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32), None
+    norms = torch._foreach_norm(tensors)
+    if len({n.dtype for n in norms}) == 1:
+        stacked = torch.stack(norms).float()
+    else:  # mixed dtypes (never in Megatron's fp32 main grads): each norm as float32, in the tensors' order
+        stacked = torch.stack([n.float() for n in norms])
+    return torch.linalg.vector_norm(stacked).reshape(1), stacked if per_tensor else None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for ``amp_C.multi_tensor_scale``: dst_i <- src_i x scale (cast to dst_i's dtype), as
+    ``torch._foreach_mul_`` when src and dst are the same tensors (clipping), ``torch._foreach_copy_`` otherwise."""
+    src, dst = tensor_lists
+    if len(src) != len(dst):
+        raise ValueError(f"multi_tensor_scale: {len(src)} sources, {len(dst)} destinations")
+    if not src:
+        return
+    if all(a is b for a, b in zip(src, dst, strict=True)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, src if scale == 1.0 else torch._foreach_mul(src, scale))
+
+
+@when(te_and_apex_absent)
+def fix_multi_tensor_fallbacks() -> None:
+    """Without Transformer Engine and Apex (on CPUs and on GPUs alike) Megatron's clip_grads.py and optimizer.py
+    bind megatron.core.utils' local stand-ins for the fused multi-tensor kernels. Its ``local_multi_tensor_l2_norm``
+    builds ``torch.tensor([torch.norm(t) for t in tensors])``, which reads every tensor's norm to the host one at a
+    time, then ``float()`` of their norm once more, so the grad norm of a train step reads the host once per
+    gradient (the number grows with the experts: 52 reads per bf16 train step of the tiny model at 8 experts, 148
+    at 32); ``local_multi_tensor_scale`` launches two kernels per tensor. Bind ``foreach_l2_norm`` and
+    ``foreach_scale`` instead: the same values (bit for bit on CPU, where ``_foreach_norm`` is the per-tensor norm;
+    to float32 rounding of the summation order on CUDA), no host read."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as opt
+
+    _replace(clip_grads, "l2_norm_impl", foreach_l2_norm)
+    _replace(clip_grads, "multi_tensor_scale_impl", foreach_scale)
+    _replace(opt, "multi_tensor_scale_impl", foreach_scale)
+
+
+def use_fused_adam(optimizer) -> int:
+    """Turn on torch's fused Adam / AdamW in the torch optimizers inside a Megatron optimizer (chained or not) whose
+    parameters all sit on a device torch has the fused kernel for and that have taken no step yet (state is made
+    lazily at the first one, the step counter on the parameters' device); returns how many param groups it set."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices, n = set(_get_fused_kernels_supported_devices()), 0
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or inner.state:
+            continue
+        for group in inner.param_groups:
+            params = group["params"]
+            if params and all(p.device.type in devices and p.is_floating_point() for p in params) and \
+                    not group.get("differentiable"):
+                group["fused"], group["foreach"] = True, False
+                n += 1
+    return n
+
+
+@when(te_and_apex_absent)
+def fix_torch_adam() -> None:
+    """Without Transformer Engine and Apex Megatron's Adam is ``torch.optim.AdamW`` built with neither ``foreach``
+    nor ``fused`` (optimizer/__init__.py: ``adam_cls(**kwargs)``). torch then runs its foreach path on CUDA and its
+    for-loop on CPU, and both read every parameter's step counter to the host (``_get_value(step)``, a CPU tensor):
+    a train step's host reads grow with the number of parameters, so with the experts (tests/test_learner_launches.py:
+    49 of a tiny-model step's 51 at 8 experts, 145 of 147 at 32). Build Megatron's optimizers as before, then turn on
+    torch's fused AdamW (``use_fused_adam``; a fused kernel for CUDA and CPU parameters alike): one kernel per device
+    and dtype group, its step counter a device tensor, no host read. Its update equals the for-loop's to a few ulps
+    of each parameter (tests/test_megatron_cpu.py), and it is the same for every element wherever it sits in a tensor,
+    so sharded and whole parameters still get the same bits."""
+    from megatron.core import optimizer as mopt
+
+    build = mopt._get_megatron_optimizer_based_on_param_groups
+
+    def _get_megatron_optimizer_based_on_param_groups(*args, **kwargs):
+        optimizer = build(*args, **kwargs)
+        use_fused_adam(optimizer)
+        return optimizer
+
+    _get_megatron_optimizer_based_on_param_groups.__wrapped__ = build
+    _replace(mopt, "_get_megatron_optimizer_based_on_param_groups", _get_megatron_optimizer_based_on_param_groups)
 
 
 @when(cuda_absent)
@@ -298,7 +399,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_te_min_version, fix_optimizer_device,
-         fix_clip_grads, fix_cuda_synchronize, fix_distributed_optimizer_types, fix_recompute_rng,
+         fix_clip_grads, fix_multi_tensor_fallbacks, fix_torch_adam, fix_cuda_synchronize,
+         fix_distributed_optimizer_types, fix_recompute_rng,
          fix_write_results_queue)
 
 
