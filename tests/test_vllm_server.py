@@ -263,13 +263,17 @@ def test_a_vllm_server_killed_mid_rollout_loses_no_prompt(vllm_server, tmp_path)
             real_generate, killed = v.generate, []
 
             async def generate_then_kill(*args, **kwargs):
-                # the kill lands once vLLM's first request is in flight (a fixed 0.5 s timer once fired after
-                # vLLM had answered everything: the whole rollout took 1.0 s on a quiet machine)
+                # the kill lands while vLLM's requests are in flight: the server is stopped (SIGSTOP: the kernel
+                # still accepts its connections, nothing answers them) before the first is sent, and killed a
+                # moment later. A timer alone fired after vLLM had answered everything (0.5 s after the start of a
+                # 1.0 s rollout; in CI, 0.05 s after the first request: 32 samples in 0.4 s and no failure)
+                if killed:
+                    return await real_generate(*args, **kwargs)
+                killed.append(True)
+                os.kill(pid, signal.SIGSTOP)
                 task = asyncio.ensure_future(real_generate(*args, **kwargs))
-                if not killed:
-                    killed.append(True)
-                    await asyncio.sleep(0.05)
-                    os.kill(pid, signal.SIGKILL)
+                await asyncio.sleep(0.5)
+                os.kill(pid, signal.SIGKILL)
                 return await task
 
             v.generate = generate_then_kill
