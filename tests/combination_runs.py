@@ -28,12 +28,20 @@ KEY = "qarl-combos-key"
 # rounding grows with the logits' magnitude: a rare token's log-prob of -10 or so moves by ~1e-5)
 PER_TOKEN = 1e-5
 FP32_TOKEN = 1e-4
-# W8A8 quantizes activations round-to-nearest per token (group): a 1-ulp difference of the two sides' accumulation
-# order puts an activation on the other side of a rounding boundary now and then, and that code's step (1/448 of the
-# group's amax for FP8, 1/127 for INT8) moves the token's log-prob, and the next ones' through attention, by up to
-# ~1e-2 (tests/test_rollout_engine.py measures the same against transformers); so for W8A8 the bound holds for the
-# median token, and every token stays within W8A8_FLIP
-W8A8_FLIP = 5e-2
+# W8A8 quantizes activations round-to-nearest per token (group). The two sides' float32 arithmetic before that
+# rounding differs in order (the learner's GEMMs are MKL's sgemm, whose kernel MKL picks by CPU; the server's the
+# native low-bit kernels), so now and then an element lands on the other side of a rounding boundary and its code
+# differs by one step, a flip: for e4m3 2^(e-3) x the group's scale amax/448, 32/448 = 7% of the amax in the top
+# binade [256, 448]; for INT8 amax/127. It moves the token's log-prob, and through attention the later tokens' (whose
+# activations then differ by more than rounding and flip again). The flip model (tests/w8a8_flips.py, checked by
+# tests/test_w8a8_flips.py under the ISA knobs): the learner fed the server's codes agrees within FP32_TOKEN on every
+# token, and a token with no flip upstream does as it is; it catches a 5% scale error on one expert, which no bound on
+# the per-token differences alone separates from flips. Here, with those differences only: the median token within
+# PER_TOKEN (measured: per-run medians <= 4.5e-6), and every token within W8A8_FLIP, twice the largest measured
+# (0.251 of 47,600 tokens on an AMX Xeon: 5 ISA settings x 2 schemes x 10 weight versions x 5 seeds; 0.25 of about
+# 86,000 on an AMD EPYC over 9 settings; run06's fresh rollout on the Xeon: 0.0698). docs/numerics.md, "W8A8:
+# activation-code flips", has the distribution.
+W8A8_FLIP = 0.5
 # a small run: 2 prompts x 4 samples x 8 new tokens per step, exact-match rewards (no reward workers), the start
 # and end evaluations on one prompt, a checkpoint at the end
 SMALL = ["train.steps=2", "train.prompts_per_step=2", "rollout.sampling.n_samples=4",
@@ -78,7 +86,7 @@ def _stats(d: torch.Tensor) -> dict[str, float]:
 
 
 def within(stats: dict[str, float], scheme: str) -> bool:
-    """The bound of the module's constants for one set of per-token figures."""
+    """The bound of the module's constants for one set of per-token figures (W8A8: the flips' measured bound)."""
     if scheme.startswith("w8a8"):
         return stats["median"] <= PER_TOKEN and stats["max"] <= W8A8_FLIP
     return stats["mean"] <= PER_TOKEN and stats["max"] <= FP32_TOKEN

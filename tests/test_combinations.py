@@ -133,6 +133,17 @@ def scheme_servers(tmp_path_factory):
 
 @pytest.mark.e2e
 def test_every_accepted_embedded_combination_runs_two_correct_steps(census, scheme_servers, tmp_path):
+    """The pairwise plan of the accepted embedded combinations, two steps each against the float32 servers, every
+    run's per-token agreement within combination_runs.within. W8A8 (issue 47): on an AMX / AVX-512 Xeon run06
+    (w8a8_fp8, R3, delta sync, gspo, mis_seq) reached a fresh-rollout max of 0.0698. The cause is the learner's
+    side: its float32 GEMMs are MKL's sgemm, and under MKL's AVX-512 kernels (the default there; SSE4_2 too) their
+    order of additions puts more activations on the other side of an e4m3 rounding boundary than under its AVX2
+    ones (learner AVX-512 + server AVX2: 0.0698; learner AVX2 + server AVX-512: 0.0031). The server's native fp8
+    kernel, whose activation codes equal the learner's formula's on the same input, is not it. One flipped code
+    moves its operand by a whole e4m3 step (up to 32/448 of the group's amax) and the later tokens through
+    attention: tests/w8a8_flips.py finds the first flip of each sequence (a layer's qkv, o, gate_up or down input)
+    and shows the codes explain every token; W8A8_FLIP is that model's measured bound (docs/numerics.md, "W8A8:
+    activation-code flips")."""
     runs, _ = cs.plan("embedded", census, unrunnable_here)
     t0 = time.perf_counter()
     results = run_groups(runs, scheme_servers, tmp_path)

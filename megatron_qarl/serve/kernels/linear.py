@@ -21,7 +21,7 @@ store followed by ``refresh()`` of the layers whose derived operands are not vie
                  token with the learner's formula (``quant_act_int8_per_token``, or the native kernel's
                  copy of it, bit for bit); the exact integer GEMM runs on the native kernel over the codes in
                  place (one row on AVX512-VNNI machines; every row count on AVX2 ones), or on oneDNN's u8s8
-                 kernel over a prepacked copy (several rows with VNNI; fallback: ``_weight_int8pack_mm``).
+                 kernel over a prepacked copy (several rows where it is exact: VNNI; fallback: ``_weight_int8pack_mm``).
     Fp8Linear    W8A8-FP8: the store holds the e4m3 codes and weight_scale_inv; the native kernel
                  (fp8_gemv.c) reads the codes in place and computes SGLang's block-FP8 GEMM, activations
                  quantized per token group with the learner's formula. Without it (no compiler, no AVX2):
@@ -260,6 +260,27 @@ def _onednn_int8() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
+def _onednn_int8_exact() -> bool:
+    """Whether oneDNN's u8s8 GEMM computes the exact integer product in this process: with VNNI it accumulates in
+    int32; without it (a CPU without VNNI, or oneDNN capped below it by DNNL_MAX_CPU_ISA / ONEDNN_MAX_CPU_ISA, e.g.
+    AVX2 on an AVX512-VNNI CPU) it adds pairs of u8 x s8 products in saturating int16. Checked once, on operands
+    whose pairs saturate (255 x 127 x 2 > 32767)."""
+    global _ONEDNN_INT8_EXACT
+    if _ONEDNN_INT8_EXACT is None:
+        _ONEDNN_INT8_EXACT = False
+        if _onednn_int8():
+            w = torch.full((16, 64), 127, dtype=torch.int8)
+            u8 = torch.full((2, 64), 255, dtype=torch.uint8)  # q = 127 at zero point 128
+            y = torch.ops.onednn.qlinear_pointwise(u8, 1.0, 128, torch.ops.onednn.qlinear_prepack(w, None),
+                                                   torch.ones(16), torch.zeros(16, dtype=torch.int64), None, 1.0, 0,
+                                                   torch.float32, "none", [], "")
+            _ONEDNN_INT8_EXACT = bool((y == 127 * 127 * 64).all())
+    return _ONEDNN_INT8_EXACT
+
+
+_ONEDNN_INT8_EXACT: bool | None = None
+
+
 def _native_for(fmt: str, dtype: torch.dtype) -> tuple[native.Kernels | None, str]:
     """The native kernels and the best instruction set this CPU runs for ``fmt``, or (None, why not)."""
     if dtype not in (torch.bfloat16, torch.float32):
@@ -283,10 +304,12 @@ class Int8Linear(Linear):
       beyond the GEMM, plus ~25 us of small ops to quantize); on AVX2 machines every row count, because
       oneDNN's u8s8 GEMM without VNNI is ~280x slower than BF16 there and adds pairs of products in
       saturating int16 (its results then differ from the exact product).
-    - several rows with VNNI: oneDNN's u8s8 GEMM over a prepacked copy of the codes. The store keeps the
-      checkpoint's codes (checksums, updates; ``refresh()`` re-packs), so int8 weights are held twice there.
-    Without either, ``aten._weight_int8pack_mm`` (a weight-only kernel that converts every code to float)
-    on the activation dequantized to the compute dtype, as the learner's fake quant.
+    - several rows with VNNI: oneDNN's u8s8 GEMM over a prepacked copy of the codes, where it is exact in this
+      process (``_onednn_int8_exact``: not under a DNNL_MAX_CPU_ISA below VNNI, where the native kernel takes every
+      row count). The store keeps the checkpoint's codes (checksums, updates; ``refresh()`` re-packs), so int8
+      weights are held twice there.
+    Without either (and instead of a saturating oneDNN), ``aten._weight_int8pack_mm`` (a weight-only kernel that
+    converts every code to float) on the activation dequantized to the compute dtype, as the learner's fake quant.
     """
 
     def __init__(self, prefixes: list[str], raw: Store, store: Store, dtype: torch.dtype):
@@ -300,12 +323,15 @@ class Int8Linear(Linear):
         # the native kernel reads the codes and scales in place: contiguous, as made here
         self.gemv, isa = _native_for("int8", dtype)
         self.isa = isa if self.gemv is not None else None
-        self.native_rows = self.gemv is not None and isa != "avx512"  # AVX2: no VNNI for oneDNN either
-        self.use_onednn = _onednn_int8() and not self.native_rows
+        exact = _onednn_int8_exact()  # oneDNN accumulates in int32 here (VNNI), not in saturating int16
+        self.native_rows = self.gemv is not None and (isa != "avx512" or not exact)  # AVX2: no VNNI for oneDNN either
+        self.use_onednn = exact and not self.native_rows
         one = f"native int8 {isa}" if self.gemv is not None else None
         many = "oneDNN u8s8 qlinear" if self.use_onednn else "aten._weight_int8pack_mm"
-        self.kernel = {"1 row": one or many, "rows": one if self.native_rows else many,
-                       "why": {"avx512": "AVX512-VNNI", "avx2": "AVX2 without AVX512-VNNI"}.get(isa, isa)}
+        why = {"avx512": "AVX512-VNNI", "avx2": "AVX2 without AVX512-VNNI"}.get(isa, isa)
+        if _onednn_int8() and not exact:
+            why += "; oneDNN's u8s8 GEMM saturates here (no VNNI in oneDNN: the CPU's, or DNNL_MAX_CPU_ISA's cap)"
+        self.kernel = {"1 row": one or many, "rows": one if self.native_rows else many, "why": why}
         self.refresh()
 
     def refresh(self) -> None:
