@@ -399,3 +399,30 @@ def test_fix_torch_adam_steps_within_ulps_of_torchs_for_loop_and_the_same_bits_f
         assert float(((a - b).abs() / ulp).max()) <= 8
     shard, _ = run(True, [start[1][123:456]])
     assert torch.equal(shard[0], fused[1][123:456])
+
+
+def test_fused_adam_stays_on_across_a_load_of_a_checkpoint_written_without_it():
+    """A checkpoint's param groups replace the live ones on load (torch's and Megatron's load_state_dict), ``fused``
+    with them: a state written by the for-loop Adam (fused None, step counters on the CPU) loaded into a fused one
+    turns it back on with each step counter where the fused kernel reads it (float32, the parameter's device), and
+    its next step reads the host nowhere."""
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
+    old = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    old.step()
+    saved = old.state_dict()
+    assert saved["param_groups"][0]["fused"] is None
+
+    adam = torch.optim.AdamW(params, lr=1e-3)
+
+    class Wrapped:
+        optimizer = adam
+
+    assert megatron_cpu.use_fused_adam(Wrapped) == 1
+    adam.load_state_dict(saved)
+    assert adam.param_groups[0]["fused"] is True and adam.param_groups[0]["foreach"] is False
+    assert all(s["step"].dtype == torch.float32 and s["step"].device == p.device for p, s in adam.state.items())
+    assert _host_reads(adam.step)[1] == 0 and all(float(s["step"]) == 2.0 for s in adam.state.values())
+    step = megatron_cpu.adam_step(3, adam.param_groups[0], params[0])
+    assert step.dtype == torch.float32 and step.device == params[0].device and float(step) == 3.0

@@ -26,6 +26,7 @@ import torch
 
 from megatron_qarl.errors import UserError
 from megatron_qarl.moe.convert import model_impl
+from megatron_qarl.moe.megatron_cpu import adam_step
 
 STATE_FILE = "trainer_state.json"
 LEARNER_META = "learner_meta.json"  # which Megatron layer spec (model.impl) wrote the model and optimizer shards
@@ -113,7 +114,7 @@ def allocate_optimizer_state(optimizer) -> None:
         if isinstance(opt, do.DistributedOptimizer) and not opt.optimizer.state:
             for group in opt.optimizer.param_groups:
                 for p in group["params"]:
-                    opt.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                    opt.optimizer.state[p] = {"step": adam_step(0.0, group, p), "exp_avg": torch.zeros_like(p),
                                               "exp_avg_sq": torch.zeros_like(p)}
 
 
@@ -136,7 +137,7 @@ def restore_adam_steps(optimizer) -> None:
                     continue
                 for p in group["params"]:
                     if p in opt.optimizer.state:
-                        opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+                        opt.optimizer.state[p]["step"] = adam_step(group["step"], group, p)
 
 
 def load_learner(path: str | Path, module, optimizer) -> None:

@@ -252,23 +252,46 @@ def fix_multi_tensor_fallbacks() -> None:
     _replace(opt, "multi_tensor_scale_impl", foreach_scale)
 
 
-def use_fused_adam(optimizer) -> int:
-    """Turn on torch's fused Adam / AdamW in the torch optimizers inside a Megatron optimizer (chained or not) whose
-    parameters all sit on a device torch has the fused kernel for and that have taken no step yet (state is made
-    lazily at the first one, the step counter on the parameters' device); returns how many param groups it set."""
+def _fuse_groups(adam) -> int:
+    """Set torch's fused Adam in the param groups of ``adam`` whose parameters all sit on a device torch has the
+    fused kernel for, with each existing step counter where that kernel reads it (float32, the parameter's device);
+    returns how many groups it set."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     devices, n = set(_get_fused_kernels_supported_devices()), 0
+    for group in adam.param_groups:
+        params = group["params"]
+        if params and all(p.device.type in devices and p.is_floating_point() for p in params) and \
+                not group.get("differentiable"):
+            group["fused"], group["foreach"] = True, False
+            for p in params:
+                state = adam.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+            n += 1
+    return n
+
+
+def adam_step(value: float, group: dict, param: torch.Tensor) -> torch.Tensor:
+    """An Adam step counter as torch keeps it for ``group``: float32 on the parameter's device where the group is
+    fused or capturable (the kernel reads it there), a CPU tensor otherwise."""
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    return torch.tensor(float(value), dtype=torch.float32, device=param.device if on_device else "cpu")
+
+
+def use_fused_adam(optimizer) -> int:
+    """Turn on torch's fused Adam / AdamW in the torch optimizers inside a Megatron optimizer (chained or not) that
+    have taken no step yet (state is made lazily at the first one, the step counter on the parameters' device), and
+    keep it on across loads: a checkpoint's param groups replace the live ones in ``load_state_dict`` (Megatron's
+    and torch's), ``fused`` included, so a checkpoint written without it would turn it off; a load hook sets it
+    again. Returns how many param groups it set."""
+    n = 0
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
         if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or inner.state:
             continue
-        for group in inner.param_groups:
-            params = group["params"]
-            if params and all(p.device.type in devices and p.is_floating_point() for p in params) and \
-                    not group.get("differentiable"):
-                group["fused"], group["foreach"] = True, False
-                n += 1
+        n += _fuse_groups(inner)
+        inner.register_load_state_dict_post_hook(_fuse_groups)
     return n
 
 
