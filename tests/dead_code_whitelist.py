@@ -38,3 +38,5 @@ graphsafe_get_state  # simulated_device.py _Generator: torch.cuda's generator AP
 graphsafe_set_state  # simulated_device.py _Generator: torch.cuda's generator API (Megatron's RNG tracker, CUDA graphs)
 replace_function  # qat/modules.py register_backends: ModelOpt's plugins.custom calls it (our restoring version)
 compile_variants  # qat/triton_refresh.py: the sm_90 compile check, run by tests/test_triton_refresh.py (python -c)
+chunk_size  # megatron_cpu.py foreach_l2_norm / foreach_scale: amp_C.multi_tensor_* signatures (multi_tensor_applier)
+noop_flag  # megatron_cpu.py foreach_l2_norm / foreach_scale: amp_C's overflow buffer argument, unused as Megatron's
