@@ -85,8 +85,31 @@ def _stats(d: torch.Tensor) -> dict[str, float]:
             "over": float((a > PER_TOKEN).double().mean())}
 
 
-def within(stats: dict[str, float], scheme: str) -> bool:
-    """The bound of the module's constants for one set of per-token figures (W8A8: the flips' measured bound)."""
+# vLLM 0.32's quantized CPU MoE kernels (AMX CPUs only) are not the learner's numerics: its W4A16 experts run
+# INT4_W4A8 (CPUExpertsInt4: "Internally uses int8 compute via fused_experts_cpu with INT4_W4A8", activations
+# quantized to int8 per token) and both its W4A16 and INT8 experts need bf16 activations
+# (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py). The learner matches SGLang's kernels, which the embedded
+# engine copies; against vLLM's quantized ones it agrees as against a bf16 engine of other kernels: measured on an
+# AMX Xeon (2026-12-06, the vLLM plan's 10 quantized runs, every checked step) per-token medians 3.6e-6 .. 1.1e-4,
+# means 8.5e-4 .. 6.5e-3, maxima up to 0.29, the quantization part of the mismatch split up to 4.9e-3. The bound:
+# median within FOREIGN_MEDIAN (9x the largest measured) and mean within FOREIGN_MEAN (3x); no per-token max (one
+# int8 activation code of another rounding moves a token as a W8A8 flip does), and the split's quantization part
+# within FOREIGN_MEAN.
+FOREIGN_MEDIAN = 1e-3
+FOREIGN_MEAN = 2e-2
+
+
+def foreign_kernels(backend: str, scheme: str) -> bool:
+    """The servers compute ``scheme`` with kernels whose numerics the learner does not follow (vLLM's quantized
+    CPU MoE kernels)."""
+    return backend == "vllm" and scheme != "bf16"
+
+
+def within(stats: dict[str, float], scheme: str, foreign: bool = False) -> bool:
+    """The bound of the module's constants for one set of per-token figures (W8A8: the flips' measured bound;
+    ``foreign``: servers of other kernels, ``foreign_kernels``)."""
+    if foreign:
+        return stats["median"] <= FOREIGN_MEDIAN and stats["mean"] <= FOREIGN_MEAN
     if scheme.startswith("w8a8"):
         return stats["median"] <= PER_TOKEN and stats["max"] <= W8A8_FLIP
     return stats["mean"] <= PER_TOKEN and stats["max"] <= FP32_TOKEN
@@ -268,13 +291,14 @@ def check_runs(runs: list[tuple], results: list[dict]) -> None:
                           (("step 1", r["steps"][0]), ("step 2", r["steps"][-1]), ("after", r["fresh"]))))
         checked = [r["steps"][0], r["fresh"]] + ([r["steps"][1]] if d["train.async"] == "off" else [])
         w8a8 = d["quant.scheme"].startswith("w8a8")
-        bad = [s for s in checked if not within(s, d["quant.scheme"])
+        foreign = foreign_kernels(d["rollout.backend"], d["quant.scheme"])
+        bad = [s for s in checked if not within(s, d["quant.scheme"], foreign)
                or (d["numerics"] == "exact" and s["max"] != 0.0)]  # exact: not one token's log-prob differs
         if len(r["steps"]) != 2 or sorted(r["metrics"]) != [1, 2] or bad:
             problems.append(f"{where}: steps {r['steps']}, fresh {r['fresh']}, metrics {r['metrics']}")
         for step, m in r["metrics"].items():
             quant = m.get("mismatch_quant/mismatch_tok_abs_mean")
-            if quant is not None and quant > (1e-3 if w8a8 else PER_TOKEN):
+            if quant is not None and quant > (FOREIGN_MEAN if foreign else 1e-3 if w8a8 else PER_TOKEN):
                 problems.append(f"{where}: step {step} mismatch_quant {quant}")
             if d["train.async"] != "off" and m.get("async/regenerated", 0) != 0:
                 problems.append(f"{where}: step {step} regenerated {m['async/regenerated']} samples")

@@ -72,6 +72,13 @@ def pytest_report_header(config):
     return machine_report()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The machine again at the end: README's command runs with -q, which leaves the header out."""
+    terminalreporter.write_sep("-", "machine")
+    for line in machine_report():
+        terminalreporter.write_line(line)
+
+
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep our order, not its fewest-tests-last one
         config.option.loadscopereorder = False
