@@ -239,9 +239,9 @@ def fix_multi_tensor_fallbacks() -> None:
     """Without Transformer Engine and Apex (on CPUs and on GPUs alike) Megatron's clip_grads.py and optimizer.py
     bind megatron.core.utils' local stand-ins for the fused multi-tensor kernels. Its ``local_multi_tensor_l2_norm``
     builds ``torch.tensor([torch.norm(t) for t in tensors])``, which reads every tensor's norm to the host one at a
-    time, then ``float()`` of their norm once more, so the grad norm of a train step reads the host once per
-    gradient (the number grows with the experts: 52 reads per bf16 train step of the tiny model at 8 experts, 148
-    at 32); ``local_multi_tensor_scale`` launches two kernels per tensor. Bind ``foreach_l2_norm`` and
+    time (inside torch.tensor's conversion, which no dispatch-mode count sees), then ``float()`` of their norm once
+    more, so the grad norm of a train step reads the host once per gradient, a number that grows with the experts;
+    ``local_multi_tensor_scale`` launches two kernels per tensor. Bind ``foreach_l2_norm`` and
     ``foreach_scale`` instead: the same values (bit for bit on CPU, where ``_foreach_norm`` is the per-tensor norm;
     to float32 rounding of the summation order on CUDA), no host read."""
     from megatron.core.optimizer import clip_grads
@@ -301,7 +301,8 @@ def fix_torch_adam() -> None:
     nor ``fused`` (optimizer/__init__.py: ``adam_cls(**kwargs)``). torch then runs its foreach path on CUDA and its
     for-loop on CPU, and both read every parameter's step counter to the host (``_get_value(step)``, a CPU tensor):
     a train step's host reads grow with the number of parameters, so with the experts (tests/test_learner_launches.py:
-    49 of a tiny-model step's 51 at 8 experts, 145 of 147 at 32). Build Megatron's optimizers as before, then turn on
+    a tiny-model train step read the host 52 times at 8 experts and 148 at 32 before this fix and
+    ``fix_multi_tensor_fallbacks``, 2 after). Build Megatron's optimizers as before, then turn on
     torch's fused AdamW (``use_fused_adam``; a fused kernel for CUDA and CPU parameters alike): one kernel per device
     and dtype group, its step counter a device tensor, no host read. Its update equals the for-loop's to a few ulps
     of each parameter (tests/test_megatron_cpu.py), and it is the same for every element wherever it sits in a tensor,

@@ -34,6 +34,7 @@ Which kernel a layer runs is chosen per machine at load (the instruction sets th
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import MutableMapping
@@ -260,25 +261,20 @@ def _onednn_int8() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
+@functools.cache
 def _onednn_int8_exact() -> bool:
     """Whether oneDNN's u8s8 GEMM computes the exact integer product in this process: with VNNI it accumulates in
     int32; without it (a CPU without VNNI, or oneDNN capped below it by DNNL_MAX_CPU_ISA / ONEDNN_MAX_CPU_ISA, e.g.
     AVX2 on an AVX512-VNNI CPU) it adds pairs of u8 x s8 products in saturating int16. Checked once, on operands
     whose pairs saturate (255 x 127 x 2 > 32767)."""
-    global _ONEDNN_INT8_EXACT
-    if _ONEDNN_INT8_EXACT is None:
-        _ONEDNN_INT8_EXACT = False
-        if _onednn_int8():
-            w = torch.full((16, 64), 127, dtype=torch.int8)
-            u8 = torch.full((2, 64), 255, dtype=torch.uint8)  # q = 127 at zero point 128
-            y = torch.ops.onednn.qlinear_pointwise(u8, 1.0, 128, torch.ops.onednn.qlinear_prepack(w, None),
-                                                   torch.ones(16), torch.zeros(16, dtype=torch.int64), None, 1.0, 0,
-                                                   torch.float32, "none", [], "")
-            _ONEDNN_INT8_EXACT = bool((y == 127 * 127 * 64).all())
-    return _ONEDNN_INT8_EXACT
-
-
-_ONEDNN_INT8_EXACT: bool | None = None
+    if not _onednn_int8():
+        return False
+    w = torch.full((16, 64), 127, dtype=torch.int8)
+    u8 = torch.full((2, 64), 255, dtype=torch.uint8)  # q = 127 at zero point 128
+    y = torch.ops.onednn.qlinear_pointwise(u8, 1.0, 128, torch.ops.onednn.qlinear_prepack(w, None), torch.ones(16),
+                                           torch.zeros(16, dtype=torch.int64), None, 1.0, 0, torch.float32, "none",
+                                           [], "")
+    return bool((y == 127 * 127 * 64).all())
 
 
 def _native_for(fmt: str, dtype: torch.dtype) -> tuple[native.Kernels | None, str]:
