@@ -75,12 +75,18 @@ class ModelConfig(_Section):
         fake-quant GEMMs run with fp8 autocast off inside (ModelOpt's TE plugin refuses it) and attention in FP8,
         which the rollout computes in BF16 (docs/quantization.md, "FP8 on the TE spec"); the W8A8 schemes quantize
         every TE linear, leaving nothing to FP8.
+    experts: the local spec's routed experts (``moe.grouped.resolve_experts``, docs/training.md "Three expert
+        implementations"): ``grouped`` one parameter per projection and two grouped matmuls per layer (moe/grouped.py),
+        ``sequential`` Megatron's SequentialMLP (an MLP per expert, run one after another), ``auto`` grouped where
+        torch's grouped matmul is bit-equal and fast (CPU; CUDA sm90 / sm100 with bfloat16 parameters), else
+        sequential. The TE spec has TE's grouped experts: with model.impl te only auto is taken.
     """
 
     path: str
     dtype: Literal["float32", "bfloat16"] = "float32"
     impl: Literal["auto", "local", "te"] = "auto"
     te_fp8: bool = False
+    experts: Literal["auto", "sequential", "grouped"] = "auto"
 
     @field_validator("path")
     @classmethod
@@ -406,6 +412,10 @@ class QarlConfig(_Section):
         from megatron_qarl.moe.te import check_te_fp8
 
         check_te_fp8(self.model.te_fp8, self.model.impl, self.quant.scheme)
+        if self.model.impl == "te" and self.model.experts != "auto":
+            raise ConfigError(f"model.experts: {self.model.experts} chooses the local spec's experts, but model.impl "
+                              "is te (Transformer Engine's grouped experts, TEGroupedMLP); use model.experts=auto or "
+                              "model.impl=local")
         return self
 
     @property

@@ -85,7 +85,8 @@ class LearnerWorker:
                                optimizer_cpu_offload=cfg.learner.optimizer_cpu_offload,
                                optimizer_offload_fraction=cfg.learner.optimizer_offload_fraction,
                                recompute=cfg.learner.recompute, recompute_num_layers=cfg.learner.recompute_num_layers,
-                               numerics=cfg.numerics, act_dtype=parse_dtype(cfg.rollout.dtype))
+                               numerics=cfg.numerics, act_dtype=parse_dtype(cfg.rollout.dtype),
+                               experts=cfg.model.experts)
         self.learner.load_hf(cfg.model.path)
 
     # ------------------------------------------------------------------------------- compute

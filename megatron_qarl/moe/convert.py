@@ -27,6 +27,11 @@ Two Megatron layer specs name these parameters differently (``impl``; megatron-c
   mlp.experts.E.down_proj        mlp.experts.local_experts.e.linear_fc2.weight   mlp.experts.linear_fc2.weight<e>
 (module paths under decoder.layers.L.; embedding, final norm and output layer are named alike in both.)
 
+With ``model.experts: grouped`` the local spec's experts are one parameter per projection (moe/grouped.py):
+``mlp.experts.linear_fc1.weight`` [E_local, 2F/ETP, H] and ``mlp.experts.linear_fc2.weight`` [E_local, H, F/ETP],
+each expert's rows as SequentialMLP's expert holds them; its maps are ``stacked`` (the tensor is row ``expert`` of the
+parameter, ``param_tensor``). ``impl`` names the three parameter layouts: "local" (SequentialMLP), "grouped", "te".
+
 The TE spec folds the attention RMSNorm into TELayerNormColumnParallelLinear (``layer_norm_weight``); for MoE
 layers it keeps ``pre_mlp_layernorm`` a separate TENorm (the router reads the normed input, and the experts are
 plain TE grouped linears with no norm to fold into); TEGroupedMLP holds one ``weight<e>`` per local expert. Split
@@ -46,7 +51,9 @@ import torch
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 
-IMPLS = ("local", "te")  # the Megatron layer specs param_maps names (model.impl after "auto" is resolved)
+# the parameter layouts param_maps names: Megatron's local spec with SequentialMLP experts, with grouped experts
+# (model.experts: grouped), its Transformer Engine spec (model.impl te)
+IMPLS = ("local", "grouped", "te")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +62,14 @@ class ParamMap:
     hf: tuple[str, ...]
     split: str  # replicated | tp_row | tp_col | qkv | fc1 | fc2
     expert: int | None = None  # fc1 / fc2: the local expert index e on this EP rank
+    stacked: bool = False  # the Megatron parameter holds every local expert: this map is its row ``expert``
+
+
+def param_tensor(params: Mapping[str, torch.Tensor], pm: ParamMap) -> torch.Tensor:
+    """``pm``'s Megatron tensor from the model's parameters by name: the parameter, or its row ``pm.expert`` (a view)
+    where it stacks the layer's experts."""
+    p = params[pm.mcore]
+    return p[pm.expert] if pm.stacked else p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +97,7 @@ def param_maps(arch: Qwen3MoeArch, ep_rank: int = 0, ep: int = 1, impl: str = "l
     layer spec names them ("local": Megatron's local spec, "te": its Transformer Engine spec)."""
     if impl not in IMPLS:
         raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
-    te = impl == "te"
+    te, grouped = impl == "te", impl == "grouped"
     yield ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "tp_row")
     n_local = arch.num_experts // ep
     for L in range(arch.num_hidden_layers):
@@ -99,20 +114,31 @@ def param_maps(arch: Qwen3MoeArch, ep_rank: int = 0, ep: int = 1, impl: str = "l
         for e in range(n_local):
             E = e + ep_rank * n_local
             he = h + f"mlp.experts.{E}."
-            fc1, fc2 = ((f"mlp.experts.linear_fc1.weight{e}", f"mlp.experts.linear_fc2.weight{e}") if te else
-                        (f"mlp.experts.local_experts.{e}.linear_fc1.weight",
-                         f"mlp.experts.local_experts.{e}.linear_fc2.weight"))
-            yield ParamMap(m + fc1, (he + "gate_proj.weight", he + "up_proj.weight"), "fc1", e)
-            yield ParamMap(m + fc2, (he + "down_proj.weight",), "fc2", e)
+            if te:
+                fc1, fc2 = f"mlp.experts.linear_fc1.weight{e}", f"mlp.experts.linear_fc2.weight{e}"
+            elif grouped:
+                fc1, fc2 = "mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"
+            else:
+                fc1 = f"mlp.experts.local_experts.{e}.linear_fc1.weight"
+                fc2 = f"mlp.experts.local_experts.{e}.linear_fc2.weight"
+            yield ParamMap(m + fc1, (he + "gate_proj.weight", he + "up_proj.weight"), "fc1", e, grouped)
+            yield ParamMap(m + fc2, (he + "down_proj.weight",), "fc2", e, grouped)
     yield ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
     yield ParamMap("output_layer.weight", ("lm_head.weight",), "tp_row")
 
 
 def model_impl(model) -> str:
-    """Which layer spec built ``model`` ("te" when its attention has TE's fused norm + QKV linear, else "local"),
-    so that the parameter table follows the model it is used on."""
-    names = (n for n, _ in model.named_parameters())
-    return "te" if any(n.endswith("self_attention.linear_qkv.layer_norm_weight") for n in names) else "local"
+    """The parameter layout of ``model`` (``IMPLS``): "te" when its attention has TE's fused norm + QKV linear,
+    "grouped" when its experts are moe/grouped.py's, else "local"; so that the table follows the model it is used on."""
+    names = [n for n, _ in model.named_parameters()]
+    if any(n.endswith("self_attention.linear_qkv.layer_norm_weight") for n in names):
+        return "te"
+    return "grouped" if any(n.endswith("mlp.experts.linear_fc1.weight") for n in names) else "local"
+
+
+def layer_spec_of(impl: str) -> str:
+    """The Megatron layer spec (model.impl: local | te) of a parameter layout: grouped experts are the local spec's."""
+    return "te" if impl == "te" else "local"
 
 
 def _qkv_groups(arch: Qwen3MoeArch) -> tuple[int, int]:
@@ -199,7 +225,7 @@ def load_hf_into_model(model, arch: Qwen3MoeArch, hf: Mapping[str, torch.Tensor]
         if pm.mcore not in params:
             raise KeyError(f"Megatron model has no parameter {pm.mcore!r}")
         src = hf_to_shard(pm, hf.__getitem__, arch, lay)
-        dst = params[pm.mcore]
+        dst = param_tensor(params, pm)
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"{pm.hf} -> {pm.mcore}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
         dst.copy_(src.to(dst.dtype))
@@ -237,7 +263,7 @@ def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True,
     for pm in param_maps(arch, lay.ep_rank, lay.ep, model_impl(model)):
         if include is not None and not include(pm):
             continue
-        local = params[pm.mcore].detach()
+        local = param_tensor(params, pm).detach()
         if pm.split not in ("fc1", "fc2"):
             shards = ([local] if pm.split == "replicated" else
                       all_gather_tensors(to_group_device(local, tp_group), tp_group, lay.tp, name=pm.mcore))

@@ -53,6 +53,14 @@ def _groups() -> tuple[Group, Group, Group]:
                   ps.get_expert_tensor_parallel_rank()))
 
 
+def _local_expert_weights(experts: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter, int | None]]:
+    """(fc1 parameter, fc2 parameter, row) of each local expert: SequentialMLP's experts' own parameters (row None),
+    or the grouped experts' stacked parameters and the expert's row in them (moe/grouped.py)."""
+    if hasattr(experts, "local_experts"):
+        return [(e.linear_fc1.weight, e.linear_fc2.weight, None) for e in experts.local_experts]
+    return [(experts.linear_fc1.weight, experts.linear_fc2.weight, e) for e in range(experts.num_local_experts)]
+
+
 class ExactForward:
     """Log-probs of one rank's (unwrapped) Megatron GPTModel in exact numerics. ``act``: the servers' activation
     dtype (rollout.dtype); ``fake_quant``: the aligned learner's quantizers (their codes' dequantized weights are
@@ -69,7 +77,8 @@ class ExactForward:
         cfg = fake_quant.cfg if fake_quant is not None else None
         self.scheme = cfg.scheme if cfg is not None else "bf16"
         self.group = cfg.group_size if cfg is not None else None
-        self.targets = {id(t.param): t for t in fake_quant.targets} if fake_quant is not None else {}
+        # by (parameter, row): a grouped expert linear's parameter holds every expert (moe/grouped.py)
+        self.targets = {(id(t.param), t.expert): t for t in fake_quant.targets} if fake_quant is not None else {}
 
     def invalidate(self) -> None:
         """Forget what the kernels keep derived from the parameters (``native.transposed``'s K-major copies, held
@@ -82,13 +91,14 @@ class ExactForward:
         native.forget_transposed(self.module.parameters())
 
     # ------------------------------------------------------------------------------------------ operands
-    def w(self, param: torch.nn.Parameter) -> Tensor:
+    def w(self, param: torch.nn.Parameter, expert: int | None = None) -> Tensor:
         """The weight a linear multiplies: the quantizer's dequantized codes (straight-through) for a quantized
-        one, else the parameter rounded to the activation dtype (what the servers hold)."""
-        t = self.targets.get(id(param))
+        one, else the parameter rounded to the activation dtype (what the servers hold). ``expert``: the row of a
+        grouped expert parameter."""
+        t = self.targets.get((id(param), expert))
         if t is not None:
             return self.fq.exact_weight(t)  # type: ignore[union-attr]
-        return ops.round_to(param.float(), self.act)
+        return ops.round_to((param if expert is None else param[expert]).float(), self.act)
 
     def shared(self, param: torch.nn.Parameter) -> Tensor:
         """A replicated parameter used alike on every TP rank (``w``); if Megatron sums its gradient over TP, each
@@ -97,12 +107,12 @@ class ExactForward:
             return self.w(scale_grad(param, 1.0 / self.tp.size))  # type: ignore[arg-type]
         return self.w(param)
 
-    def _scheme_of(self, param: torch.nn.Parameter) -> tuple[str, int | None]:
-        return (self.scheme, self.group) if id(param) in self.targets else ("bf16", None)
+    def _scheme_of(self, param: torch.nn.Parameter, expert: int | None = None) -> tuple[str, int | None]:
+        return (self.scheme, self.group) if (id(param), expert) in self.targets else ("bf16", None)
 
-    def _row_parallel(self, x: Tensor, param: torch.nn.Parameter, g: Group) -> Tensor:
+    def _row_parallel(self, x: Tensor, param: torch.nn.Parameter, g: Group, expert: int | None = None) -> Tensor:
         """round(quant_act(x) @ W.T) of a row-parallel linear: x and W split along K over ``g``."""
-        scheme, group = self._scheme_of(param)
+        scheme, group = self._scheme_of(param, expert)
         if g.size > 1 and scheme in ("w8a8_int8", "w8a8_fp8"):  # the per-token scale wants the whole row
             with torch.no_grad():
                 full = torch.cat(g.gather(x.detach(), "exact act row"), dim=-1)
@@ -113,11 +123,12 @@ class ExactForward:
         else:
             xq = ops.quant_act(x, scheme, group)
         if g.size == 1:
-            return layers.dense(xq, self.w(param), self.act)
-        return ops.round_to(ops.sum_chunks(gather_last(ops.linear_partials(xq, self.w(param)), g)), self.act)
+            return layers.dense(xq, self.w(param, expert), self.act)
+        return ops.round_to(ops.sum_chunks(gather_last(ops.linear_partials(xq, self.w(param, expert)), g)), self.act)
 
-    def _column(self, x: Tensor, param: torch.nn.Parameter, g: Group) -> Tensor:
-        return layers.dense(ops.quant_act(copy_to(x, g), *self._scheme_of(param)), self.w(param), self.act)
+    def _column(self, x: Tensor, param: torch.nn.Parameter, g: Group, expert: int | None = None) -> Tensor:
+        return layers.dense(ops.quant_act(copy_to(x, g), *self._scheme_of(param, expert)), self.w(param, expert),
+                            self.act)
 
     # ------------------------------------------------------------------------------------------ the layers
     def _embed(self, tokens: Tensor) -> Tensor:
@@ -145,7 +156,7 @@ class ExactForward:
 
     def _experts(self, mlp: torch.nn.Module, n: Tensor, ids: Tensor) -> Tensor:
         """[T, k, H]: each (token, slot) through its expert where this rank holds it, zeros elsewhere."""
-        local = mlp.experts.local_experts
+        local = _local_expert_weights(mlp.experts)
         first = self.ep.rank * len(local)
         chosen, at_rows, at_slots = [], [], []
         for e in torch.unique(ids).tolist():
@@ -156,10 +167,11 @@ class ExactForward:
                 at_slots.append(slot)
         outs = []
         if chosen:  # every expert's rows taken in one gather and split (one op each way in the backward)
-            for expert, n_e in zip(chosen, n[torch.cat(at_rows)].split([len(r) for r in at_rows]), strict=True):
-                gate, up = self._column(n_e, expert.linear_fc1.weight, self.etp).chunk(2, dim=-1)
+            for (fc1, fc2, row), n_e in zip(chosen, n[torch.cat(at_rows)].split([len(r) for r in at_rows]),
+                                            strict=True):
+                gate, up = self._column(n_e, fc1, self.etp, row).chunk(2, dim=-1)
                 h = ops.round_to(ops.silu_mul(gate, up), self.act)
-                outs.append(self._row_parallel(h, expert.linear_fc2.weight, self.etp))
+                outs.append(self._row_parallel(h, fc2, self.etp, row))
         if not outs:
             # tied to n when none of this rank's experts is chosen: the backward's collectives (the rows' gather and
             # the owner's select) then run on every EP rank alike (adding 0 * x keeps every zero +0.0)

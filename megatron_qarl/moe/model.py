@@ -178,16 +178,26 @@ def transformer_config(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool
     )
 
 
-def layer_spec(arch: Qwen3MoeArch):
-    """Megatron-Core local layer spec (no TE) with RMSNorm, qk-norm and SequentialMLP experts."""
+def layer_spec(arch: Qwen3MoeArch, experts: str = "sequential"):
+    """Megatron-Core local layer spec (no TE) with RMSNorm, qk-norm and the experts: Megatron's SequentialMLP
+    (``experts`` "sequential") or moe/grouped.py's GroupedExperts ("grouped"). Not Megatron's moe_grouped_gemm, which
+    on this spec builds its legacy GroupedMLP (the grouped_gemm package: CUDA, bf16). ``build_model`` then gives its
+    MoE layers the token dispatchers of moe/dispatch.py (Megatron's, the tokens permuted by a sort)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    from megatron_qarl.moe.grouped import GroupedExperts
+
+    if experts not in ("sequential", "grouped"):
+        raise ValueError(f"experts: {experts!r} is not sequential or grouped")
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                      qk_layernorm=True, normalization="RMSNorm")
     from megatron_qarl.moe.megatron_cpu import RMSNorm
 
     sub = spec.submodules
+    if experts == "grouped":
+        sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
     sub.self_attention.submodules.q_layernorm = RMSNorm
@@ -198,7 +208,7 @@ def layer_spec(arch: Qwen3MoeArch):
 def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None = None,
                 dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", te: bool = False,
                 te_fp8: bool = False, routing_replay: bool = False, recompute: str = "none",
-                recompute_num_layers: int = 1):
+                recompute_num_layers: int = 1, experts: str = "sequential"):
     """This rank's shard of the Qwen3-MoE GPTModel. Parallel state must be initialised first.
 
     ``te`` False: Megatron's local layers (``layer_spec``, CPU-safe). True: Transformer Engine layers
@@ -207,6 +217,8 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
     ``routing_replay``: every router gets a Megatron ``RouterReplay``; they register in a process-global list
     in layer order, which is cleared first so that it holds this model's routers only.
     ``recompute``, ``recompute_num_layers``: activation recompute (``recompute_kwargs``).
+    ``experts``: the local spec's experts, "sequential" or "grouped" (``moe.grouped.resolve_experts`` resolves
+    model.experts); the TE spec has TE's grouped experts.
     """
     from megatron_qarl.moe import megatron_cpu
 
@@ -219,7 +231,7 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
                                 routing_replay=routing_replay, recompute=recompute,
                                 recompute_num_layers=recompute_num_layers)
     if not te:
-        spec = layer_spec(arch)
+        spec = layer_spec(arch, experts)
     else:
         from megatron_qarl.moe.te import te_layer_spec, te_transformer_config
 
@@ -233,7 +245,12 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
     # router creates its weight on the CPU (moved at the first forward) and so does torch.nn.RMSNorm
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     with device or contextlib.nullcontext():
-        return _gpt_model(arch, config, spec)
+        model = _gpt_model(arch, config, spec)
+    if not te:
+        from megatron_qarl.moe.dispatch import sort_dispatch
+
+        sort_dispatch(model)
+    return model
 
 
 def _gpt_model(arch: Qwen3MoeArch, config, spec):

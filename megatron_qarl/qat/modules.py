@@ -124,6 +124,25 @@ def register_backends() -> None:
         if not is_registered_quant_backend(name):
             register_quant_backend(name, _dispatch)
     custom.replace_function = _replace_function
+    _register_grouped_linear()
+
+
+def _register_grouped_linear() -> None:
+    """ModelOpt's quant module for moe/grouped.py's GroupedLinear (idempotent): a ModelOpt linear
+    (``QuantLinearConvBase``: an input quantizer on its first argument, the routed tokens of the layer; a weight
+    quantizer on ``weight``, the stack of its experts), converted by ``mtq.quantize`` like Megatron's linears."""
+    from modelopt.torch.quantization.nn import QuantModuleRegistry
+    from modelopt.torch.quantization.nn.modules.quant_module import QuantLinearConvBase
+
+    from megatron_qarl.moe.grouped import GroupedLinear
+
+    if GroupedLinear in QuantModuleRegistry:
+        return
+
+    class QuantGroupedLinear(QuantLinearConvBase):
+        """GroupedLinear with ModelOpt's input and weight quantizers (bound to the one quantizer by FakeQuant)."""
+
+    QuantModuleRegistry.register({GroupedLinear: "megatron_qarl_GroupedLinear"})(QuantGroupedLinear)
 
 
 def modelopt_config(cfg: QuantConfig) -> dict:
@@ -234,6 +253,74 @@ class _Target:
     stack: _Stack | None = None  # the targets refreshed with it by one quantizer call, else None (alone)
     index: int = 0  # its place in the stack
     st: dict[bool, Tensor] = dataclasses.field(default_factory=dict)  # grad mode -> the forward's weight
+    expert: int | None = None  # grouped experts (moe/grouped.py): the row of ``param`` that is this target's weight
+
+    @property
+    def master(self) -> Tensor:
+        """The master weight of this target: ``param``, or its row ``expert`` (a view, taken anew each time: DDP
+        moves a parameter's data into its buffer after the quantizers are bound)."""
+        return self.param if self.expert is None else self.param[self.expert]
+
+
+@dataclasses.dataclass(eq=False)
+class _GroupedWeight:
+    """The weight of a grouped expert linear (moe/grouped.py, all the layer's experts in one parameter [E, N, K]):
+    its targets, one per expert in order, whose dequantized weights, stacked, are what the grouped matmul multiplies.
+    Where one stack holds them all (the usual case) that is the stack's ``fq`` as it is (a view); where the experts
+    span several stacks (``GROUP_BYTES``) or refresh alone, the pieces are concatenated once per weight version and
+    the stacks' and targets' weights become views of the result (one copy of the weights is held, not two)."""
+
+    param: torch.nn.Parameter
+    targets: list[_Target]
+    fq: Tensor | None = None  # [E, N, K], no autograd
+    key: tuple = ()  # identities of the pieces ``fq`` was made of
+    st: dict[bool, Tensor] = dataclasses.field(default_factory=dict)  # grad mode -> the forward's weight
+
+    def weight(self) -> Tensor:
+        """The stacked fake-quant weight with a straight-through gradient to ``param`` (targets refreshed)."""
+        pieces = self._pieces()
+        key = tuple(id(p) for p in pieces)
+        if key != self.key:
+            with torch.no_grad():
+                full = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                self.fq, self.key, self.st = full.view(self.param.shape), key, {}
+                if len(pieces) > 1:
+                    _repoint(self.targets, self.fq)
+                    self.key = tuple(id(p) for p in self._pieces())
+        mode = torch.is_grad_enabled()
+        if mode not in self.st:
+            self.st[mode] = straight_through(self.param, self.fq)
+        return self.st[mode]
+
+    def _pieces(self) -> list[Tensor]:
+        out, seen = [], set()
+        for t in self.targets:
+            unit = t.stack if t.stack is not None else t
+            if id(unit) not in seen:
+                seen.add(id(unit))
+                out.append(unit.fq if t.stack is not None else t.local_fq)
+        return out
+
+
+def _repoint(targets: list[_Target], full: Tensor) -> None:
+    """Make each stack's and lone target's dequantized weight a view of ``full`` (their concatenation) and drop their
+    own tensors; the targets of a stack keep their rows of it (``_StackStraightThrough`` splits it)."""
+    rows, done = full.view(-1, full.shape[-1]), set()
+    start = 0
+    for t in targets:
+        unit = t.stack if t.stack is not None else t
+        if id(unit) in done:
+            continue
+        done.add(id(unit))
+        n = (unit.fq if t.stack is not None else t.local_fq).shape[0]
+        view = rows[start:start + n]
+        start += n
+        if t.stack is not None:
+            t.stack.fq = view
+            for x, part in zip(t.stack.targets, view.split(t.stack.rows), strict=True):
+                x.local_fq = part
+        else:
+            t.local_fq = view
 
 
 class _StackStraightThrough(torch.autograd.Function):
@@ -270,7 +357,7 @@ class _Stack:
     @property
     def rows(self) -> list[int]:
         """Each master's rows (of ``fq``)."""
-        return [t.param.shape[0] for t in self.targets]
+        return [t.master.shape[0] for t in self.targets]
 
     @property
     def hf_rows(self) -> list[int]:
@@ -281,7 +368,7 @@ class _Stack:
 def _hf_rows(t: _Target) -> int:
     """Rows of ``t``'s Hugging Face tensors together (gate_proj and up_proj for fc1): its master's, times the
     expert-TP size where that splits rows (fc1; fc2 is split along K)."""
-    return t.param.shape[0] * (t.size if t.group is not None and not t.splits_k else 1)
+    return t.master.shape[0] * (t.size if t.group is not None and not t.splits_k else 1)
 
 
 def _stacks(targets: list[_Target], cfg: QuantConfig) -> list[_Stack]:
@@ -299,11 +386,12 @@ def _stacks(targets: list[_Target], cfg: QuantConfig) -> list[_Stack]:
         chunk: list[_Target] = []
         size, budget = 0, GROUP_BYTES.get(group[0].param.device.type, GROUP_BYTES["cuda"])
         for t in group:  # the same shapes on every expert-TP rank: the same stacks, so the same all_gathers
-            if chunk and size + 4 * t.param.numel() * t.size > budget:
+            numel = t.master.numel()
+            if chunk and size + 4 * numel * t.size > budget:
                 stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
                 chunk, size = [], 0
             chunk.append(t)
-            size += 4 * t.param.numel() * t.size
+            size += 4 * numel * t.size
         stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
     for s in stacks:
         for i, t in enumerate(s.targets):
@@ -317,7 +405,7 @@ def _gather_stack(s: _Stack) -> Tensor:
     [rank][expert][gate | up][rows / ETP] are laid out [expert][gate | up][rank][rows / ETP], fc2's ranks are put
     side by side along K."""
     t0 = s.targets[0]
-    local = t0.param if len(s.targets) == 1 else torch.cat([t.param for t in s.targets])
+    local = _stacked_masters(s.targets)
     if t0.group is None:
         return local
     parts = all_gather_tensors(to_group_device(local, t0.group), t0.group, t0.size, name=s.name)
@@ -326,6 +414,19 @@ def _gather_stack(s: _Stack) -> Tensor:
     k = local.shape[1]
     tensors = len(t0.pm.hf) * len(s.targets)
     return torch.stack(parts).view(t0.size, tensors, -1, k).transpose(0, 1).reshape(-1, k)
+
+
+def _stacked_masters(targets: list[_Target]) -> Tensor:
+    """The targets' master weights one over the other: a view where they are consecutive experts of one grouped
+    parameter, else a concatenation."""
+    t0 = targets[0]
+    if len(targets) == 1:
+        return t0.master
+    experts = [t.expert for t in targets]
+    if t0.expert is not None and all(t.param is t0.param for t in targets) and \
+            experts == list(range(t0.expert, t0.expert + len(targets))):
+        return t0.param[t0.expert: t0.expert + len(targets)].flatten(0, 1)
+    return torch.cat([t.master for t in targets])
 
 
 def _local_rows(s: _Stack, full: Tensor) -> Tensor:
@@ -381,7 +482,7 @@ def _check_group_divides_k(targets: list[_Target], cfg: QuantConfig) -> None:
     if cfg.scheme != "w4a16":
         return
     for t in targets:
-        k = t.param.shape[1] * (t.size if t.splits_k else 1)
+        k = t.master.shape[1] * (t.size if t.splits_k else 1)
         if k % cfg.group_size:
             raise ValueError(f"quant.group_size: {cfg.group_size} does not divide K={k} of {t.pm.hf[0]} "
                              "(W4A16 quantizes groups of that many along K)")
@@ -413,6 +514,7 @@ class FakeQuant:
         self.targets = [self._target(model, pm, module_name, param_name) for pm, module_name, param_name in chosen]
         _check_group_divides_k(self.targets, cfg)
         self.stacks = _stacks(self.targets, cfg)
+        self.grouped = self._bind_grouped()
         device = self.targets[0].param.device if self.targets else torch.device("cpu")
         self.kernel_choice = refresh_kernel
         self.kernel = resolve_refresh_kernel(refresh_kernel, device, compiled)
@@ -458,10 +560,35 @@ class FakeQuant:
             raise TypeError(f"{module_name} ({type(module).__name__}): ModelOpt inserted no quantizer "
                             "(not a linear its Megatron plugin knows)")
         target = _Target(pm, module, getattr(module, param_name), _weight_quantizer(module, param_name),
-                         module.input_quantizer, group if size > 1 else None, size, rank, _LINEAR_SPLITS[pm.split])
+                         module.input_quantizer, group if size > 1 else None, size, rank, _LINEAR_SPLITS[pm.split],
+                         expert=pm.expert if pm.stacked else None)
         _BOUND[target.weight_quantizer] = self._weight_fn(target)
         _BOUND[target.input_quantizer] = self._act_fn(target)
         return target
+
+    def _bind_grouped(self) -> list[_GroupedWeight]:
+        """The weight quantizer of each grouped expert linear (one for all its experts' targets) bound to their
+        stacked weight (``_GroupedWeight``)."""
+        by_module: dict[int, list[_Target]] = {}
+        for t in self.targets:
+            if t.expert is not None:
+                by_module.setdefault(id(t.module), []).append(t)
+        out = []
+        for targets in by_module.values():
+            g = _GroupedWeight(targets[0].param, sorted(targets, key=lambda t: t.expert))
+            _BOUND[targets[0].weight_quantizer] = self._grouped_fn(g)
+            out.append(g)
+        return out
+
+    def _grouped_fn(self, g: _GroupedWeight) -> Callable[[Tensor], Tensor]:
+        def fake_quant(w: Tensor) -> Tensor:
+            for t in g.targets:
+                self._refresh(t)
+            if w is not g.param:
+                return straight_through(w, g.weight().detach().to(w.dtype))
+            return g.weight()
+
+        return fake_quant
 
     @staticmethod
     def _quantizers_of(module: torch.nn.Module, on: bool) -> None:
@@ -475,7 +602,7 @@ class FakeQuant:
         """Quantize ``t`` (with its stack) when its master changed since: no host sync (a nan / inf in a weight
         makes its scales, its fake-quant weight and so the step's gradients non-finite, and Megatron's optimizer
         skips such a step; the weight sync refuses it by name, ``target_codes``)."""
-        master = t.param
+        master = t.master
         version = (master._version, master.data_ptr())
         if t.version == version and t.local_fq is not None:
             return
@@ -508,7 +635,8 @@ class FakeQuant:
             s.finite, s.st = scales_finite(s.qw), {}
             for t, part in zip(s.targets, s.fq.split(s.rows), strict=True):
                 t.local_fq, t.quantized, t.st = part, None, {}
-                t.version = (t.param._version, t.param.data_ptr())
+                master = t.master
+                t.version = (master._version, master.data_ptr())
 
     def _fake_quantize(self, w: Tensor, name: str) -> tuple[QuantizedWeight, Tensor]:
         """(codes and scales, dequantized weight in ``w``'s dtype) of ``w``, with no host sync, by the refresh kernel
@@ -536,6 +664,8 @@ class FakeQuant:
         for s in self.stacks:
             s.qw = s.fq = s.finite = None
             s.st = {}
+        for g in self.grouped:
+            g.fq, g.key, g.st = None, (), {}
 
     def target_codes(self, t: _Target, checked: bool = False) -> dict[str, QuantizedWeight]:
         """Hugging Face name -> the QuantizedWeight of one target, as this rank's forward uses it (the very
@@ -571,7 +701,8 @@ class FakeQuant:
         """A target's dequantized codes as float32 with a straight-through gradient to its master weight: what a
         quantized linear multiplies in the learner's exact forward (moe/exact.py, ``numerics: exact``)."""
         self._refresh(t)
-        return straight_through(t.param, t.local_fq.to(t.param.dtype)).float()
+        master = t.master
+        return straight_through(master, t.local_fq.to(master.dtype)).float()
 
     # ----------------------------------------------------------------------------- the backends' work
     def _weight_fn(self, t: _Target) -> Callable[[Tensor], Tensor]:
