@@ -261,6 +261,16 @@ class _Target:
         moves a parameter's data into its buffer after the quantizers are bound)."""
         return self.param if self.expert is None else self.param[self.expert]
 
+    @property
+    def shape(self) -> torch.Size:
+        """The master weight's shape (no view taken)."""
+        return self.param.shape if self.expert is None else self.param.shape[1:]
+
+    def version_key(self) -> tuple:
+        """What changes when the master weight does (no view taken: a row shares its parameter's version counter;
+        the data pointer changes when DDP moves the parameter into its buffer)."""
+        return self.param._version, self.param.data_ptr(), self.expert
+
 
 @dataclasses.dataclass(eq=False)
 class _GroupedWeight:
@@ -292,14 +302,18 @@ class _GroupedWeight:
             self.st[mode] = straight_through(self.param, self.fq)
         return self.st[mode]
 
-    def _pieces(self) -> list[Tensor]:
+    def heads(self) -> list[_Target]:
+        """The first target of each stack and every lone target, in expert order: refreshing them refreshes all."""
         out, seen = [], set()
         for t in self.targets:
-            unit = t.stack if t.stack is not None else t
-            if id(unit) not in seen:
-                seen.add(id(unit))
-                out.append(unit.fq if t.stack is not None else t.local_fq)
+            unit = id(t.stack if t.stack is not None else t)
+            if unit not in seen:
+                seen.add(unit)
+                out.append(t)
         return out
+
+    def _pieces(self) -> list[Tensor]:
+        return [t.stack.fq if t.stack is not None else t.local_fq for t in self.heads()]
 
 
 def _repoint(targets: list[_Target], full: Tensor) -> None:
@@ -357,7 +371,7 @@ class _Stack:
     @property
     def rows(self) -> list[int]:
         """Each master's rows (of ``fq``)."""
-        return [t.master.shape[0] for t in self.targets]
+        return [t.shape[0] for t in self.targets]
 
     @property
     def hf_rows(self) -> list[int]:
@@ -368,7 +382,7 @@ class _Stack:
 def _hf_rows(t: _Target) -> int:
     """Rows of ``t``'s Hugging Face tensors together (gate_proj and up_proj for fc1): its master's, times the
     expert-TP size where that splits rows (fc1; fc2 is split along K)."""
-    return t.master.shape[0] * (t.size if t.group is not None and not t.splits_k else 1)
+    return t.shape[0] * (t.size if t.group is not None and not t.splits_k else 1)
 
 
 def _stacks(targets: list[_Target], cfg: QuantConfig) -> list[_Stack]:
@@ -386,7 +400,7 @@ def _stacks(targets: list[_Target], cfg: QuantConfig) -> list[_Stack]:
         chunk: list[_Target] = []
         size, budget = 0, GROUP_BYTES.get(group[0].param.device.type, GROUP_BYTES["cuda"])
         for t in group:  # the same shapes on every expert-TP rank: the same stacks, so the same all_gathers
-            numel = t.master.numel()
+            numel = t.shape.numel()
             if chunk and size + 4 * numel * t.size > budget:
                 stacks.append(_Stack(f"{key} ({len(chunk)} experts)", chunk))
                 chunk, size = [], 0
@@ -482,7 +496,7 @@ def _check_group_divides_k(targets: list[_Target], cfg: QuantConfig) -> None:
     if cfg.scheme != "w4a16":
         return
     for t in targets:
-        k = t.master.shape[1] * (t.size if t.splits_k else 1)
+        k = t.shape[1] * (t.size if t.splits_k else 1)
         if k % cfg.group_size:
             raise ValueError(f"quant.group_size: {cfg.group_size} does not divide K={k} of {t.pm.hf[0]} "
                              "(W4A16 quantizes groups of that many along K)")
@@ -582,7 +596,7 @@ class FakeQuant:
 
     def _grouped_fn(self, g: _GroupedWeight) -> Callable[[Tensor], Tensor]:
         def fake_quant(w: Tensor) -> Tensor:
-            for t in g.targets:
+            for t in g.heads():  # one target of each stack (and each lone one) refreshes its unit
                 self._refresh(t)
             if w is not g.param:
                 return straight_through(w, g.weight().detach().to(w.dtype))
@@ -602,15 +616,14 @@ class FakeQuant:
         """Quantize ``t`` (with its stack) when its master changed since: no host sync (a nan / inf in a weight
         makes its scales, its fake-quant weight and so the step's gradients non-finite, and Megatron's optimizer
         skips such a step; the weight sync refuses it by name, ``target_codes``)."""
-        master = t.master
-        version = (master._version, master.data_ptr())
+        version = t.version_key()
         if t.version == version and t.local_fq is not None:
             return
         if t.stack is not None:
             self._refresh_stack(t.stack)
             return
         with torch.no_grad():
-            w = master.detach()
+            w = t.master.detach()
             shards = ([w] if t.group is None else
                       all_gather_tensors(to_group_device(w, t.group), t.group, t.size, name=t.pm.mcore))
             hf = shards_to_hf(t.pm, shards, self.arch)
@@ -621,8 +634,8 @@ class FakeQuant:
             # a copy of this rank's shard: hf_to_shard may return a view of the whole gathered tensor (the fused
             # qkv's TP chunk), which would keep every TP rank's bf16 weights alive in the cache (docs/plan.md)
             local = hf_to_shard(t.pm, lambda name: pairs[name][1], self.arch, self.layout)
-            t.local_fq = (local.clone(memory_format=torch.contiguous_format) if local.dtype == master.dtype
-                          else local.to(master.dtype).contiguous())  # .to another dtype copies
+            t.local_fq = (local.clone(memory_format=torch.contiguous_format) if local.dtype == w.dtype
+                          else local.to(w.dtype).contiguous())  # .to another dtype copies
         t.version, t.st = version, {}
 
     def _refresh_stack(self, s: _Stack) -> None:
@@ -635,8 +648,7 @@ class FakeQuant:
             s.finite, s.st = scales_finite(s.qw), {}
             for t, part in zip(s.targets, s.fq.split(s.rows), strict=True):
                 t.local_fq, t.quantized, t.st = part, None, {}
-                master = t.master
-                t.version = (master._version, master.data_ptr())
+                t.version = t.version_key()
 
     def _fake_quantize(self, w: Tensor, name: str) -> tuple[QuantizedWeight, Tensor]:
         """(codes and scales, dequantized weight in ``w``'s dtype) of ``w``, with no host sync, by the refresh kernel
