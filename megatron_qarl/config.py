@@ -287,10 +287,17 @@ class EvalConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """Megatron dist-checkpointing of model, optimizer, RNG, data position, step and weight version."""
+    """Megatron dist-checkpointing of model, optimizer, RNG, data position, step and weight version.
+
+    optimizer_format: how the distributed optimizer's state is written (Megatron's distrib_optim_sharding_type;
+        learner/checkpoint.py): ``dp_reshardable`` each data-parallel rank writes its own gradient buckets, in parallel
+        (a resume may change the data-parallel size only); ``fully_reshardable`` per parameter, in model space, after
+        gathering it over data parallelism at each save: a resume may also change model.experts (sequential <->
+        grouped). The model's weights are model space in both."""
 
     every: int = Field(default=20, ge=0)  # steps; 0 = only at the end
     keep: int = Field(default=2, ge=1)
+    optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
 
 
 class TrainConfig(_Section):

@@ -19,7 +19,7 @@ import te_standins
 import torch
 
 from megatron_qarl.errors import ConfigError, UserError
-from megatron_qarl.learner.checkpoint import LEARNER_META, check_same_impl
+from megatron_qarl.learner.checkpoint import LEARNER_META, check_loadable
 from megatron_qarl.moe import te as moe_te
 from megatron_qarl.moe.convert import (
     Layout,
@@ -180,13 +180,14 @@ def test_dist_checkpoint_keys_differ_only_for_the_pre_mlp_norm(random_model_dir,
 
 
 def test_a_checkpoint_resumes_only_with_the_impl_that_wrote_it(tmp_path):
-    check_same_impl(tmp_path, "local")  # no record: written before the TE spec existed, i.e. local
+    check_loadable(tmp_path, "local", True)  # no record: written before the TE spec existed, i.e. local
     with pytest.raises(UserError, match=r"model.impl='local'.*this learner built model.impl='te'"):
-        check_same_impl(tmp_path, "te")
+        check_loadable(tmp_path, "te", True)
     (tmp_path / LEARNER_META).write_text(json.dumps({"model_impl": "te"}))
-    check_same_impl(tmp_path, "te")
-    with pytest.raises(UserError, match="resume with model.impl=te"):
-        check_same_impl(tmp_path, "local")
+    check_loadable(tmp_path, "te", True)
+    for impl in ("local", "grouped"):
+        with pytest.raises(UserError, match="resume with model.impl=te"):
+            check_loadable(tmp_path, impl, True)
 
 
 def test_learner_checkpoints_record_their_impl(tiny_model_dir, tmp_path, one_rank):
@@ -197,7 +198,8 @@ def test_learner_checkpoints_record_their_impl(tiny_model_dir, tmp_path, one_ran
 
     learner = Learner(Qwen3MoeArch.from_model_dir(tiny_model_dir), ParallelConfig(), OptimConfig())
     save_learner(tmp_path / "ckpt", learner.module, learner.optimizer)
-    assert json.loads((tmp_path / "ckpt" / LEARNER_META).read_text()) == {"model_impl": "local"}
+    assert json.loads((tmp_path / "ckpt" / LEARNER_META).read_text()) == {
+        "model_impl": "local", "experts": "grouped", "optimizer_format": "dp_reshardable"}
     load_learner(tmp_path / "ckpt", learner.module, learner.optimizer)
     (tmp_path / "ckpt" / LEARNER_META).write_text(json.dumps({"model_impl": "te"}))
     with pytest.raises(UserError, match="written by a learner with model.impl='te'"):

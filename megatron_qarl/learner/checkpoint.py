@@ -25,11 +25,13 @@ import numpy as np
 import torch
 
 from megatron_qarl.errors import UserError
-from megatron_qarl.moe.convert import model_impl
+from megatron_qarl.moe.convert import layer_spec_of, model_impl
 from megatron_qarl.moe.megatron_cpu import adam_step
 
 STATE_FILE = "trainer_state.json"
-LEARNER_META = "learner_meta.json"  # which Megatron layer spec (model.impl) wrote the model and optimizer shards
+# which Megatron layer spec (model.impl) and experts (model.experts) wrote the model and optimizer shards, and the
+# optimizer's format (train.checkpoint.optimizer_format)
+LEARNER_META = "learner_meta.json"
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -57,15 +59,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
 
 
-# How the distributed optimizer lays out its shards in a checkpoint (Megatron-LM's default): every DP rank writes
-# its own buckets in parallel; a resume may change the data-parallel size, not TP / EP. The non-distributed
-# optimizers ignore it. (0.16.1's own default, fully_sharded_model_space, fails there: "ShardedTensor.flattened_range
-# is not supported".)
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# How the distributed optimizer lays out its shards in a checkpoint (train.checkpoint.optimizer_format): Megatron-LM's
+# default dp_reshardable (every DP rank writes its own gradient buckets in parallel; the buckets' layout is the
+# parameters' order and shapes, so a resume may change the data-parallel size only) or fully_reshardable (per
+# parameter in model space, gathered over data parallelism at each save; each parameter's ShardedTensors as the
+# model's, so grouped and sequential experts, whose weights share their keys, load each other's). The
+# non-distributed optimizers are model space already. (0.16.1's own default, fully_sharded_model_space, fails
+# there: "ShardedTensor.flattened_range is not supported".)
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
 
 
-def save_learner(path: str | Path, module, optimizer) -> None:
-    """Collective over the learner ranks: model + optimizer shards (dist-checkpointing) and RNG."""
+def optimizer_metadata(fmt: str) -> dict:
+    if fmt not in OPTIMIZER_FORMATS:
+        raise ValueError(f"train.checkpoint.optimizer_format: {fmt!r} is not one of {OPTIMIZER_FORMATS}")
+    return {"distrib_optim_sharding_type": fmt}
+
+
+def experts_of(impl: str) -> str:
+    """model.experts as a model of parameter layout ``impl`` (``moe.convert.model_impl``) resolved it: sequential,
+    grouped or te."""
+    return {"local": "sequential", "grouped": "grouped", "te": "te"}[impl]
+
+
+def _distributed(optimizer) -> bool:
+    return any(type(o).__name__ == "DistributedOptimizer" for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def save_learner(path: str | Path, module, optimizer, optimizer_format: str = "dp_reshardable") -> None:
+    """Collective over the learner ranks: model + optimizer shards (dist-checkpointing, the optimizer in
+    ``optimizer_format``) and RNG."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -78,24 +100,48 @@ def save_learner(path: str | Path, module, optimizer) -> None:
     allocate_optimizer_state(optimizer)  # a learner saved before its first step
     model_sd = module.sharded_state_dict()
     dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
-        model_sd, metadata=OPTIMIZER_METADATA)}, str(path))
+        model_sd, metadata=optimizer_metadata(optimizer_format))}, str(path))
     torch.save(rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
     if dist.get_rank() == 0:
-        (path / LEARNER_META).write_text(json.dumps({"model_impl": model_impl(module)}) + "\n")
+        meta = {"model_impl": layer_spec_of(model_impl(module)), "experts": experts_of(model_impl(module)),
+                "optimizer_format": optimizer_format}
+        (path / LEARNER_META).write_text(json.dumps(meta) + "\n")
     barrier()
 
 
-def check_same_impl(path: str | Path, impl: str) -> None:
-    """A learner checkpoint loads only into a model of the layer spec that wrote it (checkpoints without the record
-    predate the TE spec: local). The two specs' dist-checkpoint keys differ: the local spec stores an MoE layer's
-    pre-MLP norm under Megatron's ``sharded_state_dict_keys_map`` key ``mlp.linear_fc1.layer_norm_weight``, the TE
-    spec under ``pre_mlp_layernorm.weight``, and only TE modules carry ``_extra_state`` (FP8 metadata)."""
-    meta = Path(path) / LEARNER_META
-    saved = json.loads(meta.read_text())["model_impl"] if meta.is_file() else "local"
-    if saved != impl:
-        raise UserError(f"{path}: written by a learner with model.impl={saved!r}, but this learner built "
-                        f"model.impl={impl!r}; resume with model.impl={saved} (the two Megatron layer specs store "
-                        f"different dist-checkpoint keys)")
+def read_meta(path: str | Path) -> dict:
+    """The learner's record of a checkpoint: layer spec, experts, optimizer format (a checkpoint without a record
+    predates them: local spec, sequential experts, dp_reshardable; one without the last two predates the grouped
+    experts)."""
+    meta_file = Path(path) / LEARNER_META
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {"model_impl": "local"}
+    meta.setdefault("experts", "te" if meta["model_impl"] == "te" else "sequential")
+    meta.setdefault("optimizer_format", "dp_reshardable")
+    return meta
+
+
+def check_loadable(path: str | Path, impl: str, distributed: bool) -> dict:
+    """The checkpoint's record (``read_meta``) when a learner of parameter layout ``impl`` (``moe.convert.model_impl``)
+    with a distributed optimizer or not can load it, else UserError naming the keys. The layer specs' dist-checkpoint keys differ (the local spec stores an MoE layer's pre-MLP norm under
+    Megatron's ``sharded_state_dict_keys_map`` key ``mlp.linear_fc1.layer_norm_weight``, the TE spec under
+    ``pre_mlp_layernorm.weight``, and only TE modules carry ``_extra_state``). Sequential and grouped experts share
+    their weights' keys (moe/grouped.py); a distributed optimizer's dp_reshardable buckets follow the parameters'
+    layout, so they load only into the experts that wrote them."""
+    meta = read_meta(path)
+    spec, experts = layer_spec_of(impl), experts_of(impl)
+    if meta["model_impl"] != spec:
+        raise UserError(f"{path}: written by a learner with model.impl={meta['model_impl']!r}, but this learner built "
+                        f"model.impl={spec!r}; resume with model.impl={meta['model_impl']} (the two Megatron layer "
+                        "specs store different dist-checkpoint keys)")
+    if meta["experts"] != experts and distributed and meta["optimizer_format"] == "dp_reshardable":
+        raise UserError(f"{path}: written with model.experts={meta['experts']} and "
+                        "train.checkpoint.optimizer_format=dp_reshardable (the distributed optimizer's state as "
+                        f"gradient buckets, laid out by the {meta['experts']} experts' parameters), but this learner "
+                        f"built model.experts={experts}; resume with model.experts={meta['experts']}, or convert "
+                        f"once: resume with model.experts={meta['experts']} "
+                        "train.checkpoint.optimizer_format=fully_reshardable until the next checkpoint is written, "
+                        "which any model.experts loads (docs/training.md, 'Three expert implementations')")
+    return meta
 
 
 def allocate_optimizer_state(optimizer) -> None:
@@ -145,11 +191,11 @@ def load_learner(path: str | Path, module, optimizer) -> None:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    check_same_impl(path, model_impl(module))
+    meta = check_loadable(path, model_impl(module), _distributed(optimizer))
     allocate_optimizer_state(optimizer)
     model_sd = module.sharded_state_dict()
     loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
-        model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)}, str(path))
+        model_sd, is_loading=True, metadata=optimizer_metadata(meta["optimizer_format"]))}, str(path))
     module.load_state_dict(loaded["model"])
     with torch.no_grad():  # with fp32 parameters the distributed optimizer's shards are views of them, which it
         optimizer.load_state_dict(loaded["optimizer"])  # copies into in place (an autograd error outside no_grad)

@@ -153,7 +153,7 @@ class LearnerWorker:
     def save(self, path: str) -> None:
         from megatron_qarl.learner.checkpoint import save_learner
 
-        save_learner(path, self.learner.module, self.learner.optimizer)
+        save_learner(path, self.learner.module, self.learner.optimizer, self.cfg.train.checkpoint.optimizer_format)
 
     def load(self, path: str, weight_version: int) -> None:
         from megatron_qarl.learner.checkpoint import load_learner

@@ -269,14 +269,15 @@ def _checkpoint_state(learner, cfg: QarlConfig, tracker: AllocationTracker):
     host memory): the model's and the optimizer's sharded state dicts, returned so that they live to the phase's
     end. With optimizer CPU offload the optimizer's state is host tensors (whose Adam step ``_skip_host_adam`` does
     not run, so it has no state to build here): its state dict allocates nothing on the device and is left out."""
-    from megatron_qarl.learner.checkpoint import OPTIMIZER_METADATA, allocate_optimizer_state
+    from megatron_qarl.learner.checkpoint import allocate_optimizer_state, optimizer_metadata
 
     with tracker.labelled("act_checkpoint"):
         model_sd = learner.module.sharded_state_dict()
         if cfg.learner.optimizer_cpu_offload:
             return model_sd
         allocate_optimizer_state(learner.optimizer)
-        return model_sd, learner.optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
+        return model_sd, learner.optimizer.sharded_state_dict(
+            model_sd, metadata=optimizer_metadata(cfg.train.checkpoint.optimizer_format))
 
 
 def _phase_runs(learner, cfg: QarlConfig, batch, loss_fn, tracker: AllocationTracker, sync: dict) -> dict:

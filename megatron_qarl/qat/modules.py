@@ -140,7 +140,17 @@ def _register_grouped_linear() -> None:
         return
 
     class QuantGroupedLinear(QuantLinearConvBase):
-        """GroupedLinear with ModelOpt's input and weight quantizers (bound to the one quantizer by FakeQuant)."""
+        """GroupedLinear with ModelOpt's input and weight quantizers (bound to the one quantizer by FakeQuant), the
+        expert groups as ModelOpt's parallel state (as its TEGroupedMLP plugin gives its expert linears)."""
+
+        def _setup(self):
+            from megatron.core import parallel_state as ps
+            from modelopt.torch.utils.distributed import ParallelState
+
+            super()._setup()
+            self.parallel_state = ParallelState(ps.get_expert_data_parallel_group(),
+                                                tensor_parallel_group=ps.get_expert_tensor_parallel_group(),
+                                                expert_model_parallel_group=ps.get_expert_model_parallel_group())
 
     QuantModuleRegistry.register({GroupedLinear: "megatron_qarl_GroupedLinear"})(QuantGroupedLinear)
 
