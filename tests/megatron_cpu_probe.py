@@ -47,10 +47,18 @@ def body(skip: str, scenario: str, model_dir: str) -> None:
 
     quant = QuantConfig(scheme="w4a16") if scenario == "checkpoint_quant" else None
     learner = Learner(arch, ParallelConfig(), OptimConfig(clip_grad=1.0 if scenario == "clip" else 0.0),
-                      quant=quant, distributed_optimizer=scenario == "distopt",
+                      quant=quant, distributed_optimizer=scenario in ("distopt", "reshard"),
                       recompute="full" if scenario == "recompute" else "none")
     batch = Batch(torch.randint(0, arch.vocab_size, (2, 8)), torch.ones(2, 7))
     learner.train_step(batch, lambda logp, b: token_mean_nll(logp, b, 14))
+    if scenario == "reshard":  # the model-space optimizer format, written and read back
+        import tempfile
+
+        from megatron_qarl.learner.checkpoint import load_learner, save_learner
+
+        with tempfile.TemporaryDirectory() as d:
+            save_learner(d, learner.module, learner.optimizer, "fully_reshardable")
+            load_learner(d, learner.module, learner.optimizer)
     if scenario.startswith("checkpoint"):
         import tempfile
 

@@ -42,7 +42,7 @@ def _probe(tmp_path, skip: str, scenario: str, model_dir: str) -> str:
 
 
 @pytest.mark.parametrize("scenario", ["clip", "forward_ep2", "checkpoint", "checkpoint_quant", "distopt",
-                                      "recompute"])
+                                      "recompute", "reshard"])
 def test_all_fixes_together_run(scenario, random_model_dir, tmp_path):
     out = _probe(tmp_path, "none", scenario, random_model_dir)
     assert "PROBE-OK" in out, out[-3000:]
@@ -59,6 +59,7 @@ def test_all_fixes_together_run(scenario, random_model_dir, tmp_path):
     ("fix_cuda_synchronize", "checkpoint_quant", "in _modelopt_get_extra_state"),  # ModelOpt's quantizer state
     ("fix_distributed_optimizer_types", "distopt", "Wrapped parameters must be one of torch.cuda.FloatTensor"),
     ("fix_recompute_rng", "recompute", "torch.cuda.random.get_rng_state"),
+    ("fix_reshardable_adam_step", "reshard", "KeyError: 'step'"),  # torch's Adam state in a fully_reshardable load
 ])
 def test_fix_is_still_needed(fix, scenario, upstream_error, random_model_dir, tmp_path):
     assert fix.split(":")[0] in [f.__name__ for f in megatron_cpu.FIXES]
@@ -129,7 +130,7 @@ def test_each_fix_is_keyed_on_the_condition_of_its_failure(monkeypatch):
     from megatron.core.transformer.moe import moe_utils
 
     every = _names(megatron_cpu.FIXES)
-    fallbacks = ["fix_multi_tensor_fallbacks", "fix_torch_adam"]
+    fallbacks = ["fix_multi_tensor_fallbacks", "fix_torch_adam", "fix_reshardable_adam_step"]
     assert _names(megatron_cpu.needed_fixes()) == every
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert _names(megatron_cpu.needed_fixes()) == ["fix_te_general_gemm", "fix_te_min_version", *fallbacks,

@@ -70,9 +70,13 @@ OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
 
 
 def optimizer_metadata(fmt: str) -> dict:
+    """Megatron's metadata for the optimizer's sharded state dict in format ``fmt``. fully_reshardable gathers the
+    state over data parallelism on the host through Megatron's gloo data-parallel group to DP rank 0, which writes it
+    (``distrib_optim_fully_reshardable_mem_efficient``): the other way all-gathers it through the GPUs onto every
+    rank's host (a full copy of the model-parallel shard's optimizer state per rank) and needs CUDA."""
     if fmt not in OPTIMIZER_FORMATS:
         raise ValueError(f"train.checkpoint.optimizer_format: {fmt!r} is not one of {OPTIMIZER_FORMATS}")
-    return {"distrib_optim_sharding_type": fmt}
+    return {"distrib_optim_sharding_type": fmt, "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
 def experts_of(impl: str) -> str:
@@ -82,7 +86,8 @@ def experts_of(impl: str) -> str:
 
 
 def _distributed(optimizer) -> bool:
-    return any(type(o).__name__ == "DistributedOptimizer" for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(type(o).__name__ == "DistributedOptimizer" for o in parts)
 
 
 def save_learner(path: str | Path, module, optimizer, optimizer_format: str = "dp_reshardable") -> None:
@@ -122,8 +127,9 @@ def read_meta(path: str | Path) -> dict:
 
 def check_loadable(path: str | Path, impl: str, distributed: bool) -> dict:
     """The checkpoint's record (``read_meta``) when a learner of parameter layout ``impl`` (``moe.convert.model_impl``)
-    with a distributed optimizer or not can load it, else UserError naming the keys. The layer specs' dist-checkpoint keys differ (the local spec stores an MoE layer's pre-MLP norm under
-    Megatron's ``sharded_state_dict_keys_map`` key ``mlp.linear_fc1.layer_norm_weight``, the TE spec under
+    with a distributed optimizer or not can load it, else UserError naming the keys. The layer specs'
+    dist-checkpoint keys differ (the local spec stores an MoE layer's pre-MLP norm under Megatron's
+    ``sharded_state_dict_keys_map`` key ``mlp.linear_fc1.layer_norm_weight``, the TE spec under
     ``pre_mlp_layernorm.weight``, and only TE modules carry ``_extra_state``). Sequential and grouped experts share
     their weights' keys (moe/grouped.py); a distributed optimizer's dp_reshardable buckets follow the parameters'
     layout, so they load only into the experts that wrote them."""

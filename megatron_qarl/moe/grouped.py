@@ -205,38 +205,49 @@ class GroupedExperts(MegatronModule):
         """``SequentialMLP``'s dist-checkpoint entries, each expert's from its rows of the stacked parameters: one
         ShardedTensorFactory per parameter builds, from whatever tensor of the parameter's shape it is handed (the
         weights, or an optimizer state of the model-space formats), the ShardedTensors of every local expert under
-        SequentialMLP's keys and offsets, and stacks them back on load; ``_extra_state`` entries as its linears'."""
+        SequentialMLP's keys and offsets, and stacks them back on load; ``_extra_state`` entries as its linears'.
+        Experts are written as singleton local shards (each under a key of its global index, ``experts.E.``) where
+        the metadata asks, and where ModelOpt converted the linears: its QuantSequentialMLP always asks (ModelOpt
+        0.47, plugins/megatron.py), so a quantized learner's checkpoint has those keys with either implementation."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
         metadata = ensure_metadata_has_dp_cp_group(metadata)
-        if metadata.get("singleton_local_shards", False):
-            raise NotImplementedError("model.experts: grouped: dist-checkpoints with singleton_local_shards")
+        single = bool(metadata.get("singleton_local_shards", False)) or hasattr(self.linear_fc1, "weight_quantizer")
         out = {}
         for name in ("linear_fc1", "linear_fc2"):
-            key = f"{prefix}experts.{name}.weight"
-            build = functools.partial(self._expert_tensors, name, prefix, sharded_offsets, metadata)
-            out[f"{prefix}{name}.weight"] = ShardedTensorFactory(key, getattr(self, name).weight, build,
-                                                                 _stack_experts, (0, 0, self.dp_group.rank()))
+            build = functools.partial(self._expert_tensors, name, prefix, sharded_offsets, metadata, single)
+            out[f"{prefix}{name}.weight"] = ShardedTensorFactory(f"{prefix}experts.{name}.weight",
+                                                                 getattr(self, name).weight, build, _stack_experts,
+                                                                 (0, 0, self.dp_group.rank()))
         for e in range(self.num_local_experts):
             extra = {f"{name}._extra_state": None for name in ("linear_fc1", "linear_fc2")}
             local = f"{prefix}local_experts.{e}."
-            sd = make_sharded_tensors_for_checkpoint(extra, local, {}, self._expert_offsets(e, sharded_offsets),
+            sd = make_sharded_tensors_for_checkpoint(extra, local, {}, self._expert_offsets(e, sharded_offsets, single),
                                                      tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
             for k, obj in sd.items():
-                obj.key = f"{prefix}experts." + obj.key[len(local):]
+                obj.key = self._expert_prefix(e, prefix, single) + obj.key[len(local):]
                 obj.replica_id = (*obj.replica_id[:2], self.dp_group.rank())
                 out[f"{prefix}expert{e}.{k[len(local):]}"] = obj
         return out
 
-    def _expert_offsets(self, e: int, sharded_offsets: tuple) -> tuple:
-        n_global = self.ep_group.size() * self.num_local_experts
-        return (*sharded_offsets, (len(sharded_offsets), self.ep_group.rank() * self.num_local_experts + e, n_global))
+    def _global(self, e: int) -> int:
+        return self.ep_group.rank() * self.num_local_experts + e
 
-    def _expert_tensors(self, name: str, prefix: str, sharded_offsets: tuple, metadata: dict, key: str, t: Tensor,
-                        replica_id, flattened_range) -> list:
-        """The ShardedTensors of each local expert's rows of ``t`` (``name``'s shape) under ``key``: as SequentialMLP
-        builds them (its linears' make_sharded_tensors_for_checkpoint, fc1's SwiGLU halves, its replica ids)."""
+    def _expert_prefix(self, e: int, prefix: str, single: bool) -> str:
+        return f"{prefix}experts.{self._global(e)}." if single else f"{prefix}experts."
+
+    def _expert_offsets(self, e: int, sharded_offsets: tuple, single: bool) -> tuple:
+        if single:
+            return sharded_offsets
+        n_global = self.ep_group.size() * self.num_local_experts
+        return (*sharded_offsets, (len(sharded_offsets), self._global(e), n_global))
+
+    def _expert_tensors(self, name: str, prefix: str, sharded_offsets: tuple, metadata: dict, single: bool, key: str,
+                        t: Tensor, replica_id, flattened_range) -> list:
+        """The ShardedTensors of each local expert's rows of ``t`` (``name``'s shape) under ``key`` (the weight's,
+        or an optimizer state's: its prefix is kept): as SequentialMLP builds them (its linears'
+        make_sharded_tensors_for_checkpoint, fc1's SwiGLU halves, its keys and replica ids)."""
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -245,12 +256,13 @@ class GroupedExperts(MegatronModule):
         axis = 0 if name == "linear_fc1" else 1
         experts = []
         for e in range(self.num_local_experts):
-            offsets = self._expert_offsets(e, sharded_offsets)
+            offsets = self._expert_offsets(e, sharded_offsets, single)
             sh = make_sharded_tensors_for_checkpoint({"w": t[e]}, "", {"w": axis}, offsets, tp_group=self.tp_group,
                                                      dp_cp_group=metadata["dp_cp_group"])["w"]
-            sh.key, sh.replica_id = key, (*replica_id[:2], self.dp_group.rank())
+            sh.key = key.replace(f"{prefix}experts.", self._expert_prefix(e, prefix, single), 1)
+            sh.replica_id = (*replica_id[:2], self.dp_group.rank())
             if name == "linear_fc1" and self.config.gated_linear_unit:
-                experts.append(apply_swiglu_sharded_factory(sh, offsets).build())
+                experts.append(apply_swiglu_sharded_factory(sh, offsets, single).build())
             else:
                 experts.append([sh])
         return experts

@@ -320,6 +320,36 @@ def fix_torch_adam() -> None:
     _replace(mopt, "_get_megatron_optimizer_based_on_param_groups", _get_megatron_optimizer_based_on_param_groups)
 
 
+@when(te_and_apex_absent)
+def fix_reshardable_adam_step() -> None:
+    """Without Transformer Engine and Apex the distributed optimizer's Adam is torch's, which keeps a per-parameter
+    'step' in its state (TE's FusedAdam keeps it in the param groups). Loading a fully_reshardable optimizer
+    checkpoint (train.checkpoint.optimizer_format) then fails with KeyError 'step': ``load_state_dict`` first gives
+    every state the groups' step, ``load_parameter_state_from_fully_reshardable`` leaves 'step' out of what it
+    read ("Handle torch Adam 'step' state separately"), and ``_set_main_param_and_optimizer_states`` copies every key
+    of the state from it. Copy the keys the checkpoint has (the step stays the groups', which learner.checkpoint's
+    ``restore_adam_steps`` sets as torch's Adam keeps it)."""
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    original = do.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if "step" in state:
+                step = state.pop("step")
+                try:
+                    return original(self, model_param, tensors)
+                finally:
+                    state["step"] = step
+        return original(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states.__wrapped__ = original
+    _replace(do.DistributedOptimizer, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
+
+
 @when(cuda_absent)
 def fix_cuda_synchronize() -> None:
     """torch.cuda.synchronize() raises "Torch not compiled with CUDA enabled" without CUDA, and two savers call it
@@ -423,7 +453,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 FIXES = (fix_current_device, fix_alltoall_streams, fix_te_general_gemm, fix_te_min_version, fix_optimizer_device,
-         fix_clip_grads, fix_multi_tensor_fallbacks, fix_torch_adam, fix_cuda_synchronize,
+         fix_clip_grads, fix_multi_tensor_fallbacks, fix_torch_adam, fix_reshardable_adam_step, fix_cuda_synchronize,
          fix_distributed_optimizer_types, fix_recompute_rng,
          fix_write_results_queue)
 
