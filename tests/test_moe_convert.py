@@ -21,15 +21,15 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("tp, ep", LAYOUTS)
-def test_verify_tiny_model(tp, ep, tiny_model_dir):
-    report = verify.run(tiny_model_dir, tp, ep, batch=2, seq=32)
+@pytest.mark.parametrize("tp, ep, experts", [(*lay, "grouped") for lay in LAYOUTS] + [(2, 1, "sequential")])
+def test_verify_tiny_model(tp, ep, experts, tiny_model_dir):
+    report = verify.run(tiny_model_dir, tp, ep, batch=2, seq=32, experts=experts)
     assert report["max_abs_logit_diff"] <= 1e-4, report
     assert report["round_trip_exact"], report
     assert report["round_trip_tensors"] == len(SafetensorsDir(tiny_model_dir).keys())
 
 
-@pytest.mark.parametrize("impl", ["local", "te"])
+@pytest.mark.parametrize("impl", ["local", "grouped", "te"])
 @pytest.mark.parametrize("tp, ep", LAYOUTS + [(4, 1), (1, 4)])
 def test_shard_split_and_merge_is_exact_without_processes(tp, ep, impl, random_model_dir):
     """Split every tensor for every rank, merge the shards back: identical tensors (pure functions), for the
@@ -55,9 +55,11 @@ def test_shard_split_and_merge_is_exact_without_processes(tp, ep, impl, random_m
 def test_experts_carry_their_local_index_and_unknown_specs_are_refused(random_model_dir):
     arch = Qwen3MoeArch.from_model_dir(random_model_dir)
     for impl, fc1 in (("local", "mlp.experts.local_experts.3.linear_fc1.weight"),
-                      ("te", "mlp.experts.linear_fc1.weight3")):
-        pm = next(p for p in param_maps(arch, 1, 2, impl) if p.mcore == f"decoder.layers.0.{fc1}")
+                      ("te", "mlp.experts.linear_fc1.weight3"), ("grouped", "mlp.experts.linear_fc1.weight")):
+        pm = next(p for p in param_maps(arch, 1, 2, impl)
+                  if p.mcore == f"decoder.layers.0.{fc1}" and p.expert == 3)
         assert (pm.expert, pm.hf[0]) == (3, "model.layers.0.mlp.experts.7.gate_proj.weight")  # 3 + 1 * 4
+        assert pm.stacked == (impl == "grouped")
         peer = peer_expert_name(pm.hf[1], pm, Layout(ep_rank=1, ep=2), 4, 0)  # the same slot on EP rank 0
         assert peer == "model.layers.0.mlp.experts.3.up_proj.weight"
     with pytest.raises(ValueError, match="impl: 'transformer_engine' is not one of"):

@@ -17,7 +17,8 @@ import torch
 from megatron_qarl.errors import UserError
 
 
-def verify_rank(model_dir: str, tp: int, ep: int, batch: int, seq: int, seed: int) -> dict | None:
+def verify_rank(model_dir: str, tp: int, ep: int, batch: int, seq: int, seed: int,
+                experts: str = "grouped") -> dict | None:
     """Body run on every rank; rank 0 returns the report."""
     import torch.distributed as dist
 
@@ -27,7 +28,7 @@ def verify_rank(model_dir: str, tp: int, ep: int, batch: int, seq: int, seed: in
 
     arch = Qwen3MoeArch.from_model_dir(model_dir)
     init_parallel(tp=tp, ep=ep, seed=seed)
-    model = build_model(arch, tp=tp, ep=ep)
+    model = build_model(arch, tp=tp, ep=ep, experts=experts)
     hf = SafetensorsDir(model_dir)
     load_hf_into_model(model, arch, hf)
     model.eval()
@@ -41,7 +42,7 @@ def verify_rank(model_dir: str, tp: int, ep: int, batch: int, seq: int, seed: in
     extra = sorted(set(exported) - set(hf.keys()))
     ref = reference_logits(model_dir, tokens)
     return {
-        "model": model_dir, "tp": tp, "ep": ep, "world_size": dist.get_world_size(),
+        "model": model_dir, "tp": tp, "ep": ep, "experts": experts, "world_size": dist.get_world_size(),
         "tokens": list(tokens.shape),
         "max_abs_logit_diff": (logits - ref).abs().max().item(),
         "round_trip_exact": not differ and not extra,
@@ -64,7 +65,8 @@ def world_size(tp: int, ep: int) -> int:
     return tp * ep // math.gcd(tp, ep)
 
 
-def run(model_dir: str, tp: int, ep: int, *, batch: int = 2, seq: int = 32, seed: int = 0) -> dict:
+def run(model_dir: str, tp: int, ep: int, *, batch: int = 2, seq: int = 32, seed: int = 0,
+        experts: str = "grouped") -> dict:
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.moe.parallelize import run_ranks
 
@@ -72,7 +74,7 @@ def run(model_dir: str, tp: int, ep: int, *, batch: int = 2, seq: int = 32, seed
     check_layout(arch, tp, ep)
     if seq % tp:
         raise UserError(f"--seq {seq} must be divisible by --tp {tp} (sequence parallel)")
-    return run_ranks(world_size(tp, ep), verify_rank, model_dir, tp, ep, batch, seq, seed)[0]
+    return run_ranks(world_size(tp, ep), verify_rank, model_dir, tp, ep, batch, seq, seed, experts)[0]
 
 
 def check_layout(arch, tp: int, ep: int) -> None:
@@ -92,14 +94,14 @@ def check_layout(arch, tp: int, ep: int) -> None:
 def _cmd_verify(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "config.json").is_file():
         raise UserError(f"--model {args.model}: no config.json there")
-    report = run(args.model, args.tp, args.ep, batch=args.batch, seq=args.seq, seed=args.seed)
+    report = run(args.model, args.tp, args.ep, batch=args.batch, seq=args.seq, seed=args.seed, experts=args.experts)
     ok = report["max_abs_logit_diff"] <= args.tol and report["round_trip_exact"]
     report["tolerance"] = args.tol
     report["ok"] = ok
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"tp={args.tp} ep={args.ep} (world {report['world_size']}): max |logit diff| "
+        print(f"tp={args.tp} ep={args.ep} experts={args.experts} (world {report['world_size']}): max |logit diff| "
               f"{report['max_abs_logit_diff']:.3e} (tolerance {args.tol:g}); round trip "
               f"{'exact' if report['round_trip_exact'] else 'DIFFERS: ' + str(report['round_trip_differ'])} "
               f"over {report['round_trip_tensors']} tensors")
@@ -116,6 +118,9 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experts", choices=("grouped", "sequential"), default="grouped",
+                   help="the local spec's experts (model.experts): grouped (the CPU learner's) or Megatron's "
+                        "SequentialMLP")
     p.add_argument("--tol", type=float, default=1e-4, help="max |logit diff| allowed (exit 1 above)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_verify)
