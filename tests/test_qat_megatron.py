@@ -179,6 +179,8 @@ def _quant_module_types(model_dir: str, scheme: str) -> dict:
         if hasattr(m, "weight_quantizer") and id(m) not in bound:
             assert not m.weight_quantizer.is_enabled and not m.input_quantizer.is_enabled, name
             out["disabled"].add(name.split(".")[-1])
+    out["converted"] = {name.split(".")[-1] for name, m in learner.module.named_modules()
+                        if hasattr(m, "weight_quantizer")}
     out["mro"] = {c.__module__.split(".")[0] for t in learner.fake_quant.targets for c in type(t.module).__mro__}
     out["names"] = (WEIGHT_BACKEND, ACT_BACKEND)
     return out
@@ -188,15 +190,18 @@ def _quant_module_types(model_dir: str, scheme: str) -> dict:
 def test_quantized_linears_are_modelopt_quant_modules_on_our_backend(scheme, tiny_model_dir):
     r = run_ranks(1, _quant_module_types, tiny_model_dir, scheme)[0]
     weight_backend, act_backend = r["names"]
-    assert r["types"] <= {"QuantColumnParallelLinear", "QuantRowParallelLinear"} and r["types"]
-    assert {"modelopt", "megatron"} <= r["mro"]  # ModelOpt's quant module around Megatron's linear
+    # the learner's experts are moe/grouped.py's (model.experts auto on CPU): ModelOpt's quant module around our
+    # GroupedLinear, registered by qat/modules.py; attention's are ModelOpt's around Megatron's linears
+    assert "QuantGroupedLinear" in r["types"]
+    assert r["types"] <= {"QuantColumnParallelLinear", "QuantRowParallelLinear", "QuantGroupedLinear"}
+    assert {"modelopt", "megatron_qarl"} <= r["mro"]
     assert r["weight_backends"] == {(weight_backend, True)}
-    if scheme == "w4a16":  # weight-only: inputs stay BF16; attention is not quantized
+    if scheme == "w4a16":  # weight-only: inputs stay BF16; attention is not quantized, and not even converted
         assert {b for b, _ in r["act_backends"]} <= {None, act_backend} and not any(on for _, on in r["act_backends"])
-        assert {"linear_qkv", "linear_proj", "output_layer"} <= r["disabled"]
+        assert r["types"] == {"QuantGroupedLinear"} and r["converted"] == {"linear_fc1", "linear_fc2"}, r["converted"]
     else:
         assert r["act_backends"] == {(act_backend, True)}
-        assert "output_layer" in r["disabled"]
+        assert "megatron" in r["mro"] and "output_layer" in r["disabled"]
 
 
 def _resume(model_dir: str, tp: int, ep: int, ckpt: str) -> dict:

@@ -467,6 +467,14 @@ def _run_on_backing(func, args, kwargs, *, meta: bool, collective: bool):
             raise RuntimeError(f"simulated_cuda(shapes_only): {func} with a mask of unknown values")
         n = int(torch.broadcast_to(mask, torch.broadcast_shapes(mask.shape, args[0].shape)).sum())
         out = torch.empty(n, dtype=args[0].dtype, device="meta")
+    elif func is _aten._grouped_mm.default and meta and args[0].dtype != torch.bfloat16:
+        # torch's meta kernel of the grouped matmul (moe/grouped.py) takes bf16 operands only, as does its CUDA
+        # kernel: the shapes are the same for any dtype, so run it on bf16 stand-ins and give the result its dtype
+        def bf16(a):
+            return a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+        out_dtype = u_kwargs.pop("out_dtype", None) or args[0].dtype
+        out = func(*tree_map(bf16, u_args), **tree_map(bf16, u_kwargs)).to(out_dtype)
     else:
         out = func(*u_args, **u_kwargs)
 
