@@ -10,7 +10,16 @@ run plans by itself; the sampling floats take their default and one other value 
 top_p below 1, a top_k on).
 
 Run plans are pairwise (``cover``): every pair of values that some accepted, runnable combination holds is held by
-at least one run. The full product is 276,480 combinations; pairwise needs a few dozen runs per backend.
+at least one run. The full product is millions of combinations (``SIZE``); pairwise needs a few dozen runs per
+backend.
+
+The census does not validate the product (276,480 combinations took 84 s here before model.experts tripled it;
+issue 52): it looks, for every backend and every pair of values of two other dimensions, for an accepted
+combination holding them (``find``: from every other dimension's first value, changing the dimensions a refusal
+names, breadth first, the loader's own messages guiding the search), and validates a seeded random sample of the
+product besides (``SAMPLE``). Every combination it looks at must be refused naming a key, or load; every pair an
+accepted combination of the sample holds must have been found by the search (tests/test_combinations.py), which
+checks the search against combinations it did not choose.
 """
 
 from __future__ import annotations
@@ -86,6 +95,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
     _typed("algo.loss.mode", PolicyLossConfig, "mode"),
     _typed("algo.loss.mismatch", PolicyLossConfig, "mismatch"),
     _typed("model.te_fp8", ModelConfig, "te_fp8"),
+    _typed("model.experts", ModelConfig, "experts"),
     _chosen("rollout.sampling.temperature", SamplingConfig, "temperature", 0.7),
     _chosen("rollout.sampling.top_p", SamplingConfig, "top_p", 0.9),
     _chosen("rollout.sampling.top_k", SamplingConfig, "top_k", 20),
@@ -153,10 +163,71 @@ def combinations(backend: str | None = None):
     return itertools.product(*values)
 
 
+_verdicts: dict[tuple, str | None] = {}  # every combination validated so far in this process
+
+
+def cached_verdict(combo: tuple) -> str | None:
+    if combo not in _verdicts:
+        _verdicts[combo] = verdict(combo)
+    return _verdicts[combo]
+
+
+def named_dimensions(message: str) -> list[int]:
+    """The dimensions a refusal (or a reason not to run) names: every key a dimension's values set, in the text."""
+    return [i for i, d in enumerate(DIMENSIONS)
+            if any(key in message for key in (d.key, *(k for v in d.values for k in d.overrides(v))))]
+
+
+def find(fixed: dict[int, object], ok=lambda combo: None, max_states: int = 200) -> tuple | None:
+    """An accepted combination with the ``fixed`` values (dimension index -> value) for which ``ok`` (combination ->
+    why it will not do, or None) is None: from every other dimension's first value, breadth first, each step
+    changing one dimension that the refusal or ``ok``'s reason names to another value, at most ``max_states``
+    combinations looked at. None when there is none within that."""
+    start = tuple(fixed.get(i, d.values[0]) for i, d in enumerate(DIMENSIONS))
+    queue, seen = [start], {start}
+    while queue and len(seen) <= max_states:
+        combo = queue.pop(0)
+        why = cached_verdict(combo)
+        if why is None:
+            why = ok(combo)
+            if why is None:
+                return combo
+        for i in named_dimensions(why):
+            if i in fixed:
+                continue
+            for v in DIMENSIONS[i].values:
+                nxt = combo[:i] + (v,) + combo[i + 1:]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    queue.append(nxt)
+    return None
+
+
+SAMPLE = 4000  # random combinations of the product the census validates besides the search's
+
+
+def sample(n: int = SAMPLE, seed: int = 0) -> list[tuple]:
+    """``n`` combinations of the product, drawn uniformly (seeded: the same on every machine)."""
+    rng = np.random.default_rng(seed)
+    picks = np.stack([rng.integers(0, len(d.values), n) for d in DIMENSIONS], axis=1)
+    return [decode(row) for row in picks]
+
+
 @functools.cache
 def census(backend: str | None = None) -> dict[tuple, str | None]:
-    """combination -> verdict, for the whole space (or one backend's part of it)."""
-    return {combo: verdict(combo) for combo in combinations(backend)}
+    """combination -> verdict, for every combination the census looked at (of one backend, if given): for each pair
+    of values of two dimensions other than the backend, the search for an accepted holder (``find``), and the
+    random sample (module docstring)."""
+    backends = DIMENSIONS[0].values if backend is None else (backend,)
+    for b in backends:
+        for i, j in itertools.combinations(range(1, len(DIMENSIONS)), 2):
+            for a in DIMENSIONS[i].values:
+                for v in DIMENSIONS[j].values:
+                    find({0: b, i: a, j: v})
+    for combo in sample():
+        if combo[0] in backends:
+            cached_verdict(combo)
+    return {c: m for c, m in _verdicts.items() if c[0] in backends}
 
 
 def rule_of(message: str) -> str:
@@ -215,17 +286,58 @@ def cover(candidates: list[tuple], cost=run_cost) -> list[tuple]:
     while todo.any():
         gain = todo[ids].sum(axis=1) / costs
         best = int(gain.argmax())
-        chosen.append(candidates[best])
+        chosen.append(best)
         todo[ids[best]] = False
-    return chosen
+    # then drop, the costliest first, any pick whose pairs the others all hold
+    held = np.zeros(n_ids, dtype=np.int64)
+    for k in chosen:
+        np.add.at(held, np.unique(ids[k]), 1)
+    for k in sorted(chosen, key=lambda k: (-costs[k], -chosen.index(k))):
+        mine = np.unique(ids[k])
+        if (held[mine] > 1).all():
+            held[mine] -= 1
+            chosen.remove(k)
+    return [candidates[k] for k in chosen]
+
+
+CANDIDATES = 3000  # the most runnable combinations a plan's cover chooses among
+
+
+def widen(runnable: list[tuple], why, limit: int = CANDIDATES) -> list[tuple]:
+    """``runnable`` and the accepted, runnable combinations one dimension away from them, then from those, ... up to
+    ``limit``: the candidates of the greedy cover (with only the search's combinations, most of them every other
+    dimension's first value, the cover needs more runs: vLLM's plan took 43 runs instead of 19)."""
+    out, seen, frontier = list(runnable), set(runnable), list(runnable)
+    while frontier and len(out) < limit:
+        nxt = []
+        for combo in frontier:
+            for i in range(1, len(DIMENSIONS)):
+                for v in DIMENSIONS[i].values:
+                    c = combo[:i] + (v,) + combo[i + 1:]
+                    if c in seen:
+                        continue
+                    seen.add(c)
+                    if cached_verdict(c) is None and why(c) is None:
+                        nxt.append(c)
+        out += nxt[: limit - len(out)]
+        frontier = nxt
+    return out
 
 
 def plan(backend: str, verdicts: dict[tuple, str | None], why) -> tuple[list[tuple], dict]:
     """The pairwise run plan of a backend's accepted combinations that ``why`` (combination -> the reason it cannot
-    run here, or None) lets run, and the pairs only the others hold (pair -> the reason)."""
+    run here, or None) lets run, and the pairs only the others hold (pair -> the reason). For a pair that only
+    unrunnable combinations of ``verdicts`` hold, a runnable holder is looked for first (``find``)."""
     accepted = [c for c, m in verdicts.items() if m is None and c[0] == backend]
     runnable = [c for c in accepted if why(c) is None]
+    index = {d.key: i for i, d in enumerate(DIMENSIONS)}
+    for pair in sorted(pairs_of(accepted) - pairs_of(runnable), key=str):
+        found = find({0: backend, **{index[k]: v for k, v in pair}}, ok=why)
+        if found is not None:
+            runnable.append(found)
+            accepted.append(found)
     reasons = {}
+    runnable = widen(runnable, why)
     for pair in pairs_of(accepted) - pairs_of(runnable):
         holders = [c for c in accepted if all(dict(zip(KEYS, c, strict=True))[k] == v for k, v in pair)]
         reasons[pair] = "; ".join(sorted({why(c) for c in holders}))

@@ -167,7 +167,8 @@ def test_unfused_attention_keeps_the_scores_and_recompute_drops_them(big):
         activation_bytes(big, lay, tokens, recompute=True)
 
 
-def _saved_for_backward(arch: Qwen3MoeArch, tp: int, batch: int, seq: int, recompute: str) -> int:
+def _saved_for_backward(arch: Qwen3MoeArch, tp: int, batch: int, seq: int, recompute: str,
+                        experts: str = "grouped") -> int:
     """Bytes of the tensors one rank's local-spec model saves for its backward during a training forward in
     BF16 (torch's saved-tensor hooks; the parameters left out)."""
     import torch
@@ -177,7 +178,7 @@ def _saved_for_backward(arch: Qwen3MoeArch, tp: int, batch: int, seq: int, recom
 
     init_parallel(tp=tp, seed=1)
     torch.manual_seed(0)
-    model = build_model(arch, tp=tp, dtype=torch.bfloat16, recompute=recompute)
+    model = build_model(arch, tp=tp, dtype=torch.bfloat16, recompute=recompute, experts=experts)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -195,8 +196,9 @@ def _saved_for_backward(arch: Qwen3MoeArch, tp: int, batch: int, seq: int, recom
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("tp", "recompute"), [(1, "none"), (1, "selective"), (2, "none"), (2, "selective")])
-def test_local_spec_activations_are_what_megatron_saves(big, tp, recompute):
+@pytest.mark.parametrize(("tp", "recompute", "experts"), [(1, "none", "grouped"), (1, "selective", "grouped"),
+                                                     (2, "none", "grouped"), (2, "selective", "sequential")])
+def test_local_spec_activations_are_what_megatron_saves(big, tp, recompute, experts):
     """``local_spec_activation_parts`` against the bytes Megatron's local spec really saves for the backward, on
     two layers of Qwen3-30B-A3B's widths (16 experts, a 1024-token vocabulary), sequence parallel at TP 2. Only
     the token ids (8 B each) are not counted."""
@@ -207,7 +209,7 @@ def test_local_spec_activations_are_what_megatron_saves(big, tp, recompute):
 
     arch = dataclasses.replace(big, num_hidden_layers=2, num_experts=16, vocab_size=1024)
     batch, seq = 2, 128
-    got = run_ranks(tp, _saved_for_backward, arch, tp, batch, seq, recompute)
+    got = run_ranks(tp, _saved_for_backward, arch, tp, batch, seq, recompute, experts)
     parts = local_spec_activation_parts(arch, LearnerLayout(gpus=tp, tp=tp), batch * seq, seq_len=seq,
                                         selective=recompute == "selective")
     want = 2 * (parts["layer"] + parts["scores"]) + parts["mask"] + parts["final"]

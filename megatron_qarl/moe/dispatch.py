@@ -44,7 +44,8 @@ def sort_by_expert(routing_map: Tensor, probs: Tensor, slots: int) -> tuple[Tens
     """(token index of each slot, its prob), slots ordered by expert then token: ``masked_select``'s order over
     ``routing_map^T`` (module docstring). ``slots``: the number of True entries (T * k dropless), known on the host."""
     tokens = routing_map.shape[0]
-    order = torch.argsort(routing_map.T.reshape(-1).to(torch.int8), descending=True, stable=True)[:slots]
+    # cloned: the slice would keep the whole [E * T] argsort alive, saved for the backward of the probs' gather
+    order = torch.argsort(routing_map.T.reshape(-1).to(torch.int8), descending=True, stable=True)[:slots].clone()
     return order % tokens, probs.T.reshape(-1).index_select(0, order)
 
 

@@ -219,7 +219,9 @@ def attention_score_elements(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int
 def local_spec_activation_parts(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, *, seq_len: int,
                                 selective: bool = False, expert_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes Megatron's local spec (the learner's ``moe.model.layer_spec``: our fp32 RMSNorm, DotProductAttention,
-    SequentialMLP) saves for the backward of ``tokens`` tokens in sequences of ``seq_len``, BF16, by part; what
+    the MoE tokens permuted by moe/dispatch.py's sort, SequentialMLP or moe/grouped.py's GroupedExperts, which save
+    the same per (token, expert) pair) saves for the backward of ``tokens`` tokens in sequences of ``seq_len``, BF16,
+    by part; what
     tests/test_plan.py measures with torch's saved-tensor hooks on the same code. Per token, with t = T/tp the
     rank's tokens under sequence parallelism and heads split over TP:
       layer    t * (2 * (6h + 4) + 2h + 2h)  input / pre-MLP norms (fp32 copy, bf16 output, fp32 1/rms), qkv and
@@ -230,7 +232,11 @@ def local_spec_activation_parts(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: 
                                              and the roped q, k)
                          + 2ad)              output projection input
                + seq_len * 8d                rotary cos / sin of q and k (per position, whole sequence on every rank)
-               + t * (20k + 5E)              top-k ids and probabilities, routing map and probabilities, permutation
+               + t * 28k                     top-k ids and probabilities (12k), the sort's token order and its index
+                                             into the probabilities (int64 each: 16k)
+               + pairs * 16                  the rows' sort by local expert and its inverse (int64), where rows come
+                                             from several ranks (etp * ep > 1) for several local experts
+               + 4 * E / ep                  the grouped experts' offsets (int32; model.experts grouped)
                + pairs * (2h + 12F/etp + 4)  per (token, expert) pair: expert input, fc1 / SwiGLU outputs, weight
     "scores": 6 B per score element (fp32 softmax + bf16 probabilities; 0 under selective recompute); "mask":
     the boolean causal mask, seq_len^2 B once; "final": t * (6h + 4 + 2h) (final norm, output layer input)."""
@@ -239,8 +245,9 @@ def local_spec_activation_parts(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: 
     t = tokens / lay.tp
     pairs = tokens * k * lay.etp / lay.tp * expert_imbalance
     core = 2 * (2 * a + 3 * g) * d if selective else 6 * a * d
+    resort = 16 * pairs if lay.etp * lay.ep > 1 and e // lay.ep > 1 else 0
     layer = (t * (2 * (6 * h + 4) + 4 * h) + tokens / lay.tp * ((a + g) * (6 * d + 4) + core + 2 * a * d)
-             + seq_len * 8 * d + t * (20 * k + 5 * e) + pairs * (2 * h + 12 * f / lay.etp + 4))
+             + seq_len * 8 * d + t * 28 * k + resort + 4 * e / lay.ep + pairs * (2 * h + 12 * f / lay.etp + 4))
     scores = 0 if selective else 6 * attention_score_elements(arch, lay, tokens, seq_len)
     return {"layer": layer, "scores": scores, "mask": seq_len**2, "final": t * (8 * h + 4)}
 

@@ -313,7 +313,7 @@ def _build_learner(cfg: QarlConfig, arch: Qwen3MoeArch, micro: int, real_device:
                    routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl if cfg.model.impl != "auto" else "local",
                    distributed_optimizer=le.distributed_optimizer, optimizer_cpu_offload=le.optimizer_cpu_offload,
                    optimizer_offload_fraction=le.optimizer_offload_fraction, recompute=le.recompute,
-                   recompute_num_layers=le.recompute_num_layers, **kernels)
+                   recompute_num_layers=le.recompute_num_layers, experts=cfg.model.experts, **kernels)
 
 
 def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_tokens: int | None = None,
