@@ -1,10 +1,14 @@
-"""Learner step time with fake quantization on vs off, per scheme, measured in one run.
+"""Learner step time with fake quantization on vs off, per scheme and expert implementation, measured in one run.
 
-    .venv/bin/python benchmarks/qat_overhead.py [--steps 4] [--rounds 3] [--out benchmarks/results/qat_overhead.md]
+    .venv/bin/python benchmarks/qat_overhead.py [--steps 4] [--rounds 3] [--experts sequential grouped]
+        [--models tiny wide wide64] [--out benchmarks/results/qat_overhead.md]
 
-Two models: the project's tiny Qwen3-MoE (checkpoints/tiny-qwen3-moe) and a wider random one
+Three models: the project's tiny Qwen3-MoE (checkpoints/tiny-qwen3-moe), a wider random one
 (hidden 2048, expert FFN 768, 2 layers, 16 experts top-4, head dim 128, 16 heads / 4 KV groups,
-vocab 4096). One step = forward + backward + Adam step on the Megatron learner (TP1, fp32 master
+vocab 4096), and a 64-expert one (hidden 1024, expert FFN 384, 2 layers, 64 experts top-8, 8 heads / 2 KV groups),
+each with the local spec's experts as Megatron's SequentialMLP and as grouped GEMMs (model.experts, moe/grouped.py);
+the "grouped vs sequential" column is the off learners' step times in the same rounds.
+One step = forward + backward + Adam step on the Megatron learner (TP1, fp32 master
 weights); with fake quant on (ModelOpt quant modules on the one quantizer, qat/modules.py), each step
 re-quantizes every targeted weight once (the optimizer changed it) and runs the forward on the low-bit values
 (and W8A8's quantized activations). The "compile_quantizer" row runs that W4A16 refresh torch.compile'd
@@ -30,23 +34,27 @@ REPO = Path(__file__).resolve().parents[1]
 SCHEMES = [("bf16", False), ("w4a16", False), ("w4a16", True), ("w8a8_fp8", False), ("w8a8_int8", False)]
 
 
-def wide_arch():
+def wide_arch(experts: int = 16):
+    """The wide model (16 experts), or its 64-expert variant at half the width (its fp32 weights, gradients and Adam
+    moments, two learners at a time, fit a 24 GiB machine)."""
     from megatron_qarl.moe.model import Qwen3MoeArch
 
-    return Qwen3MoeArch(vocab_size=4096, hidden_size=2048, num_hidden_layers=2, num_attention_heads=16,
-                        num_key_value_heads=4, head_dim=128, num_experts=16, num_experts_per_tok=4,
-                        moe_intermediate_size=768, intermediate_size=6144, rms_norm_eps=1e-6, rope_theta=1e6,
-                        max_position_embeddings=4096, norm_topk_prob=True, tie_word_embeddings=False,
+    wide = experts <= 16
+    return Qwen3MoeArch(vocab_size=4096, hidden_size=2048 if wide else 1024, num_hidden_layers=2,
+                        num_attention_heads=16 if wide else 8, num_key_value_heads=4 if wide else 2, head_dim=128,
+                        num_experts=experts, num_experts_per_tok=4 if wide else 8,
+                        moe_intermediate_size=768 if wide else 384, intermediate_size=6144, rms_norm_eps=1e-6,
+                        rope_theta=1e6, max_position_embeddings=4096, norm_topk_prob=True, tie_word_embeddings=False,
                         attention_bias=False)
 
 
-def learner_of(arch, scheme: str, compiled: bool = False):
+def learner_of(arch, scheme: str, compiled: bool = False, experts: str = "grouped"):
     from megatron_qarl.config import OptimConfig, ParallelConfig
     from megatron_qarl.learner.rank import Learner
     from megatron_qarl.qat.config import QuantConfig
 
     return Learner(arch, ParallelConfig(), OptimConfig(lr=1e-5), quant=QuantConfig(scheme=scheme),
-                   compile_quantizer=compiled)
+                   compile_quantizer=compiled, experts=experts)
 
 
 def time_steps(learner, arch, batch: int, seq: int, steps: int, gen: torch.Generator) -> list[float]:
@@ -62,10 +70,11 @@ def time_steps(learner, arch, batch: int, seq: int, steps: int, gen: torch.Gener
     return times
 
 
-def _pair(arch, off, scheme: str, compiled: bool, batch: int, seq: int, steps: int, rounds: int):
+def _pair(arch, off, scheme: str, compiled: bool, batch: int, seq: int, steps: int, rounds: int,
+          experts: str = "grouped"):
     """(median off step s, median scheme step s, median of the per-round ratios): the two learners take turns,
     ``steps`` steps each per round, after a warm-up step each, so a host that changes speed slows both alike."""
-    fq = learner_of(arch, scheme, compiled)
+    fq = learner_of(arch, scheme, compiled, experts)
     gen = torch.Generator().manual_seed(0)
     time_steps(fq, arch, batch, seq, 1, gen)  # warm-up (compile_quantizer compiles here)
     t_off, t_fq, ratios = [], [], []
@@ -79,48 +88,80 @@ def _pair(arch, off, scheme: str, compiled: bool, batch: int, seq: int, steps: i
     return statistics.median(t_off), statistics.median(t_fq), statistics.median(ratios), ratios
 
 
-def run(steps: int, rounds: int) -> str:
+MODELS = ("tiny", "wide", "wide64")
+
+
+def run(steps: int, rounds: int, experts: tuple[str, ...] = ("sequential", "grouped"),
+        models: tuple[str, ...] = MODELS) -> str:
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.moe.parallelize import init_parallel, run_ranks
 
     def body():
         init_parallel()
         tiny = Qwen3MoeArch.from_model_dir(REPO / "checkpoints/tiny-qwen3-moe")
-        models = [("tiny (1.8M params, hidden 128)", tiny, 16, 64),
-                  ("wide (hidden 2048, FFN 768, 16 experts, 2 layers)", wide_arch(), 2, 64)]
+        chosen = {"tiny": ("tiny (1.8M params, hidden 128, 8 experts)", tiny, 16, 64),
+                  "wide": ("wide (hidden 2048, FFN 768, 16 experts, 2 layers)", wide_arch(16), 2, 64),
+                  "wide64": ("wide64 (hidden 1024, FFN 384, 64 experts top-8, 2 layers)", wide_arch(64), 2, 64)}
         rows = []
-        for label, arch, batch, seq in models:
-            off = learner_of(arch, "bf16")
-            time_steps(off, arch, batch, seq, 1, torch.Generator().manual_seed(1))  # warm-up
-            for scheme, compiled in SCHEMES[1:]:
-                a, b, ratio, ratios = _pair(arch, off, scheme, compiled, batch, seq, steps, rounds)
-                name = scheme + (" (compile_quantizer)" if compiled else "")
-                spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if rounds > 1 else "-"
-                rows.append(f"| {label} | {batch}x{seq} | {name} | {a * 1e3:.1f} | {b * 1e3:.1f} | {ratio:.2f}x | "
-                            f"{spread} |")
-            del off
+        for label, arch, batch, seq in (chosen[m] for m in models):
+            offs = {impl: learner_of(arch, "bf16", experts=impl) for impl in experts}
+            for off in offs.values():
+                time_steps(off, arch, batch, seq, 1, torch.Generator().manual_seed(1))  # warm-up
+            if len(offs) == 2:  # grouped vs sequential, both off, taking turns
+                a, b, ratio, ratios = _turns(arch, *offs.values(), batch, seq, steps, rounds)
+                rows.append(_row(label, batch, seq, f"off: {experts[1]} vs {experts[0]}", a, b, ratio, ratios))
+            for impl, off in offs.items():
+                for scheme, compiled in SCHEMES[1:]:
+                    a, b, ratio, ratios = _pair(arch, off, scheme, compiled, batch, seq, steps, rounds, impl)
+                    name = scheme + (" (compile_quantizer)" if compiled else "")
+                    rows.append(_row(label, batch, seq, f"{impl}: {name}", a, b, ratio, ratios))
+            del offs
         return rows
 
     rows = run_ranks(1, body)[0]
-    head = ["| model | batch x seq | fake quant | off: median step (ms) | on: median step (ms) | vs off (median of "
-            "rounds) | rounds' range |", "|---|---|---|---|---|---|---|"]
+    head = ["| model | batch x seq | experts: fake quant | off: median step (ms) | on: median step (ms) | vs off "
+            "(median of rounds) | rounds' range |", "|---|---|---|---|---|---|---|"]
     cpu = platform.processor() or platform.machine()
     machine = f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     return "\n".join([f"Machine: {machine}; per scheme, {rounds} round(s) of {steps} timed steps of the off learner "
                       "then of the fake-quant one (after a warm-up step each); the ratio of their medians per "
-                      "round, its median over rounds.", "", *head, *rows])
+                      "round, its median over rounds. The \"off\" rows set the two expert implementations' off "
+                      "learners against each other the same way (the second column is the first implementation's).",
+                      "", *head, *rows])
+
+
+def _turns(arch, first, second, batch: int, seq: int, steps: int, rounds: int):
+    """``_pair`` for two learners already built."""
+    gen = torch.Generator().manual_seed(0)
+    t_a, t_b, ratios = [], [], []
+    for _ in range(rounds):
+        a = statistics.median(time_steps(first, arch, batch, seq, steps, gen))
+        b = statistics.median(time_steps(second, arch, batch, seq, steps, gen))
+        t_a.append(a)
+        t_b.append(b)
+        ratios.append(b / a)
+    return statistics.median(t_a), statistics.median(t_b), statistics.median(ratios), ratios
+
+
+def _row(label: str, batch: int, seq: int, name: str, a: float, b: float, ratio: float, ratios: list) -> str:
+    spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else "-"
+    return f"| {label} | {batch}x{seq} | {name} | {a * 1e3:.1f} | {b * 1e3:.1f} | {ratio:.2f}x | {spread} |"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per learner and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of off / on turns per scheme")
+    parser.add_argument("--experts", nargs="+", choices=("sequential", "grouped"), default=["sequential", "grouped"],
+                        help="the expert implementations (model.experts) measured")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/qat_overhead.md"))
     args = parser.parse_args()
-    table = run(args.steps, args.rounds)
+    table = run(args.steps, args.rounds, tuple(args.experts), tuple(args.models))
     print(table)
     Path(args.out).write_text(f"Command: .venv/bin/python benchmarks/qat_overhead.py --steps {args.steps} --rounds "
-                              f"{args.rounds}\n\n" + table + "\n")
+                              f"{args.rounds} --experts {' '.join(args.experts)} --models {' '.join(args.models)}"
+                              "\n\n" + table + "\n")
 
 
 if __name__ == "__main__":
