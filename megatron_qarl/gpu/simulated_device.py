@@ -27,7 +27,7 @@ device arithmetic fails as it does on a GPU.
   by factories or copied from the host, which keep real values; ``_run_shapes`` runs each op on meta when any
   operand is meta, on the CPU otherwise, and stands in for the data-dependent steps (balanced top-k routing,
   ``masked_select`` / boolean indexing by a real mask, ``.item()`` of an unknown value, collectives without
-  values). A ``tracker`` is told of every tensor the device holds.
+  values; the grouped matmul's meta kernel, bf16 only, runs other dtypes as bf16 stand-ins). A ``tracker`` is told of every tensor the device holds.
 
 Why this way and not another (each was tried on torch 2.13 CPU): the meta device runs backward but holds no values,
 so every data-dependent step (``.item()``, ``nonzero``, Megatron's MoE dispatch: ``masked_select``,
