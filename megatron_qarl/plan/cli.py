@@ -63,13 +63,31 @@ def _run_config(args: argparse.Namespace) -> int:
     opts = _options(args, args.gpu_gib or cfg.launch.gpu_gib or H100_GIB)
     plan = config_plan(cfg, opts)
     check = simulation_check(cfg, opts, args.simulate_layers) if args.simulate else None
+    data = data_lines(cfg)
     if args.json:
-        print(json.dumps({"config": str(args.config), **plan, **({"simulation": check} if check else {})}, indent=2))
+        print(json.dumps({"config": str(args.config), **plan, **({"simulation": check} if check else {}),
+                          "data": data}, indent=2))
     else:
         print(render_config_text(plan, str(args.config)))
+        print("\ndata (qarl preflight checks the same):\n" + "\n".join(f"  {line}" for line in data))
         if check:
             print(render_simulation_text(check))
     return 0
+
+
+def data_lines(cfg) -> list[str]:
+    """Each prompt source the run reads, checked as ``qarl preflight`` does (preflight/cli.py ``data_sources``): where
+    it is and its rows, or the problem naming the key and the path (docs/data.md makes the 30B configs' files)."""
+    from megatron_qarl.data.prompts import DatasetError, inspect_source
+    from megatron_qarl.preflight.cli import data_sources
+
+    lines = []
+    for key, source in data_sources(cfg):
+        try:
+            lines.append(f"{key}: {inspect_source(source)}")
+        except DatasetError as err:
+            lines.append(f"{key}: MISSING: {err} (qarl data prepare, docs/data.md)")
+    return lines
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

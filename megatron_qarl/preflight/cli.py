@@ -4,6 +4,7 @@ Loads the config as ``qarl train`` does (same overrides; a bad key is refused na
 node and lists every finding at once, each problem naming the config key, the environment and the fix:
 
 - the GPU memory plan (``qarl train``'s ``check_memory``: GPU runs only);
+- every data source the run reads exists and its first row has the keys the loader reads (``data_finding``);
 - the bounds on the run's waits, and NCCL honouring ``launch.collective_timeout_s`` (``timeouts_finding``);
 - the learner's environment (this interpreter) imports Megatron-Core; the servers' environment
   (``rollout.launch_prefix`` + ``rollout.server_python``) exists and imports its backend;
@@ -25,6 +26,7 @@ import socket
 import sys
 
 from megatron_qarl.config import QarlConfig
+from megatron_qarl.data.prompts import DatasetError, PromptDataConfig, inspect_source
 from megatron_qarl.errors import UserError
 from megatron_qarl.preflight.environments import check_environments
 from megatron_qarl.preflight.report import Finding, format_report, problems
@@ -67,9 +69,40 @@ def timeouts_finding(cfg: QarlConfig, environ=os.environ) -> Finding:
     return Finding("bounded waits", True, detail)
 
 
+def data_sources(cfg: QarlConfig) -> list[tuple[str, PromptDataConfig]]:
+    """(config key, data config) of every prompt source the run reads: training, and held-out evaluation's own."""
+    return [("data.source", cfg.data)] + ([("train.eval.data.source", cfg.train.eval.data)]
+                                          if cfg.train.eval.data is not None else [])
+
+
+def data_finding(cfg: QarlConfig) -> Finding:
+    """Every data source the run reads exists and its first row has the keys the loader reads (``inspect_source``;
+    the whole file is read and checked when the run starts); a problem names the key and the path."""
+    found, bad = [], []
+    for key, data in data_sources(cfg):
+        try:
+            found.append(f"{key} {inspect_source(data)}")
+        except DatasetError as err:
+            bad.append(f"{key}: {err}")
+    if bad:
+        return Finding("data", False, "; ".join(bad), key=", ".join(b.split(":", 1)[0] for b in bad),
+                       env="this node's file system",
+                       fix="qarl data prepare --from <the downloaded dataset files> --to <the folder the config "
+                           "reads> (docs/data.md), or point the key at your files")
+    return Finding("data", True, "; ".join(found))
+
+
+def require_data(cfg: QarlConfig) -> None:
+    """``data_finding`` for ``qarl train``, before it writes or starts anything: a UserError naming keys and paths."""
+    finding = data_finding(cfg)
+    if finding.ok is False:
+        raise UserError(f"data: {finding.detail}; fix: {finding.fix}")
+
+
 def preflight(cfg: QarlConfig, config: str, *, round_trip: bool = True) -> list[Finding]:
     """Every check of the run on this node, as findings."""
-    return [memory_finding(cfg, config), timeouts_finding(cfg), *check_environments(cfg, round_trip=round_trip)]
+    return [memory_finding(cfg, config), timeouts_finding(cfg), data_finding(cfg),
+            *check_environments(cfg, round_trip=round_trip)]
 
 
 def _run(args: argparse.Namespace) -> int:
