@@ -72,6 +72,8 @@ def test_train_async_modes_and_their_bounds(tiny_model_dir):
         assert load_config(REPO / "configs" / "cpu_default.yaml", ["train.async=bounded", r3]).sync_pause_mode == \
             "abort"
     assert load_config(REPO / "configs" / "cpu_default.yaml").train.async_mode == "off"
+    # the default bound is the measured advice of docs/training.md ("When to use which": start with max_staleness=1)
+    assert load_config(REPO / "configs" / "cpu_default.yaml", ["train.async=bounded"]).train.staleness_bound == 1
 
 
 def test_yaml_errors_name_file_and_line(tmp_path):
