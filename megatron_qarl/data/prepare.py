@@ -198,10 +198,10 @@ def prepare(sources: list[Path], out_dir: Path, dataset: str | None, instruction
                   "instruction": instruction, **{k: v for k, v in dataclasses.asdict(counts).items()}}
         (target.parent / "prepare.json").write_text(json.dumps(record, indent=1) + "\n")
         lines.append(f"{name}: {counts.read:,} rows read from {', '.join(shown_path(p) for p in paths)}; "
-                     f"{counts.repeated:,} repeats, {counts.conflicting} rows of {counts.conflicting_prompts} prompts with "
-                     f"conflicting answers, "
-                     f"{counts.unparseable} unparseable answers left out; {counts.rewritten:,} instructions "
-                     f"rewritten to \\boxed{{}}; {counts.kept:,} rows -> {shown_path(target)}")
+                     f"{counts.repeated:,} repeats, {counts.conflicting} rows of {counts.conflicting_prompts} "
+                     f"prompts with conflicting answers, {counts.unparseable} unparseable answers left out; "
+                     f"{counts.rewritten:,} instructions rewritten to \\boxed{{}}; {counts.kept:,} rows -> "
+                     f"{shown_path(target)}")
         lines += [f"  {e}" for e in counts.examples]
     return lines
 

@@ -4,10 +4,10 @@ command, not ``python -m launch.*``, which needs the repository root on the path
     qarl slurm submit [--dry-run] [--sbatch-arg=ARG ...] CONFIG [key.sub=value ...]   sbatch slurm/qarl.sbatch
     qarl slurm local-cluster --root DIR --nodes N         a real Slurm on this host, for trying the above
 
-Everything after ``slurm`` goes to the launcher's own parser (``megatron_qarl/launch/slurm.py``, whose other commands,
-``env``, ``ray-node`` and ``wait-ray``, are the job script's; ``local-cluster``: ``megatron_qarl/launch/local_slurm.py``),
-so its flags and ``--help`` are its own. ``python -m launch.slurm`` and ``python -m launch.local_slurm`` run the same
-code from the repository root.
+Everything after ``slurm`` goes to the launcher's own parser (``megatron_qarl/launch/slurm.py``, whose other
+commands, ``env``, ``ray-node`` and ``wait-ray``, are the job script's; ``local-cluster``:
+``megatron_qarl/launch/local_slurm.py``), so its flags and ``--help`` are its own. ``python -m launch.slurm`` and
+``python -m launch.local_slurm`` run the same code from the repository root.
 """
 
 from __future__ import annotations
