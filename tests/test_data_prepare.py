@@ -13,7 +13,7 @@ from published_data import ASK, write_downloads, write_published
 from megatron_qarl import cli
 from megatron_qarl.data.prepare import DATASETS
 from megatron_qarl.data.prompts import PromptStream
-from megatron_qarl.preflight.cli import data_finding
+from megatron_qarl.preflight.data import data_finding
 from megatron_qarl.preflight.rules import load_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -76,18 +76,12 @@ def _run_config(args: argparse.Namespace) -> int:
 
 
 def data_lines(cfg) -> list[str]:
-    """Each prompt source the run reads, checked as ``qarl preflight`` does (preflight/cli.py ``data_sources``): where
-    it is and its rows, or the problem naming the key and the path (docs/data.md makes the 30B configs' files)."""
-    from megatron_qarl.data.prompts import DatasetError, inspect_source
-    from megatron_qarl.preflight.cli import data_sources
+    """Each prompt source the run reads, checked as ``qarl preflight`` does (``preflight.data``): where it is and its
+    rows, or the problem naming the key and the path (docs/data.md makes the 30B configs' files)."""
+    from megatron_qarl.preflight.data import check_sources
 
-    lines = []
-    for key, source in data_sources(cfg):
-        try:
-            lines.append(f"{key}: {inspect_source(source)}")
-        except DatasetError as err:
-            lines.append(f"{key}: MISSING: {err} (qarl data prepare, docs/data.md)")
-    return lines
+    return [f"{key}: {text}" if ok else f"{key}: MISSING: {text} (qarl data prepare, docs/data.md)"
+            for key, ok, text in check_sources(cfg)]
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

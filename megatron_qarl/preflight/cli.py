@@ -26,8 +26,8 @@ import socket
 import sys
 
 from megatron_qarl.config import QarlConfig
-from megatron_qarl.data.prompts import DatasetError, PromptDataConfig, inspect_source
 from megatron_qarl.errors import UserError
+from megatron_qarl.preflight.data import data_finding
 from megatron_qarl.preflight.environments import check_environments
 from megatron_qarl.preflight.report import Finding, format_report, problems
 from megatron_qarl.preflight.rules import load_config
@@ -67,36 +67,6 @@ def timeouts_finding(cfg: QarlConfig, environ=os.environ) -> Finding:
                        "on", key="launch.collective_timeout_s", env="learner",
                        fix="unset TORCH_NCCL_ASYNC_ERROR_HANDLING (torch's default, 3, ends the process group)")
     return Finding("bounded waits", True, detail)
-
-
-def data_sources(cfg: QarlConfig) -> list[tuple[str, PromptDataConfig]]:
-    """(config key, data config) of every prompt source the run reads: training, and held-out evaluation's own."""
-    return [("data.source", cfg.data)] + ([("train.eval.data.source", cfg.train.eval.data)]
-                                          if cfg.train.eval.data is not None else [])
-
-
-def data_finding(cfg: QarlConfig) -> Finding:
-    """Every data source the run reads exists and its first row has the keys the loader reads (``inspect_source``;
-    the whole file is read and checked when the run starts); a problem names the key and the path."""
-    found, bad = [], []
-    for key, data in data_sources(cfg):
-        try:
-            found.append(f"{key} {inspect_source(data)}")
-        except DatasetError as err:
-            bad.append(f"{key}: {err}")
-    if bad:
-        return Finding("data", False, "; ".join(bad), key=", ".join(b.split(":", 1)[0] for b in bad),
-                       env="this node's file system",
-                       fix="qarl data prepare --from <the downloaded dataset files> --to <the folder the config "
-                           "reads> (docs/data.md), or point the key at your files")
-    return Finding("data", True, "; ".join(found))
-
-
-def require_data(cfg: QarlConfig) -> None:
-    """``data_finding`` for ``qarl train``, before it writes or starts anything: a UserError naming keys and paths."""
-    finding = data_finding(cfg)
-    if finding.ok is False:
-        raise UserError(f"data: {finding.detail}; fix: {finding.fix}")
 
 
 def preflight(cfg: QarlConfig, config: str, *, round_trip: bool = True) -> list[Finding]:
