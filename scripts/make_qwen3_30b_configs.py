@@ -14,10 +14,10 @@ Memory (each file's header gives its figures, computed here with megatron_qarl.p
 learner runs micro-batches of one full-length sequence (learner.micro_batch_size 1), the distributed optimizer,
 and selective recompute (the core attention, so that the local spec's unfused attention keeps no s^2 scores
 when Transformer Engine is absent). The 8-GPU learner of the 2 x 8 runs keeps Adam for 1/8 of the experts
-(expert DP 1: the distributed optimizer cannot shard it further) and needs 82-94 GiB per GPU with the TE spec,
-95-107 with the local spec: it fits 141 GB GPUs (H200), and 80 GB ones only with optimizer CPU offload (40-64
-GiB; slime's recipe for 8 H100s), which the 2 x 8 configs turn on. The 16-GPU learner of the 4 x 8 runs fits 80
-GB GPUs without offload (51-70 GiB).
+(expert DP 1: the distributed optimizer cannot shard it further): it fits 141 GB GPUs (H200), and 80 GB ones
+only with optimizer CPU offload (slime's recipe for 8 H100s), which the 2 x 8 configs turn on. The 16-GPU learner
+of the 4 x 8 runs fits 80 GB GPUs without offload. The GiB per GPU: each file's header, and the tables of
+docs/cluster.md and docs/plan.md (scripts/make_doc_outputs.py writes them from the planner).
 Workload: a public Qwen3-30B-A3B GRPO recipe (dapo-math-17k prompts, 32 prompts x 8 samples = 256 responses of up
 to 8192 tokens per step, temperature 0.8, Adam lr 1e-6) and AIME-style evaluation (30 problems, greedy + 32
 samples each at temperature 1.0, 8192 new tokens).
