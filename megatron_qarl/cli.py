@@ -9,13 +9,11 @@ the name its module gives it, which must be its key in ``SUBCOMMANDS``.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import importlib
-import io
-import signal
 import sys
 
 from megatron_qarl.errors import UserError
+from megatron_qarl.utils import stacks
 
 # the module of each subcommand, in the order `qarl --help` shows them
 SUBCOMMANDS: dict[str, str] = {
@@ -26,6 +24,8 @@ SUBCOMMANDS: dict[str, str] = {
     "quantize": "megatron_qarl.qat.cli",
     "plan": "megatron_qarl.plan.cli",
     "serve": "megatron_qarl.serve.cli",
+    "data": "megatron_qarl.data.prepare",
+    "slurm": "megatron_qarl.launch.cli",
 }
 
 
@@ -40,19 +40,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _stacks_on_sigusr1() -> None:
-    """A run that stops moving: `kill -USR1 <pid>` prints every thread's Python stack to stderr (the trainer's log,
-    a server's log). Skipped where stderr is no file (a caller that captures it) or the platform has no SIGUSR1."""
-    try:
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv else None).parse_args(argv)
-    _stacks_on_sigusr1()
+    # a run that stops moving: `kill -USR2 <pid>` prints every thread's stack to stderr (the trainer's log, a server's
+    # log), the trainer's learner ranks' too (utils/stacks.py); SIGUSR1 stays Slurm's (qarl train: stop after the step)
+    stacks.install()
     try:
         return int(args.func(args) or 0)
     except UserError as err:

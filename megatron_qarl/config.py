@@ -6,14 +6,18 @@ YAML with ``key.sub=value`` overrides and validated before any work starts.
 A run's config is loaded with ``preflight.rules.load_config``, which adds the rules between components (what
 each rollout backend can serve, the planner's server layouts): this module imports neither. Every error is a
 ConfigError whose message starts with the dotted key (``parallel.tp: ...``) and, for YAML problems, the file
-and line. Relative input paths (``model.path``) are looked up from the
-current directory first, then from the directory above the config file's folder (the repository
-root for configs/*.yaml).
+and line.
+
+Paths (``PATH_KEYS``): a relative path written in a config file is relative to that file's folder, one given on the
+command line (``key=value``) or left at its default to the current directory; ``preflight.rules.load_config`` makes
+them absolute (``resolve_paths``) before validation, so a run reads the same files from any working directory and
+every process of it (Ray actors, Slurm nodes, a resumed run) sees absolute paths.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -24,14 +28,13 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from megatron_qarl.algo.advantages import AdvantageConfig
 from megatron_qarl.algo.policy_loss import PolicyLossConfig
-from megatron_qarl.data.prompts import PromptDataConfig
+from megatron_qarl.data.prompts import SYNTHETIC, PromptDataConfig
 from megatron_qarl.data.reward import RewardConfig
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.moe.parallelize import COLLECTIVE_TIMEOUT_S
@@ -90,12 +93,8 @@ class ModelConfig(_Section):
 
     @field_validator("path")
     @classmethod
-    def _resolve(cls, value: str, info: ValidationInfo) -> str:
-        p = Path(value).expanduser()
-        if not p.is_absolute():
-            base = (info.context or {}).get("base_dir")
-            candidates = [Path.cwd() / p] + ([Path(base) / p] if base else [])
-            p = next((c for c in candidates if c.exists()), candidates[0])
+    def _resolve(cls, value: str) -> str:
+        p = Path(value).expanduser().absolute()  # relative: the current directory's (module docstring, "Paths")
         if not (p / "config.json").is_file():
             raise ValueError(f"{value!r}: no Hugging Face config.json in {p}")
         return str(p.resolve())
@@ -305,7 +304,7 @@ class TrainConfig(_Section):
 
     steps: int = Field(default=100, ge=1)
     prompts_per_step: int = Field(default=16, ge=1)
-    output_dir: str = "runs/cpu_default"
+    output_dir: str = Field(default="runs/cpu_default", validate_default=True)  # made absolute (PATH_KEYS)
     max_nonfinite_in_row: int = Field(default=3, ge=1)  # a run of this many skipped steps ends the run
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
@@ -322,13 +321,20 @@ class TrainConfig(_Section):
     # they continue under the new weights; a sample with a token more than max_staleness versions behind the
     # learner is regenerated, never trained on
     async_mode: Literal["off", "one_step", "bounded"] = Field(default="off", alias="async")
-    max_staleness: int = Field(default=2, ge=1)  # bounded: weight versions
+    # bounded: weight versions. 1: as fast as 2 where measured and never behind off seed by seed, where 2 was never
+    # ahead (docs/training.md, "Bounded staleness at parity"); raise it for long-tailed responses
+    max_staleness: int = Field(default=1, ge=1)
     # async modes: the servers rescore each batch at the learner's version, splitting the mismatch into its
     # staleness part (policy change) and its quantization part (learner vs server, same weights)
     mismatch_split: bool = True
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True,
                               validate_by_alias=True, serialize_by_alias=True)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        return str(Path(value).expanduser().absolute())  # relative: the current directory's (module docstring)
 
     @field_validator("async_mode", mode="before")
     @classmethod
@@ -563,11 +569,39 @@ def _format_validation_error(err: ValidationError) -> str:
 
 
 def validate_config(data: dict, base_dir: str | Path | None = None, cls: type[BaseModel] = QarlConfig):
-    """Validate a plain dict into ``cls``; raise ConfigError naming each bad key."""
+    """Validate a plain dict into ``cls``; raise ConfigError naming each bad key. ``base_dir``: the folder the
+    relative paths of ``data`` are relative to (a config file's; ``resolve_paths``), else the current directory."""
+    if base_dir is not None:
+        data = resolve_paths(data, base_dir)
     try:
-        return cls.model_validate(data, context={"base_dir": str(base_dir) if base_dir else None})
+        return cls.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
+
+
+# the config keys that hold a path of the run's own files (module docstring, "Paths"); rollout.server_python is an
+# interpreter on the servers' nodes: an absolute path or a command name, never relative (RolloutConfig)
+PATH_KEYS = ("model.path", "data.source", "train.eval.data.source", "train.output_dir")
+
+
+def resolve_paths(data: dict, base_dir: str | Path) -> dict:
+    """``data`` (a copy of the sections it changes) with every relative path at ``PATH_KEYS`` made absolute against
+    ``base_dir``, ``~`` expanded; a data source's ``synthetic`` is no path. ``preflight.rules.load_config`` calls it
+    with the config file's folder on the file's values, then with the current directory on the command line's."""
+    out = dict(data)
+    for key in PATH_KEYS:
+        parents, leaf = key.split(".")[:-1], key.split(".")[-1]
+        node = out
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                break
+            node[part] = dict(node[part])
+            node = node[part]
+        else:
+            value = node.get(leaf)
+            if isinstance(value, str) and value and value != SYNTHETIC:
+                node[leaf] = os.path.normpath(Path(base_dir).absolute() / Path(value).expanduser())
+    return out
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -583,3 +617,11 @@ def load_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping of sections")
     return data
+
+
+def load_config_dict(path: str | Path, overrides: list[str] | None = None) -> dict:
+    """A YAML config with its ``key.sub=value`` overrides, every path made absolute by the one rule (module
+    docstring, "Paths"): the file's relative paths against its folder, the command line's against the current
+    directory. ``preflight.rules.load_config`` validates it; the Slurm launcher reads its few keys from it."""
+    data = resolve_paths(load_yaml(path), Path(path).absolute().parent)
+    return resolve_paths(apply_overrides(data, list(overrides or [])), Path.cwd())

@@ -43,6 +43,7 @@ from megatron_qarl.config import (
     SyncConfig,
     TrainConfig,
     load_yaml,
+    resolve_paths,
 )
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.preflight.rules import validate_run
@@ -124,9 +125,7 @@ def overrides_of(combo: tuple) -> dict:
 
 @functools.cache
 def _base() -> dict:
-    data = load_yaml(BASE_YAML)
-    data["model"]["path"] = str(REPO / data["model"]["path"])
-    return data
+    return resolve_paths(load_yaml(BASE_YAML), BASE_YAML.parent)  # its paths as load_config reads them
 
 
 def _nested(base: dict, overrides: dict) -> dict:

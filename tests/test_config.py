@@ -72,6 +72,8 @@ def test_train_async_modes_and_their_bounds(tiny_model_dir):
         assert load_config(REPO / "configs" / "cpu_default.yaml", ["train.async=bounded", r3]).sync_pause_mode == \
             "abort"
     assert load_config(REPO / "configs" / "cpu_default.yaml").train.async_mode == "off"
+    # the default bound is the measured advice of docs/training.md ("When to use which": start with max_staleness=1)
+    assert load_config(REPO / "configs" / "cpu_default.yaml", ["train.async=bounded"]).train.staleness_bound == 1
 
 
 def test_yaml_errors_name_file_and_line(tmp_path):
@@ -189,3 +191,35 @@ def test_te_fp8_with_one_layers_experts_left_in_high_precision_is_refused_at_loa
                                           r"gate_proj.*model\.layers\.0\.mlp\.experts\.0\.gate_proj.*te_fp8=false"):
         load_config(REPO / "configs" / "cpu_default.yaml", [*fp8, f"quant.ignore={json.dumps(ignore)}"])
     load_config(REPO / "configs" / "cpu_default.yaml", [f"quant.ignore={json.dumps(ignore)}"])  # without FP8: fine
+
+
+def test_relative_paths_follow_one_rule_from_any_working_directory(tmp_path, monkeypatch, tiny_model_dir):
+    """docs/training.md, "Paths": a relative path written in a config file is relative to that file's folder, one
+    given on the command line to the current directory; both come out absolute, the same from any directory, and
+    the Slurm launcher reads the same output directory as qarl train."""
+    from megatron_qarl.launch.slurm import run_settings
+
+    qwen = REPO / "configs" / "qwen3-30b-a3b" / "w4a16_tbpo_2x8.yaml"
+    seen = []
+    for where in (REPO, tmp_path):
+        monkeypatch.chdir(where)
+        cfg = load_config(qwen)
+        seen.append((cfg.model.path, cfg.data.source, cfg.train.eval.data.source, cfg.train.output_dir,
+                     run_settings(str(qwen), [])["output_dir"]))
+    assert seen[0] == seen[1] == (str(REPO / "configs" / "models" / "qwen3-30b-a3b"),
+                                  str(REPO / "data" / "dapo-math-17k" / "dapo-math-17k.parquet"),
+                                  str(REPO / "data" / "aime-2024" / "aime-2024.parquet"),
+                                  str(REPO / "runs" / "qwen3-30b-a3b" / "w4a16_tbpo_2x8"),
+                                  str(REPO / "runs" / "qwen3-30b-a3b" / "w4a16_tbpo_2x8"))
+    # a config of one's own, in its own folder: its paths are that folder's; the command line's are the cwd's
+    mine = tmp_path / "exp" / "run.yaml"
+    mine.parent.mkdir()
+    (mine.parent / "model").symlink_to(tiny_model_dir)
+    mine.write_text("model:\n  path: model\ndata:\n  source: prompts.jsonl\ntrain:\n  output_dir: out\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(mine, ["train.eval.data.source=held_out.jsonl"])
+    assert (cfg.data.source, cfg.train.output_dir, cfg.train.eval.data.source) == (
+        str(mine.parent / "prompts.jsonl"), str(mine.parent / "out"), str(tmp_path / "held_out.jsonl"))
+    assert Path(cfg.model.path) == Path(tiny_model_dir).resolve()
+    assert load_config(mine, ["data.source=synthetic"]).data.source == "synthetic"  # no path
+    assert load_config(mine, ["train.output_dir=elsewhere"]).train.output_dir == str(tmp_path / "elsewhere")

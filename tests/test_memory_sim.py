@@ -222,3 +222,15 @@ def test_the_weight_sync_of_a_simulated_quantized_learner_takes_an_unknown_finit
 
     r = run_ranks(1, _codes_with_an_unknown_flag)[0]
     assert r["stand_in"] is False and len(r["codes"]) == 2, r  # gate_proj and up_proj of one expert
+
+
+def test_the_benchmark_takes_overrides_as_key_value_like_every_command():
+    """benchmarks/memory_sim.py's configs and ``key.sub=value`` overrides, in any order (docs/plan.md's commands)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_sim", REPO / "benchmarks" / "memory_sim.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.split_overrides(["configs/a.yaml", "model.path=configs/models/x", "configs/b=c.yaml",
+                                "launch.nodes=8"]) == (["configs/a.yaml", "configs/b=c.yaml"],
+                                                       ["model.path=configs/models/x", "launch.nodes=8"])

@@ -345,7 +345,7 @@ def lines(proc: subprocess.CompletedProcess) -> dict[str, str]:
     return out
 
 
-CHECKS = ["GPU memory plan", "bounded waits", "learner's environment", "servers' environment", "NCCL",
+CHECKS = ["GPU memory plan", "bounded waits", "data", "learner's environment", "servers' environment", "NCCL",
           "transformer-engine", "CUDA driver", "server command", "weight-update round trip"]
 
 
@@ -359,7 +359,7 @@ def test_preflight_passes_the_cpu_default_run():
     assert "a gloo group of this process" in found["weight-update round trip"]
     assert "one bucket of 5 tensors (bfloat16, float32, int32, int8" in found["weight-update round trip"]
     assert "received identical (sha256)" in found["weight-update round trip"]
-    assert "preflight: all 9 checks passed" in proc.stdout
+    assert f"preflight: all {len(CHECKS)} checks passed" in proc.stdout
 
 
 @needs_vllm
@@ -403,7 +403,7 @@ def test_preflight_lists_every_problem_at_once_naming_key_environment_and_fix(tm
     assert f"[launch.server_host; servers {servers}]" in found["server command"]
     assert "qarl serve: error: argument --host: expected one argument" in found["server command"]
     assert "received identical (sha256)" in found["weight-update round trip"]
-    assert "preflight: 3 problems of 9 checks: the run would fail" in proc.stdout
+    assert f"preflight: 3 problems of {len(CHECKS)} checks: the run would fail" in proc.stdout
 
 
 def test_qarl_train_refuses_a_missing_server_python_before_writing_anything(tmp_path, capsys):

@@ -30,7 +30,7 @@ def _setting(repro, argv: list[str]):
     import argparse
 
     ns = argparse.Namespace(smoke=False, steps=None, seeds=None, bits="4,3,2", arms=",".join(repro.PAPER_ARMS),
-                            controls="fp,qarl_tbpo@2", eval_every=None, eval_n=None, set=[],
+                            controls="fp,qarl_tbpo@2", eval_every=None, eval_n=None, overrides=[],
                             rollout_dtype="float32")
     for item in argv:
         k, v = item.split("=", 1)
@@ -193,13 +193,21 @@ def test_config_options_default_off_and_are_validated():
         load_config(REPO / "configs" / "cpu_default.yaml", ["train.save_log_ratios=3"])
 
 
+def test_overrides_are_key_value_anywhere_on_the_line_as_every_command_takes_them(repro, tmp_path, capsys):
+    argv = ["--arms", "qarl_tbpo", "train.prompts_per_step=4", "--bits", "2", "--controls", "", "--steps", "1",
+            "--seeds", "1", "--out", str(tmp_path), "--plan", "rollout.threads=1"]
+    assert repro.main(argv) == 0
+    run = capsys.readouterr().out.split("one run: ", 1)[1]
+    assert "quant.num_bits=2 train.prompts_per_step=4 rollout.threads=1 train.output_dir=" in run, run
+
+
 @pytest.mark.e2e
 def test_repro_runs_cells_end_to_end_and_resumes(repro, tmp_path):
     """Two small real runs (QaRL+TBPO at 2 bits, fp with shuffled rewards: an arm and a control), then a rerun
     skips them."""
     argv = ["--arms", "qarl_tbpo", "--bits", "2", "--controls", "fp", "--steps", "1", "--seeds", "1",
-            "--eval-every", "0", "--eval-n", "8", "--set", "train.prompts_per_step=4",
-            "--set", "rollout.sampling.n_samples=4", "--set", "rollout.threads=1", "--out", str(tmp_path / "runs"),
+            "--eval-every", "0", "--eval-n", "8", "train.prompts_per_step=4",
+            "rollout.sampling.n_samples=4", "rollout.threads=1", "--out", str(tmp_path / "runs"),
             "--doc", str(tmp_path / "REPRODUCTION.md")]  # fmt: skip
     assert repro.main(argv) == 0
     text = (tmp_path / "REPRODUCTION.md").read_text()

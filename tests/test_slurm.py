@@ -122,8 +122,8 @@ def test_two_node_job_runs_ray_across_nodes_checkpoints_on_usr1_requeues_and_res
     assert "step 1/3 reward=" in first, first[-4000:]
     assert f"rollout servers run on: {python}" in first
     # preflight ran first, on both nodes (srun --label: task 0 and 1), and passed there
-    assert first.index("preflight: all 9 checks passed") < first.index("ray: 2 nodes up: ")
-    assert {ln.split(":")[0] for ln in first.splitlines() if ln.endswith("preflight: all 9 checks passed")} == \
+    assert first.index("preflight: all 10 checks passed") < first.index("ray: 2 nodes up: ")
+    assert {ln.split(":")[0] for ln in first.splitlines() if ln.endswith("preflight: all 10 checks passed")} == \
         {"0", "1"}
     runs = [p.read_text().splitlines() for p in server_env.glob("argv.*")]
     key = next(iter(keys))
@@ -183,6 +183,6 @@ def test_a_job_whose_environments_run_two_nccls_is_stopped_by_preflight(slurm, t
     assert "learner" in report and "2.29.7 (installed nvidia-nccl-cu13==2.29.7)" in report
     assert f"servers {python}: 2.30.7 (installed nvidia-nccl-cu13==2.30.7)" in report
     assert f"in learner {sys.executable}: {sys.executable} -m pip install --no-deps nvidia-nccl-cu13==2.30.7" in report
-    assert "0: preflight: 1 problem of 9 checks: the run would fail" in report
+    assert "0: preflight: 1 problem of 10 checks: the run would fail" in report
     assert "preflight refused this run (the report above): nothing was started" in report
     assert "ray: " not in log and "qarl train exited" not in log and not (out / "metrics.jsonl").exists()

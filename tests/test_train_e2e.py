@@ -1,6 +1,7 @@
 """`qarl train` end to end on the tiny model, with real rollout servers, reward workers and a Megatron learner:
 resume after kill -9 is exact (also mid-overlap with train.async=one_step), a bad dataset line is named, and the
-Ray launch's TensorBoard holds every scalar we promise. Server faults mid-run: tests/test_train_faults.py."""
+Ray launch trains on `qarl data prepare`'s files, answers SIGUSR2 with every stack, and its TensorBoard holds every
+scalar we promise. Server faults mid-run: tests/test_train_faults.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from published_data import write_downloads
 
 from megatron_qarl.train.tracking import read_metrics
 
@@ -36,6 +38,13 @@ def _qarl_train(out: Path, extra: list[str], resume: bool = False) -> subprocess
            *(["--resume"] if resume else []), f"train.output_dir={out}", *SMALL, *extra]
     log = open(out.parent / f"{out.name}.log", "ab")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1])
+
+
+def _wait_for(ready, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.2)
 
 
 def _finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> None:
@@ -133,12 +142,18 @@ TB_SCALARS = [
 ]
 
 
-def test_ray_launch_trains_and_tensorboard_holds_every_scalar(tmp_path):
+def test_ray_launch_trains_on_prepared_data_dumps_stacks_and_tensorboard_holds_every_scalar(tmp_path):
     """The default launcher (Ray: learner ranks and the server as actors in a placement group) with a
-    TP2 x EP2 learner (2 ranks, sharded checkpoints), then the event files are read back with
-    TensorBoard's own reader."""
+    TP2 x EP2 learner (2 ranks, sharded checkpoints), training 2 steps on what `qarl data prepare` made of files in the
+    published DAPO-Math-17k / AIME 2024 layout (docs/data.md); SIGUSR2 mid-run prints every thread's stack of the
+    trainer and of both learner ranks' actors into the trainer's log, and the run goes on (utils/stacks.py); then the
+    event files are read back with TensorBoard's own reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from megatron_qarl import cli
+
+    write_downloads(tmp_path / "hf")
+    assert cli.main(["data", "prepare", "--from", str(tmp_path / "hf"), "--to", str(tmp_path / "data")]) == 0
     out = tmp_path / "ray"
     # the servers' own environment (rollout.server_python): an interpreter that records its argv, then runs ours
     env = tmp_path / "server-env"
@@ -147,8 +162,23 @@ def test_ray_launch_trains_and_tensorboard_holds_every_scalar(tmp_path):
     python.write_text(f'#!/bin/bash\nprintf "%s\\n" "$0" "$@" > "{env}/argv.$$"\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     proc = _qarl_train(out, ["launch.backend=ray", "train.steps=2", "parallel.tp=2", "parallel.ep=2",
-                             f"rollout.server_python={python}"])
+                             f"rollout.server_python={python}", f"data.source={tmp_path / 'data' / 'dapo-math-17k'}",
+                             f"train.eval.data.source={tmp_path / 'data' / 'aime-2024'}",
+                             "train.eval.max_new_tokens=24"])  # the tiny model's context: 128 tokens
+    log = out.parent / f"{out.name}.log"
+    _wait_for(lambda: (out / "metrics.jsonl").is_file(), proc, log)  # the first evaluation: the ranks are up
+    proc.send_signal(signal.SIGUSR2)
+    _wait_for(lambda: "stacks: learner rank 1" in log.read_text(), proc, log)
     _finish(proc, out)
+    text = log.read_text()
+    trainer = text[text.index("Current thread 0x"):text.index("stacks: learner rank 0")]
+    assert "megatron_qarl/train/cli.py" in trainer and "megatron_qarl/cli.py" in trainer, text[-6000:]
+    for rank in (0, 1):
+        dump = text[text.index(f"stacks: learner rank {rank} (pid"):].split("stacks: learner rank", 2)[1]
+        assert str(out / "logs" / f"learner_rank{rank}.stacks") in dump and "Current thread 0x" in dump, dump
+        assert "ray/_private/worker.py" in dump, dump  # the actor's main loop (idle, or running a LearnerWorker call)
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss/num_responses" in r]
+    assert [r["loss/num_responses"] for r in rows] == [4 * 4, 4 * 4]  # trained on the prepared prompts
     runs = [p.read_text().splitlines() for p in env.glob("argv.*")]
     assert [str(python), "-m", "megatron_qarl.cli", "serve"] in [a[:4] for a in runs], runs  # the Ray server actor
     acc = EventAccumulator(str(out / "tb"))

@@ -148,6 +148,43 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
             index += 1
 
 
+def shown_path(path: str | Path) -> str:
+    """``path`` as a message shows it: relative to the current directory when it lies under it, else as it is."""
+    p = Path(path)
+    try:
+        return str(p.relative_to(Path.cwd())) if p.is_absolute() else str(p)
+    except ValueError:
+        return str(p)
+
+
+def inspect_source(config: PromptDataConfig) -> str:
+    """What ``config.source`` holds, checked without loading it (``qarl preflight``, ``qarl plan --config``): each
+    file exists, reads, and its first row has the prompt and the answer keys (``parse_row``); the rows Parquet's
+    metadata counts. A ``DatasetError`` naming the file (and row) and the keys the loader reads when not."""
+    if config.source == SYNTHETIC:
+        return "the synthetic math task (no files)"
+    keys = f"rows need {config.prompt_key!r} and {config.answer_key!r}"
+    if not Path(config.source).expanduser().exists():
+        raise DatasetError(f"{shown_path(config.source)}: no such file or directory ({keys})")
+    files = data_files(config.source)
+    rows = []
+    for path in files:
+        first = next(read_rows(path), None)
+        if first is None:
+            raise DatasetError(f"{shown_path(path)}: no rows ({keys})")
+        try:
+            parse_row(first[1], first[0], config)
+        except DatasetError as err:
+            raise DatasetError(f"{str(err).replace(str(path), shown_path(path), 1)} ({keys})") from None
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows.append(pq.ParquetFile(path).metadata.num_rows)
+    count = f"{sum(rows):,} rows" if len(rows) == len(files) else "rows not counted (JSONL)"
+    where = shown_path(files[0]) if len(files) == 1 else f"{len(files)} files under {shown_path(config.source)}"
+    return f"{where}: {count}, the first has {config.prompt_key!r} and {config.answer_key!r}"
+
+
 def lookup(row: dict[str, Any], dotted: str) -> tuple[bool, Any]:
     """``(found, value)`` of the dotted key ``a.b.c`` in nested dicts."""
     value: Any = row

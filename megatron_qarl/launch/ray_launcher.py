@@ -9,9 +9,11 @@ process (``qarl serve`` or SGLang) and restarts it on request; Ray supervises th
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from megatron_qarl.config import QarlConfig
@@ -19,8 +21,45 @@ from megatron_qarl.errors import UserError
 from megatron_qarl.launch.fleet import LearnerRanks, check_server_interpreter, log_dir, server_command, server_env
 from megatron_qarl.learner.worker import LearnerWorker
 from megatron_qarl.rollout.process import ServerProcess
+from megatron_qarl.utils import stacks
 
 log = logging.getLogger(__name__)
+
+
+class _LearnerActor(LearnerWorker):
+    """A learner rank as a Ray actor: a LearnerWorker whose every thread's stack goes into the run's log folder on
+    SIGUSR2 (``<output_dir>/logs/learner_rank<r>.stacks``; the trainer sends it on and copies it, utils/stacks.py)."""
+
+    def __init__(self, cfg: QarlConfig, rank: int, world: int, threads: int):
+        self._stacks = stacks.dump_to_file(stacks_file(cfg, rank))
+        super().__init__(cfg, rank, world, threads)
+
+    def stacks_target(self) -> tuple[str, int]:
+        """(Ray node id, pid) of this rank's process: where the trainer sends SIGUSR2."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+def stacks_file(cfg: QarlConfig, rank: int) -> Path:
+    return log_dir(cfg) / f"learner_rank{rank}.stacks"
+
+
+def _kill(pid: int, sig: int) -> None:
+    os.kill(pid, sig)
+
+
+def _send_stacks_signal(node_id: str, pid: int) -> None:
+    """SIGUSR2 to ``pid`` on Ray node ``node_id``: directly on this node, else by a task pinned to that node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if node_id == ray.get_runtime_context().get_node_id():
+        os.kill(pid, stacks.STACKS_SIGNAL)
+        return
+    task = ray.remote(num_cpus=0)(_kill).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False))
+    ray_get(task.remote(pid, stacks.STACKS_SIGNAL), stacks.FORWARD_WAIT_S, f"os.kill({pid}) on Ray node {node_id}")
 
 
 class _ServerActor:
@@ -112,6 +151,7 @@ class RayCluster:
 
         _init_ray(cfg)
         self.pg, self.actors, self.server_actors = None, [], []
+        self._stop_stacks = lambda: None
         self._stop_timeout_s = cfg.rollout.timeout_s
         world, servers = cfg.world_size, cfg.rollout.servers
         gl, gs = cfg.launch.gpus_per_learner_rank, cfg.rollout.gpus_per_server
@@ -131,7 +171,7 @@ class RayCluster:
                 return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
 
             threads = cfg.train.learner_threads or max(1, (os.cpu_count() or 1) // world)
-            worker_cls = ray.remote(LearnerWorker)
+            worker_cls = ray.remote(_LearnerActor)
             self.actors = [worker_cls.options(num_cpus=1, num_gpus=gl, scheduling_strategy=strategy(r),
                                               runtime_env={"env_vars": {"LOCAL_RANK": "0"}} if not gl else None)
                            .remote(cfg, r, world, threads) for r in range(world)]
@@ -145,15 +185,24 @@ class RayCluster:
             addr, port = ray_get(self.actors[0].address.remote(), cfg.launch.rank_timeout_s,
                                  "learner rank 0's LearnerWorker.address (launch.rank_timeout_s)")
             self.learners.on_every_rank(LearnerWorker.setup, addr, port)
+            self._stop_stacks = self._forward_stacks(cfg)
         except BaseException:
             self.close()
             raise
+
+    def _forward_stacks(self, cfg: QarlConfig):
+        """SIGUSR2 to the trainer reaches every learner rank too (utils/stacks.py); returns what stops it."""
+        where = self.learners.on_every_rank(_LearnerActor.stacks_target)
+        targets = [stacks.Target(f"learner rank {r} (pid {pid})", functools.partial(_send_stacks_signal, node, pid),
+                                 stacks_file(cfg, r)) for r, (node, pid) in enumerate(where)]
+        return stacks.forward(targets)
 
     def close(self) -> None:
         """Stop the servers, kill every actor, remove the placement group; safe to call twice and after a partial
         ``__init__``, and each step runs whatever the one before it raised."""
         import ray
 
+        self._stop_stacks()
         try:
             for i, a in enumerate(self.server_actors):
                 try:

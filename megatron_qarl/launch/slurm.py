@@ -203,9 +203,9 @@ def wait_port(addr: str, port: int, timeout_s: float) -> None:
 def run_settings(config: str, overrides: Sequence[str]) -> dict:
     """The few config values the job script needs (output dir, layout), from the YAML and overrides only;
     ``qarl train`` validates the whole config itself."""
-    from megatron_qarl.config import LaunchConfig, TrainConfig, apply_overrides, load_yaml
+    from megatron_qarl.config import LaunchConfig, TrainConfig, load_config_dict
 
-    data = apply_overrides(load_yaml(config), list(overrides))
+    data = load_config_dict(config, list(overrides))  # its paths as qarl train resolves them
     train, launch = data.get("train") or {}, data.get("launch") or {}
     return {
         "output_dir": str(train.get("output_dir", TrainConfig.model_fields["output_dir"].default)),

@@ -63,13 +63,25 @@ def _run_config(args: argparse.Namespace) -> int:
     opts = _options(args, args.gpu_gib or cfg.launch.gpu_gib or H100_GIB)
     plan = config_plan(cfg, opts)
     check = simulation_check(cfg, opts, args.simulate_layers) if args.simulate else None
+    data = data_lines(cfg)
     if args.json:
-        print(json.dumps({"config": str(args.config), **plan, **({"simulation": check} if check else {})}, indent=2))
+        print(json.dumps({"config": str(args.config), **plan, **({"simulation": check} if check else {}),
+                          "data": data}, indent=2))
     else:
         print(render_config_text(plan, str(args.config)))
+        print("\ndata (qarl preflight checks the same):\n" + "\n".join(f"  {line}" for line in data))
         if check:
             print(render_simulation_text(check))
     return 0
+
+
+def data_lines(cfg) -> list[str]:
+    """Each prompt source the run reads, checked as ``qarl preflight`` does (``preflight.data``): where it is and its
+    rows, or the problem naming the key and the path (docs/data.md makes the 30B configs' files)."""
+    from megatron_qarl.preflight.data import check_sources
+
+    return [f"{key}: {text}" if ok else f"{key}: MISSING: {text} (qarl data prepare, docs/data.md)"
+            for key, ok, text in check_sources(cfg)]
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

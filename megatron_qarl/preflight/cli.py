@@ -4,6 +4,7 @@ Loads the config as ``qarl train`` does (same overrides; a bad key is refused na
 node and lists every finding at once, each problem naming the config key, the environment and the fix:
 
 - the GPU memory plan (``qarl train``'s ``check_memory``: GPU runs only);
+- every data source the run reads exists and its first row has the keys the loader reads (``data_finding``);
 - the bounds on the run's waits, and NCCL honouring ``launch.collective_timeout_s`` (``timeouts_finding``);
 - the learner's environment (this interpreter) imports Megatron-Core; the servers' environment
   (``rollout.launch_prefix`` + ``rollout.server_python``) exists and imports its backend;
@@ -26,6 +27,7 @@ import sys
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
+from megatron_qarl.preflight.data import data_finding
 from megatron_qarl.preflight.environments import check_environments
 from megatron_qarl.preflight.report import Finding, format_report, problems
 from megatron_qarl.preflight.rules import load_config
@@ -69,7 +71,8 @@ def timeouts_finding(cfg: QarlConfig, environ=os.environ) -> Finding:
 
 def preflight(cfg: QarlConfig, config: str, *, round_trip: bool = True) -> list[Finding]:
     """Every check of the run on this node, as findings."""
-    return [memory_finding(cfg, config), timeouts_finding(cfg), *check_environments(cfg, round_trip=round_trip)]
+    return [memory_finding(cfg, config), timeouts_finding(cfg), data_finding(cfg),
+            *check_environments(cfg, round_trip=round_trip)]
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from megatron_qarl.config import QarlConfig, apply_overrides, load_yaml, validate_config
+from megatron_qarl.config import QarlConfig, load_config_dict, validate_config
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.moe.convert import param_maps
 from megatron_qarl.moe.model import Qwen3MoeArch
@@ -213,5 +213,4 @@ def validate_run(data: dict, base_dir: str | Path | None = None, cls: type[BaseM
 def load_config(path: str | Path, overrides: list[str] | None = None, cls: type[BaseModel] = QarlConfig):
     """Load a YAML config, apply ``key.sub=value`` overrides, validate the schema and the rules between
     components (raises ConfigError naming the key)."""
-    data = apply_overrides(load_yaml(path), list(overrides or []))
-    return validate_run(data, base_dir=Path(path).resolve().parent.parent, cls=cls)
+    return validate_run(load_config_dict(path, overrides), cls=cls)

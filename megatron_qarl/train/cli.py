@@ -88,6 +88,9 @@ EXIT_STOPPED = 75  # stopped early on SIGUSR1/SIGTERM with a checkpoint saved (E
 def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
         stop: threading.Event | None = None, config: str = "this config", preflight: bool = True) -> dict[str, float]:
     check_memory(cfg, config)
+    from megatron_qarl.preflight.data import require_data
+
+    require_data(cfg)  # every prompt file the run reads exists and has its keys (the training set is read next)
     if preflight:  # the cheap part of `qarl preflight`: the environments, NCCL, TE, driver, the server command
         from megatron_qarl.preflight.environments import require_ready
 
