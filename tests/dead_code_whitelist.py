@@ -40,3 +40,16 @@ replace_function  # qat/modules.py register_backends: ModelOpt's plugins.custom 
 compile_variants  # qat/triton_refresh.py: the sm_90 compile check, run by tests/test_triton_refresh.py (python -c)
 chunk_size  # megatron_cpu.py foreach_l2_norm / foreach_scale: amp_C.multi_tensor_* signatures (multi_tensor_applier)
 noop_flag  # megatron_cpu.py foreach_l2_norm / foreach_scale: amp_C's overflow buffer argument, unused as Megatron's
+dispatch_preprocess  # moe/dispatch.py: Megatron's MoELayer calls its token dispatcher's methods (ours override them)
+token_dispatch  # moe/dispatch.py: called by Megatron's MoELayer.dispatch
+dispatch_postprocess  # moe/dispatch.py: called by Megatron's MoELayer.routed_experts_compute
+combine_preprocess  # moe/dispatch.py: called by Megatron's MoELayer.routed_experts_compute
+token_combine  # moe/dispatch.py: called by Megatron's MoELayer.combine
+async_finish  # moe/dispatch.py token_combine: Megatron's MoEAlltoAllTokenDispatcher.token_combine signature
+allocate_on_comm_stream  # moe/dispatch.py token_combine: the same signature
+hidden_shape_before_permute  # moe/dispatch.py: read by Megatron's combine_postprocess / combine_preprocess (unpermute)
+__class__  # moe/dispatch.py sort_dispatch: a Megatron dispatcher becomes our subclass of it
+tensor_model_parallel  # moe/grouped.py: Megatron's parameter attribute (grad norm: param_is_not_tensor_parallel_duplicate)
+partition_dim  # moe/grouped.py: Megatron's parameter attribute (set with tensor_model_parallel)
+allreduce  # moe/grouped.py: Megatron's parameter attribute: DDP and the optimizer's expert-parallel grouping read it
+backward_dw  # moe/grouped.py GroupedExperts: Megatron's MoE layer calls its experts' backward_dw (delayed wgrad)
