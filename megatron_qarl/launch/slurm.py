@@ -2,8 +2,9 @@
 each node, network interface variables, per-job log folders, and the ``qarl train`` command line with
 ``--resume`` when the run already has a checkpoint (a requeued job continues where it stopped).
 
-    python -m launch.slurm submit [--dry-run] [--sbatch-arg=ARG ...] CONFIG [key.sub=value ...]
-        (the launcher in the repository's launch/ folder) sbatch slurm/qarl.sbatch with --nodes /
+    python -m launch.slurm submit [--dry-run] [--sbatch-arg=ARG ...] --config CONFIG [key.sub=value ...]
+        (the launcher in the repository's launch/ folder; the config also as the first bare word, CONFIG, and the
+        overrides anywhere on the line: megatron_qarl/cli.py parse_args) sbatch slurm/qarl.sbatch with --nodes /
         --gpus-per-node from the config's launch section and the job's log in <train.output_dir>/slurm/ (that
         folder is made first: sbatch does not make it)
 and, inside the job, as slurm/qarl.sbatch runs them:
@@ -36,6 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from megatron_qarl.cli import add_config_args, parse_args
 from megatron_qarl.errors import UserError
 from megatron_qarl.utils.api_key import ENV as API_KEY_ENV
 from megatron_qarl.utils.api_key import from_env
@@ -441,12 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("submit", help="sbatch slurm/qarl.sbatch for a config")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch command only")
     p.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch option (repeatable)")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    add_config_args(p, positional=True)
     p.set_defaults(func=_submit)
     p = sub.add_parser("env", help="(in the job) shell assignments for slurm/qarl.sbatch")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    add_config_args(p, positional=True)
     p.set_defaults(func=_env)
     p = sub.add_parser("ray-node", help="(one srun task per node) exec ray start for this node")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a worker waits for the head")
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None)
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=_wait_ray)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         return int(args.func(args) or 0)
     except UserError as err:

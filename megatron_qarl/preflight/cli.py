@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 
+from megatron_qarl.cli import add_config_args
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
 from megatron_qarl.preflight.environments import check_environments
@@ -85,9 +86,8 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("preflight", help="check a run's environments before it starts",
                                    description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML run config, as for qarl train")
     parser.add_argument("--no-round-trip", action="store_true",
                         help="skip the weight-update round trip (what qarl train runs)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    add_config_args(parser, config_help="YAML run config, as for qarl train")
     parser.set_defaults(func=_run)
     return parser

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_qarl.cli import add_config_args
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
 from megatron_qarl.preflight.rules import load_config
@@ -184,11 +185,12 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train", help="run QaRL training (learner + rollout servers)",
                                    description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML run config (configs/cpu_default.yaml)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the output dir")
+    parser.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
+                        help="continue from the newest checkpoint of the output dir, or from CHECKPOINT (a step_* "
+                             "folder of it: a key.sub=value word is an override, never CHECKPOINT)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-preflight", action="store_true",
                         help="skip the environment checks of qarl preflight (run before anything is built)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    add_config_args(parser)
     parser.set_defaults(func=_run)
     return parser
