@@ -100,3 +100,61 @@ def test_closing_ray_learner_ranks_logs_what_it_swallows(caplog):
     with caplog.at_level("WARNING"):
         GoneActors([], timeout_s=1.0).close()
     assert "closing the learner ranks failed: RuntimeError: close: the actor died" in caplog.text
+
+
+def _two_checkpoints(model_dir: str, root: str) -> None:
+    from megatron_qarl.config import OptimConfig, ParallelConfig
+    from megatron_qarl.learner.rank import Learner
+    from megatron_qarl.moe.model import Qwen3MoeArch
+    from megatron_qarl.moe.parallelize import init_parallel
+
+    init_parallel()
+    learner = Learner(Qwen3MoeArch.from_model_dir(model_dir), ParallelConfig(), OptimConfig())
+    for step in (1, 2):
+        ckpt.save_learner(ckpt.tmp_dir(root, step), learner.module, learner.optimizer)
+        ckpt.commit(root, step, {"trainer": {"step": step}}, keep=3)
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoints(tmp_path_factory, tiny_model_dir):
+    """A run folder whose checkpoints/ holds two real learner checkpoints (steps 1 and 2, one rank)."""
+    from megatron_qarl.moe.parallelize import run_ranks
+
+    out = tmp_path_factory.mktemp("run")
+    run_ranks(1, _two_checkpoints, tiny_model_dir, str(out / "checkpoints"))
+    return out
+
+
+@pytest.mark.parametrize("damage", ["truncated .distcp", "missing .distcp", "corrupt .metadata", "corrupt common.pt",
+                                    "trainer_state.json cut short"])
+def test_resume_from_a_corrupt_checkpoint_names_the_file_and_the_older_one(damage, run_with_checkpoints, tmp_path,
+                                                                           capsys):
+    """Issue 53 item 6: before, a run whose newest checkpoint had one ``.distcp`` truncated ended ``qarl train
+    --resume`` in ``CheckpointException ... EOFError`` (exit 1) after starting the servers and the learner, naming
+    neither the file nor the complete checkpoint beside it. Now the checkpoint is checked before anything starts:
+    exit 2, the file, and the newest older checkpoint that checks out, which ``--resume`` then takes."""
+    import shutil
+
+    from megatron_qarl import cli
+
+    out = tmp_path / "run"
+    shutil.copytree(run_with_checkpoints, out)
+    newest, older = out / "checkpoints" / "step_000002", out / "checkpoints" / "step_000001"
+    bad = {"truncated .distcp": newest / "__0_0.distcp", "missing .distcp": newest / "__0_1.distcp",
+           "corrupt .metadata": newest / ".metadata", "corrupt common.pt": newest / "common.pt",
+           "trainer_state.json cut short": newest / ckpt.STATE_FILE}[damage]
+    if damage == "missing .distcp":
+        bad.unlink()
+    else:
+        with open(bad, "r+b") as f:
+            f.truncate(bad.stat().st_size // 2)
+    argv = ["train", "--config", CPU_DEFAULT, f"train.output_dir={out}", "launch.backend=local", "--no-preflight",
+            "--resume"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:" in err and f"Checkpoint {newest} is incomplete or corrupt" in err, err
+    assert f"the newest older checkpoint that checks out is {older}: continue from it with --resume {older}" in err
+    assert not (out / "rollout_init").exists() and not (out / "logs").exists()  # nothing was started
+    assert ckpt.resume_point(out / "checkpoints", str(older)) == older  # what --resume CHECKPOINT continues from
+    with pytest.raises(Exception, match="no older checkpoint in .* checks out"):
+        ckpt.resume_point(out / "checkpoints", str(older.with_name("step_000000")))

@@ -37,13 +37,14 @@ tests/test_te_spec.py checks both tables against the modules Megatron's own spec
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
+from megatron_qarl.errors import UserError
 from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.moe.model_dir import check_weights
 from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 
 IMPLS = ("local", "te")  # the Megatron layer specs param_maps names (model.impl after "auto" is resolved)
@@ -162,23 +163,21 @@ class SafetensorsDir:
     """Lazy access to the tensors of a Hugging Face safetensors directory (single or sharded)."""
 
     def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
+        """Every weight file is checked first (``moe.model_dir.check_weights``: a truncated shard, an index naming
+        a missing one, is a UserError naming the file)."""
+        from safetensors import SafetensorError, safe_open
 
         self.dir = Path(model_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = [p.name for p in sorted(self.dir.glob("*.safetensors"))]
-        if not files:
-            raise FileNotFoundError(f"{self.dir}: no *.safetensors files")
         self._handles = {}
         self._where: dict[str, str] = {}
-        for f in files:
-            handle = safe_open(str(self.dir / f), framework="pt")
-            self._handles[f] = handle
+        for path in check_weights(self.dir):
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except SafetensorError as err:
+                raise UserError(f"{path}: unreadable safetensors file: {err}") from None
+            self._handles[path.name] = handle
             for key in handle.keys():
-                self._where[key] = f
+                self._where[key] = path.name
 
     def keys(self) -> list[str]:
         return list(self._where)

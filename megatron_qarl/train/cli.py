@@ -1,4 +1,4 @@
-"""``qarl train --config C [--resume] [key.sub=value ...]``: the QaRL training job.
+"""``qarl train --config C [--resume [CHECKPOINT]] [key.sub=value ...]``: the QaRL training job.
 
 Validates the whole config first, refuses a GPU run that ``qarl plan`` says does not fit its GPUs
 (``check_memory``) and a run whose environments are not ready (``qarl preflight`` without its round trip:
@@ -86,8 +86,18 @@ def check_memory(cfg: QarlConfig, config: str = "this config") -> None:
 EXIT_STOPPED = 75  # stopped early on SIGUSR1/SIGTERM with a checkpoint saved (EX_TEMPFAIL); --resume continues
 
 
-def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
+def run(cfg: QarlConfig, *, resume: bool | str = False, progress: bool = True,
         stop: threading.Event | None = None, config: str = "this config", preflight: bool = True) -> dict[str, float]:
+    """``resume``: True (``--resume``) continues from the newest checkpoint, a path (``--resume CHECKPOINT``) from
+    that one. Before anything starts, the policy's directory and the checkpoint to resume are checked whole: a
+    corrupt or incomplete one is a UserError naming the file (and, for a checkpoint, the newest older one that
+    checks out)."""
+    from megatron_qarl.learner.checkpoint import resume_point
+    from megatron_qarl.moe.model_dir import check_model_dir
+
+    check_model_dir(cfg.model.path)
+    if resume:
+        resume = resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
     check_memory(cfg, config)
     if preflight:  # the cheap part of `qarl preflight`: the environments, NCCL, TE, driver, the server command
         from megatron_qarl.preflight.environments import require_ready
