@@ -310,7 +310,11 @@ class Learner:
         return metrics
 
     def _clip(self, grad_norm: float) -> None:
-        """Scale every gradient by clip_grad / grad_norm when below 1 (the global norm, dense + experts)."""
+        """Scale every gradient by clip_grad / grad_norm when below 1 (the global norm, dense + experts), as
+        Megatron's ``MegatronOptimizer.clip_grad_norm`` does with the norm already taken: the precision-aware
+        optimizer (``learner.optimizer_cpu_offload``) holds its shards' gradients in ``.decoupled_grad`` and leaves
+        ``.grad`` None, so the clip reads the attribute the optimizer's config names
+        (``use_precision_aware_optimizer_no_fp8_or_ds_fp8``), else it would scale nothing."""
         from megatron.core.optimizer import optimizer as mopt
 
         if self.clip_grad <= 0:
@@ -318,7 +322,9 @@ class Learner:
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             params = opt.get_parameters()
             if params:
-                mopt.clip_grad_by_total_norm_fp32(params, max_norm=self.clip_grad, total_norm=grad_norm)
+                mopt.clip_grad_by_total_norm_fp32(
+                    params, max_norm=self.clip_grad, total_norm=grad_norm,
+                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
     def _dp_sum(self, value: torch.Tensor) -> float:
         """Sum of the per-rank loss shares = the global loss."""
