@@ -16,7 +16,14 @@ from typing import Any
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
-from megatron_qarl.launch.fleet import LearnerRanks, check_server_interpreter, log_dir, server_command, server_env
+from megatron_qarl.launch.fleet import (
+    LearnerRanks,
+    check_server_interpreter,
+    learner_env,
+    log_dir,
+    server_command,
+    server_env,
+)
 from megatron_qarl.learner.worker import LearnerWorker
 from megatron_qarl.rollout.process import ServerProcess
 
@@ -132,8 +139,9 @@ class RayCluster:
 
             threads = cfg.train.learner_threads or max(1, (os.cpu_count() or 1) // world)
             worker_cls = ray.remote(LearnerWorker)
+            env = learner_env(cfg)
             self.actors = [worker_cls.options(num_cpus=1, num_gpus=gl, scheduling_strategy=strategy(r),
-                                              runtime_env={"env_vars": {"LOCAL_RANK": "0"}} if not gl else None)
+                                              runtime_env={"env_vars": env} if env else None)
                            .remote(cfg, r, world, threads) for r in range(world)]
             server_cls = ray.remote(_ServerActor)
             self.server_actors = [server_cls.options(num_cpus=1, num_gpus=gs, scheduling_strategy=strategy(world + i))

@@ -43,6 +43,8 @@ from megatron_qarl.utils.api_key import ENV as API_KEY_ENV
 from megatron_qarl.utils.api_key import from_env
 
 SBATCH_SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "qarl.sbatch"
+# how long `python -m launch.slurm submit` waits for sbatch (which waits on slurmctld); docs/cluster.md's table
+SBATCH_TIMEOUT_S = 120.0
 # what the cluster run always sets: Ray joins the job's cluster, rank 0 and the servers use node addresses
 CLUSTER_OVERRIDES = ("launch.backend=ray", "launch.ray_address=auto", "launch.master_addr=auto",
                      "launch.server_host=0.0.0.0")
@@ -429,7 +431,11 @@ def _submit(args: argparse.Namespace) -> int:
         print(shlex.join(cmd))
         return 0
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SBATCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"sbatch gave no answer within {SBATCH_TIMEOUT_S:g} s (slurmctld unreachable or "
+                        "overloaded? scontrol ping); the job may or may not have been queued: see squeue") from None
     if proc.returncode:
         raise UserError(f"sbatch failed ({proc.returncode}): {proc.stderr.strip()}")
     job = proc.stdout.strip().split(";")[0]
