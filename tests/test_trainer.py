@@ -94,7 +94,7 @@ def test_closing_ray_learner_ranks_logs_what_it_swallows(caplog):
     from megatron_qarl.launch.ray_launcher import RayLearnerRanks
 
     class GoneActors(RayLearnerRanks):
-        def on_every_rank(self, method, *args):
+        def on_every_rank(self, method, *args, timeout_s=None):
             raise RuntimeError(f"{method.__name__}: the actor died")
 
     with caplog.at_level("WARNING"):
