@@ -217,20 +217,22 @@ def peer_expert_name(name: str, pm: ParamMap, lay: Layout, n_local: int, peer_ep
 
 @torch.no_grad()
 def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True,
-                    include: Callable[[ParamMap], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    include: Callable[[ParamMap], bool] | None = None,
+                    groups=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: yield (Hugging Face name, full tensor) for the whole model on every rank.
 
     TP shards are all-gathered; with ``all_experts`` each EP rank's experts are all-gathered over
     the EP group too, otherwise every rank yields only its own experts (what a weight broadcaster
     from several EP ranks needs). ``include`` selects parameters (same answer on every rank). All
-    ranks must iterate in step.
+    ranks must iterate in step. ``groups`` (``parallelize.SyncGroups``: the weight sync's own, with its bound):
+    the TP / ETP / EP groups the gathers run on; None: Megatron's.
     """
     from megatron.core import parallel_state as ps
 
     lay = Layout.current()
-    tp_group = ps.get_tensor_model_parallel_group()
-    ep_group = ps.get_expert_model_parallel_group()
-    etp_group = ps.get_expert_tensor_parallel_group()
+    tp_group = groups.tp if groups else ps.get_tensor_model_parallel_group()
+    ep_group = groups.ep if groups else ps.get_expert_model_parallel_group()
+    etp_group = groups.etp if groups else ps.get_expert_tensor_parallel_group()
     params = dict(model.named_parameters())
     n_local = arch.num_experts // lay.ep
     for pm in param_maps(arch, lay.ep_rank, lay.ep, model_impl(model)):

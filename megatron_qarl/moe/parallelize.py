@@ -13,6 +13,8 @@ run catches the tensor that would reach NCCL from the CPU on a GPU machine.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import pickle
 import socket
@@ -198,8 +200,7 @@ def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234, timeout_s: floa
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=expert_tp(tp, ep),
                                  distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
-    set_group_timeouts([dist.distributed_c10d._get_default_group() if g is None else g
-                        for g in ps._global_process_group_list], timeout_s)
+    set_group_timeouts(learner_groups(), timeout_s)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
 
 
@@ -213,9 +214,75 @@ def set_group_timeouts(groups: list, timeout_s: float) -> None:
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
 
 
+def learner_groups() -> list:
+    """This rank's learner groups: the default group and every group Megatron created (its process-group list)."""
+    from megatron.core import parallel_state as ps
+
+    return [dist.distributed_c10d._get_default_group() if g is None else g
+            for g in (ps._global_process_group_list or [None])]
+
+
+@contextlib.contextmanager
+def collective_timeout(timeout_s: float, restore_s: float):
+    """Every learner group (``learner_groups``) waits ``timeout_s`` inside the block, ``restore_s`` after it: the
+    checkpoint's collectives (launch.checkpoint_timeout_s), which wait for the slowest rank's writes."""
+    groups = learner_groups()
+    set_group_timeouts(groups, timeout_s)
+    try:
+        yield
+    finally:
+        set_group_timeouts(groups, restore_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncGroups:
+    """The weight sync's own groups (``sync_groups``): the learner's world and this rank's tensor-, expert-tensor- and
+    expert-parallel groups' ranks, each a group of its own whose collectives wait the sync's peer bound."""
+
+    world: Any
+    tp: Any
+    etp: Any
+    ep: Any
+
+
+_SYNC_GROUPS: dict[float, SyncGroups] = {}  # by timeout; forgotten by destroy_parallel
+
+
+def sync_groups(timeout_s: float) -> SyncGroups | None:
+    """The weight sync's groups with ``timeout_s`` (None in a world of one, where no collective communicates).
+    Made on first use, collectively (every learner rank calls this at the same point of its first sync): every rank's
+    TP / ETP / EP group ranks are all-gathered over the default group and each distinct group made anew in one order
+    on every rank (``dist.new_group`` is collective over the world). Their collectives are the sync's only: the ranks
+    other than 0 wait in them while rank 0 talks to the servers, a wait bounded by the sync's own key
+    (rollout.sync.timeout_s, sync/transport.py ``peer_wait_s``) rather than launch.collective_timeout_s."""
+    import datetime
+
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if timeout_s in _SYNC_GROUPS:
+        return _SYNC_GROUPS[timeout_s]
+    mine = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group(),
+            "ep": ps.get_expert_model_parallel_group()}
+    ranks = {key: tuple(dist.get_process_group_ranks(g)) for key, g in mine.items()}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ranks)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    made = {"world": dist.new_group(list(range(dist.get_world_size())), timeout=timeout)}
+    for key in mine:
+        for group_ranks in sorted({e[key] for e in everyone}):
+            group = dist.new_group(list(group_ranks), timeout=timeout)
+            if dist.get_rank() in group_ranks:
+                made[key] = group
+    _SYNC_GROUPS[timeout_s] = SyncGroups(**made)
+    return _SYNC_GROUPS[timeout_s]
+
+
 def destroy_parallel() -> None:
     from megatron.core import parallel_state as ps
 
+    _SYNC_GROUPS.clear()
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
