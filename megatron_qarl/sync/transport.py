@@ -13,8 +13,9 @@ Bounds (docs/cluster.md, "Every wait is bounded"). rank 0's I/O comes in stretch
 preamble (health, the group's rendezvous, pause, flush), a session's start, one bucket (its broadcast and every
 server's answer), a session's end. Abandoning a group adds at most ``CLEANUP_S`` (its local side is destroyed first,
 then the servers are told). The other learner ranks wait in the sync's collectives while rank 0 does this, at most
-two stretches between two of them: ``peer_wait_s``, the timeout of the sync's own groups (moe/parallelize.py ``sync_groups``). The group itself times out ``wire.GROUP_MARGIN_S`` after the
-deadline (NCCL's watchdog would otherwise end the process before the SyncError is raised).
+two stretches between two of them: ``peer_wait_s``, the timeout of the sync's own groups (moe/parallelize.py
+``sync_groups``). The group itself times out ``wire.GROUP_MARGIN_S`` after the deadline (NCCL's watchdog would
+otherwise end the process before the SyncError is raised).
 """
 
 from __future__ import annotations
