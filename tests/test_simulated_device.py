@@ -137,12 +137,12 @@ def test_the_smoke_wants_a_model_it_can_find(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------- clipping under optimizer offload
 def _offload_clip(model_dir: str) -> dict:
     """A bf16 learner with ``optimizer_cpu_offload`` (Megatron's HybridDeviceOptimizer under its precision-aware
-    distributed optimizer) on the simulated device: one backward, then its gradients clipped by ``Learner._clip`` and,
-    from the same gradients, by Megatron's own ``clip_grad_norm`` of the same optimizer."""
+    distributed optimizer) on the simulated device: one backward, then its gradients clipped by the learner's
+    ``clip_gradients`` and, from the same gradients, by Megatron's own ``clip_grad_norm`` of the same optimizer."""
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
+    from megatron_qarl.learner.rank import Batch, Learner, clip_gradients, token_mean_nll
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.moe.parallelize import init_parallel, single_rank_env
 
@@ -165,7 +165,7 @@ def _offload_clip(model_dir: str) -> dict:
         params = [p for opt in learner.optimizer.chained_optimizers for p in opt.get_parameters()]
         held = [p for p in params if getattr(p, "decoupled_grad", None) is not None]
         before = [p.decoupled_grad.clone() for p in held]
-        learner._clip(norm)
+        clip_gradients(learner.optimizer, 0.5, norm)  # what Learner.train_step clips with
         ours = [p.decoupled_grad.clone() for p in held]
         for p, g in zip(held, before, strict=True):
             p.decoupled_grad.copy_(g)
@@ -180,7 +180,7 @@ def _offload_clip(model_dir: str) -> dict:
 
 def test_clipping_under_optimizer_offload_clips_as_megatron_does():
     """Issue 53 item 2: with learner.optimizer_cpu_offload the precision-aware distributed optimizer holds its shards'
-    gradients in ``.decoupled_grad`` (``.grad`` stays None); ``Learner._clip`` scaled ``.grad`` only, so nothing was
+    gradients in ``.decoupled_grad`` (``.grad`` stays None); the learner's clip scaled ``.grad`` only, so nothing was
     clipped while the logged norm (Megatron's, read from decoupled_grad) looked right. Now it passes
     ``use_decoupled_grad`` as Megatron's ``clip_grad_norm`` does: the same gradients, bit for bit."""
     from bounded_child import run_in_child

@@ -162,16 +162,26 @@ class LearnerWorker:
                 "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode, "check_s": report.check_s}
 
     # ------------------------------------------------------------------------------- checkpoints
+    def _checkpoint_bound(self):
+        """The learner groups' collectives wait launch.checkpoint_timeout_s while a checkpoint is written or read
+        (the slowest rank's shards), launch.collective_timeout_s again after."""
+        from megatron_qarl.moe.parallelize import collective_timeout
+
+        la = self.cfg.launch
+        return collective_timeout(la.checkpoint_timeout_s, la.collective_timeout_s)
+
     def save(self, path: str) -> None:
         from megatron_qarl.learner.checkpoint import save_learner
 
-        save_learner(path, self.learner.module, self.learner.optimizer)
+        with self._checkpoint_bound():
+            save_learner(path, self.learner.module, self.learner.optimizer)
 
     def load(self, path: str, weight_version: int) -> None:
         from megatron_qarl.learner.checkpoint import load_learner
         from megatron_qarl.learner.rank import weights_changed
 
-        load_learner(path, self.learner.module, self.learner.optimizer)
+        with self._checkpoint_bound():
+            load_learner(path, self.learner.module, self.learner.optimizer)
         weights_changed(self.learner)  # the fake-quant and exact caches of the loaded weights
         self.weight_version = weight_version
         if self.broadcaster is not None:

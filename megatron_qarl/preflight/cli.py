@@ -61,9 +61,11 @@ def timeouts_finding(cfg: QarlConfig, environ=os.environ) -> Finding:
     waits ``launch.rank_timeout_s`` and names the call, not the collective. Each rank checks its own environment
     again before it joins its groups (``LearnerWorker.setup``)."""
     r, la = cfg.rollout, cfg.launch
-    detail = (f"launch.collective_timeout_s {la.collective_timeout_s:g} s < launch.rank_timeout_s "
-              f"{la.rank_timeout_s:g} s; rollout.startup_timeout_s {r.startup_timeout_s:g} s, rollout.timeout_s "
-              f"{r.timeout_s:g} s, rollout.sync.timeout_s {r.sync.timeout_s:g} s")
+    detail = (f"launch.collective_timeout_s {la.collective_timeout_s:g} s, launch.checkpoint_timeout_s "
+              f"{la.checkpoint_timeout_s:g} s and the sync's peer wait {r.sync.peer_wait_s:g} s (2 x "
+              f"rollout.sync.timeout_s {r.sync.timeout_s:g} s + {r.sync.peer_wait_s - 2 * r.sync.timeout_s:g} s) < "
+              f"launch.rank_timeout_s {la.rank_timeout_s:g} s; rollout.startup_timeout_s {r.startup_timeout_s:g} s, "
+              f"rollout.timeout_s {r.timeout_s:g} s")
     problem = nccl_timeout_problem({**environ, **learner_env(cfg)}) if cfg.learner_on_gpus else None
     if problem:
         return Finding("bounded waits", False, f"{problem} (launch.collective_timeout_s {la.collective_timeout_s:g} "

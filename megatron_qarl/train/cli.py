@@ -95,10 +95,10 @@ def run(cfg: QarlConfig, *, resume: bool | str = False, progress: bool = True,
     from megatron_qarl.learner.checkpoint import resume_point
     from megatron_qarl.moe.model_dir import check_model_dir
 
+    check_memory(cfg, config)
     check_model_dir(cfg.model.path)
     if resume:
         resume = resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
-    check_memory(cfg, config)
     if preflight:  # the cheap part of `qarl preflight`: the environments, NCCL, TE, driver, the server command
         from megatron_qarl.preflight.environments import require_ready
 
