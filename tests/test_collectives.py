@@ -287,3 +287,31 @@ def test_every_learner_group_waits_exactly_collective_timeout_s():
     timeouts = parallelize.run_ranks(1, _group_timeouts, 7.5)[0]
     assert "EXPERT_DATA_PARALLEL_GROUP_GLOO" in timeouts and len(timeouts) > 10, timeouts
     assert set(timeouts.values()) == {7.5}, timeouts
+
+
+def _checkpoint_bound_timeouts() -> tuple[set, set, set]:
+    """Every learner group's timeout before, inside and after ``collective_timeout`` (a checkpoint's bound)."""
+    from megatron_qarl.learner.worker import LearnerWorker
+
+    def timeouts():
+        return {g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for g in parallelize.learner_groups()}
+
+    from megatron_qarl.preflight.rules import load_config
+
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml",
+                      ["launch.collective_timeout_s=7.5", "launch.checkpoint_timeout_s=99"])
+    parallelize.init_parallel(timeout_s=cfg.launch.collective_timeout_s)  # as LearnerWorker.setup does
+    worker = LearnerWorker(cfg, 0, 1)
+    before = timeouts()
+    with worker._checkpoint_bound():
+        inside = timeouts()
+    return before, inside, timeouts()
+
+
+def test_a_checkpoint_waits_its_own_bound_and_the_collectives_theirs_after():
+    """Issue 53 item 1: dist-checkpointing's save and load and save_learner's barriers ran on the learner's groups
+    under launch.collective_timeout_s, so a rank that finished writing its shards more than that before the slowest
+    timed out. Now every learner group waits launch.checkpoint_timeout_s while a checkpoint is saved or loaded."""
+    before, inside, after = parallelize.run_ranks(1, _checkpoint_bound_timeouts)[0]
+    assert (before, inside, after) == ({7.5}, {99.0}, {7.5})
