@@ -56,7 +56,7 @@ class WeightUpdateAPI:
     def url(self) -> str:
         return self.engine.url
 
-    def budget(self, path: str, cap: float | None = None) -> float:
+    def _budget(self, path: str, cap: float | None = None) -> float:
         """Seconds a call to ``path`` may wait: ``timeout_s`` (or ``cap``), and no more than what is left of the
         stretch's ``deadline``; a SyncError naming the server when nothing is left."""
         limit = self.timeout_s if cap is None else min(cap, self.timeout_s)
@@ -69,11 +69,11 @@ class WeightUpdateAPI:
         return min(limit, left)
 
     def call(self, method: str, path: str, payload: dict | None = None, timeout_s: float | None = None) -> dict:
-        """One HTTP call, waiting ``timeout_s`` if given, else ``budget``; a transport error or a 4xx/5xx is a
+        """One HTTP call, waiting ``timeout_s`` if given, else ``_budget``; a transport error or a 4xx/5xx is a
         SyncError naming the server and the endpoint."""
         key = self.engine.api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        timeout = self.budget(path) if timeout_s is None else timeout_s
+        timeout = self._budget(path) if timeout_s is None else timeout_s
         try:
             if method == "POST":
                 r = httpx.post(self.url + path, json=payload or {}, headers=headers, timeout=timeout,
@@ -99,7 +99,7 @@ class WeightUpdateAPI:
     def health(self) -> None:
         """GET /health (no key needed, short timeout): fail fast, naming the server, before a group is formed."""
         try:
-            timeout = self.budget("/health", 10.0)
+            timeout = self._budget("/health", 10.0)
             httpx.get(self.url + "/health", timeout=timeout, verify=tls_context()).raise_for_status()
         except httpx.HTTPError as err:
             raise SyncError(f"{self.url}/health: {type(err).__name__}: {err}") from None
