@@ -9,7 +9,7 @@ import torch
 from megatron_qarl.config import OptimConfig, ParallelConfig
 from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.moe.parallelize import free_port, init_parallel, run_ranks
+from megatron_qarl.moe.parallelize import barrier, free_port, init_parallel, run_ranks
 from megatron_qarl.moe.verify import world_size
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import quantize_checkpoint
@@ -286,8 +286,8 @@ def test_a_nan_on_one_expert_parallel_rank_fails_every_rank_alike_and_the_server
 
 def _slow_server_syncs(model_dir: str, url: str, server_pid: int, collective_s: float) -> dict:
     """TP2 learner (gloo) whose groups wait ``collective_s``; the server stops (SIGSTOP) at its first weight-update
-    call of a sync for longer than that (1 MiB buckets: rank 1 is then in the payload's next gather), first within
-    the sync's bound, then past it."""
+    call of a sync for longer than that (rank 1 is then in the payload's next gather), first within the sync's bound,
+    then past it."""
     import datetime
     import os
     import signal
@@ -318,11 +318,14 @@ def _slow_server_syncs(model_dir: str, url: str, server_pid: int, collective_s: 
         if dist.get_rank() == 0:
             WeightUpdateAPI.update_weights_from_distributed = stopped
 
+    # the trainer's driver waits for every rank's sync call before it starts the next (Ray): so do the ranks here
+    driver = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=120))
     out = {}
     for case, stop_s, sync_s in (("within", 3 * collective_s, 6 * collective_s),
                                  ("past", 5 * collective_s, 2 * collective_s)):
         server_stops_for(stop_s)
-        sync = DistributedBroadcaster([Engine(url)], dtype=torch.float32, bucket_bytes=1 << 20, timeout_s=sync_s,
+        # 16 KiB buckets: the first holds the embedding alone, so rank 1 is in the next tensor's TP gather meanwhile
+        sync = DistributedBroadcaster([Engine(url)], dtype=torch.float32, bucket_bytes=16 << 10, timeout_s=sync_s,
                                       group_name=f"wug-{case}")
         t0 = time.monotonic()
         try:
@@ -331,6 +334,7 @@ def _slow_server_syncs(model_dir: str, url: str, server_pid: int, collective_s: 
         except SyncError as err:
             out[case] = ("SyncError", str(err), time.monotonic() - t0)
         sync.close()
+        barrier(driver)
     return out
 
 

@@ -53,6 +53,7 @@ second session and checked again (a second disagreement raises SyncError).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable
 
@@ -67,6 +68,8 @@ from megatron_qarl.sync.transport import BroadcastTransport, all_at_once, peer_w
 from megatron_qarl.sync.verify import check_sent, disagreements
 from megatron_qarl.sync.weight_update import CLEANUP_S, Engine, SyncError, WeightUpdateAPI
 from megatron_qarl.wire import dtype_name
+
+log = logging.getLogger(__name__)
 
 OUTCOME_BYTES = 4096  # the sync's outcome as rank 0 broadcasts it: a failure's message, UTF-8, cut to this
 
@@ -156,10 +159,15 @@ class DistributedBroadcaster:
         try:
             self._send(tensors, version, report, checksums, paused)
         except BaseException as err:
-            for _ in tensors:  # the other learner ranks are still in the payload's gathers: finish them
-                pass
-            share_outcome(str(err) if isinstance(err, SyncError) else f"{type(err).__name__} on learner rank 0 "
-                          f"during the weight sync: {err}", groups)
+            problem = str(err) if isinstance(err, SyncError) else \
+                f"{type(err).__name__} on learner rank 0 during the weight sync: {err}"
+            try:
+                for _ in tensors:  # the other learner ranks are still in the payload's gathers: finish them
+                    pass
+                share_outcome(problem, groups)
+            except Exception as lost:  # noqa: BLE001 - a peer gone too (its gathers broken): keep rank 0's own error
+                log.warning("the other learner ranks were not told of the failed sync (%s: %s)",
+                            type(lost).__name__, lost)
             self._after_failure(paused)
             raise
         share_outcome("", groups)
