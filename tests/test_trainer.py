@@ -102,17 +102,34 @@ def test_closing_ray_learner_ranks_logs_what_it_swallows(caplog):
     assert "closing the learner ranks failed: RuntimeError: close: the actor died" in caplog.text
 
 
-def _two_checkpoints(model_dir: str, root: str) -> None:
-    from megatron_qarl.config import OptimConfig, ParallelConfig
-    from megatron_qarl.learner.rank import Learner
-    from megatron_qarl.moe.model import Qwen3MoeArch
-    from megatron_qarl.moe.parallelize import init_parallel
+def _learner_worker(out: str):
+    """Learner rank 0 of configs/cpu_default.yaml (one rank, its output dir ``out``), set up as the trainer's is."""
+    from megatron_qarl.learner.worker import LearnerWorker
 
-    init_parallel()
-    learner = Learner(Qwen3MoeArch.from_model_dir(model_dir), ParallelConfig(), OptimConfig())
+    worker = LearnerWorker(load_config(CPU_DEFAULT, [f"train.output_dir={out}"]), 0, 1)
+    worker.setup(*worker.address())
+    return worker
+
+
+def _two_checkpoints(out: str) -> None:
+    """Two checkpoints of configs/cpu_default.yaml's learner, as the trainer saves and commits them."""
+    import dataclasses
+
+    from megatron_qarl.train.trainer import TrainerState
+
+    worker = _learner_worker(out)
+    root, cfg = f"{out}/checkpoints", worker.cfg
     for step in (1, 2):
-        ckpt.save_learner(ckpt.tmp_dir(root, step), learner.module, learner.optimizer)
-        ckpt.commit(root, step, {"trainer": {"step": step}}, keep=3)
+        worker.save(str(ckpt.tmp_dir(root, step)))
+        data = {"epoch": 0, "index": step * cfg.train.prompts_per_step, "seed": cfg.data.synthetic.seed}
+        ckpt.commit(root, step, {"trainer": dataclasses.asdict(TrainerState(step, step + 1, data))}, keep=3)
+
+
+def _loads(out: str, path: str) -> int:
+    """The weight version a fresh learner rank holds after loading the checkpoint ``path``."""
+    worker = _learner_worker(out)
+    worker.load(path, 7)
+    return worker.weight_version
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +138,7 @@ def run_with_checkpoints(tmp_path_factory, tiny_model_dir):
     from megatron_qarl.moe.parallelize import run_ranks
 
     out = tmp_path_factory.mktemp("run")
-    run_ranks(1, _two_checkpoints, tiny_model_dir, str(out / "checkpoints"))
+    run_ranks(1, _two_checkpoints, str(out))
     return out
 
 
@@ -158,3 +175,7 @@ def test_resume_from_a_corrupt_checkpoint_names_the_file_and_the_older_one(damag
     assert ckpt.resume_point(out / "checkpoints", str(older)) == older  # what --resume CHECKPOINT continues from
     with pytest.raises(Exception, match="no older checkpoint in .* checks out"):
         ckpt.resume_point(out / "checkpoints", str(older.with_name("step_000000")))
+    if damage == "truncated .distcp":  # and the learner loads it
+        from megatron_qarl.moe.parallelize import run_ranks
+
+        assert run_ranks(1, _loads, str(out), str(older)) == [7]
