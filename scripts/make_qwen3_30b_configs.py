@@ -78,7 +78,8 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
         "# (config.json): give the weights with model.path=/path/to/Qwen3-30B-A3B; data.source and train.eval.data\n"
         "# are dapo-math-17k and AIME 2024 in the DAPO parquet layout (prompt: chat messages,\n"
         "# reward_model.ground_truth).\n"
-        f"# Submit (repository root): python -m launch.slurm submit configs/qwen3-30b-a3b/{name}.yaml model.path=...\n"
+        f"# Submit (repository root): python -m launch.slurm submit --config configs/qwen3-30b-a3b/{name}.yaml "
+        "model.path=...\n"
         f"# SGLang servers run on {SERVER_PYTHON} (their own environment, docs/cluster.md \"Installing\"); elsewhere:\n"
         "# rollout.server_python=/path/to/env/bin/python (or QARL_SERVER_PYTHON=... for slurm/qarl.sbatch).\n"
     )
