@@ -2,6 +2,6 @@
 ``megatron_qarl.launch``). ``qarl slurm submit`` and ``qarl slurm local-cluster`` run the same code from any directory
 (megatron_qarl/launch/cli.py):
 
-    python -m launch.slurm submit CONFIG [key.sub=value ...]     sbatch slurm/qarl.sbatch for a run config
-    python -m launch.local_slurm --root DIR --nodes N            a real Slurm on this host, for trying the above
+    python -m launch.slurm submit --config CONFIG [key.sub=value ...]   sbatch slurm/qarl.sbatch for a run config
+    python -m launch.local_slurm --root DIR --nodes N                   a real Slurm on this host, for trying the above
 """

@@ -1,5 +1,5 @@
-"""``python -m launch.slurm submit [--dry-run] [--sbatch-arg=ARG ...] CONFIG [key.sub=value ...]``: a Slurm run of
-slurm/qarl.sbatch (``--help`` for every command). The code: megatron_qarl/launch/slurm.py."""
+"""``python -m launch.slurm submit [--dry-run] [--sbatch-arg=ARG ...] --config CONFIG [key.sub=value ...]``: a Slurm
+run of slurm/qarl.sbatch (``--help`` for every command). The code: megatron_qarl/launch/slurm.py."""
 
 import sys
 

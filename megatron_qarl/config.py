@@ -199,7 +199,18 @@ class SyncConfig(_Section):
     bucket_mb: int = Field(default=512, ge=1)
     verify: bool = False  # servers report checksums of what they received; a difference fails the run
     delta: bool = False  # after a full sync, send only changed blocks (embedded servers; docs/rollout.md)
+    # timeout_s: each stretch of learner rank 0's sync I/O (the preamble: health, the weight-update group, pause,
+    # flush; a session's start; one bucket: its broadcast and every server's answer; a session's end); the other
+    # ranks wait in the sync's own collectives for peer_wait_s (2 x timeout_s + 60 s; sync/transport.py)
     timeout_s: float = Field(default=300.0, gt=0)
+
+    @property
+    def peer_wait_s(self) -> float:
+        """How long the learner ranks other than 0 may wait in one of the sync's collectives (sync/transport.py
+        ``peer_wait_s``: 2 x timeout_s + CLEANUP_S + PEER_SLACK_S)."""
+        from megatron_qarl.sync.transport import peer_wait_s
+
+        return peer_wait_s(self.timeout_s)
 
 
 class RolloutConfig(_Section):
@@ -369,20 +380,29 @@ class LaunchConfig(_Section):
     # qarl train measures a GPU of its node (torch.cuda), qarl plan assumes an H100 80GB (79.65)
     gpu_gib: float | None = Field(default=None, gt=0)
     memory_check: bool = True  # qarl train refuses a GPU learner run that qarl plan says does not fit
-    # every wait on another process is bounded (docs/cluster.md, "Every wait is bounded"):
-    # rank_timeout_s: one call of every learner rank's Ray actor (setup: build + load, a step, a sync, a save);
-    # past it the trainer raises a UserError naming the rank, the call and Ray's resources
+    # every wait on another process is bounded, and the bounds nest (docs/cluster.md, "Every wait is bounded"):
+    # rank_timeout_s: one call of every learner rank's Ray actor (setup: build + load, a step, a whole sync, a save);
+    # past it the trainer raises a UserError naming the rank, the call and Ray's resources. Above every bound a rank
+    # waits through inside one call: collective_timeout_s, checkpoint_timeout_s, rollout.sync's peer wait
     rank_timeout_s: float = Field(default=1800.0, gt=0)
-    # collective_timeout_s: torch.distributed's learner groups (the default group and Megatron's): a collective
-    # whose peers do not join within it fails on gloo and NCCL alike, instead of NCCL's silent default
+    # collective_timeout_s: torch.distributed's learner groups (the default group and Megatron's, each exactly): a
+    # collective whose peers do not join within it fails on gloo and NCCL alike, instead of NCCL's silent default.
+    # The weight sync's collectives have their own bound (rollout.sync.timeout_s), the checkpoint's the next key
     collective_timeout_s: float = Field(default=COLLECTIVE_TIMEOUT_S, gt=0)
+    # checkpoint_timeout_s: the learner groups' collectives while a checkpoint is saved or loaded (dist-checkpointing's
+    # gathers and barriers wait for the slowest rank's writes or reads of its shards, e.g. on a shared file system)
+    checkpoint_timeout_s: float = Field(default=1200.0, gt=0)
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> LaunchConfig:
-        if self.rank_timeout_s <= self.collective_timeout_s:
-            raise ConfigError(f"launch.rank_timeout_s: {self.rank_timeout_s:g} s must be above "
-                              f"launch.collective_timeout_s ({self.collective_timeout_s:g} s): a rank stuck in a "
-                              "collective then fails with torch's error naming the collective, not a Ray timeout")
+        for key, inner, why in (
+                ("launch.collective_timeout_s", self.collective_timeout_s, "a rank stuck in a collective then fails "
+                 "with torch's error naming the collective, not a Ray timeout"),
+                ("launch.checkpoint_timeout_s", self.checkpoint_timeout_s, "a save or load is one call of the "
+                 "ranks: a rank stuck in its collectives fails with torch's error first")):
+            if self.rank_timeout_s <= inner:
+                raise ConfigError(f"launch.rank_timeout_s: {self.rank_timeout_s:g} s must be above {key} ({inner:g} "
+                                  f"s): {why}")
         return self
 
 
@@ -422,6 +442,7 @@ class QarlConfig(_Section):
                               "train: the learner divides its logits by the rollout's temperature, as SGLang's "
                               "returned log-probs are of the temperature-scaled logits")
         self._check_learner_memory_options()
+        self._check_sync_bound()
         from megatron_qarl.moe.te import check_te_fp8
 
         check_te_fp8(self.model.te_fp8, self.model.impl, self.quant.scheme)
@@ -430,6 +451,19 @@ class QarlConfig(_Section):
                               "is te (Transformer Engine's grouped experts, TEGroupedMLP); use model.experts=auto or "
                               "model.impl=local")
         return self
+
+    def _check_sync_bound(self) -> None:
+        """A sync is one call of the learner ranks (launch.rank_timeout_s); inside it the ranks other than 0 wait in
+        the sync's collectives up to rollout.sync's peer wait (2 x rollout.sync.timeout_s + 60 s), which must end
+        first, so a slow server is named by the sync's SyncError, not by Ray's timeout."""
+        peer, rank = self.rollout.sync.peer_wait_s, self.launch.rank_timeout_s
+        if rank <= peer:
+            raise ConfigError(f"launch.rank_timeout_s: {rank:g} s must be above the weight sync's peer wait {peer:g} s "
+                              f"(2 x rollout.sync.timeout_s = 2 x {self.rollout.sync.timeout_s:g} s, + "
+                              f"{peer - 2 * self.rollout.sync.timeout_s:g} s): the "
+                              "learner ranks other than 0 wait that long in the sync's collectives while rank 0 "
+                              "talks to the servers, inside one LearnerWorker.sync call; lower rollout.sync.timeout_s "
+                              "or raise launch.rank_timeout_s")
 
     @property
     def sync_pause_mode(self) -> str:

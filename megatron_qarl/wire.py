@@ -63,13 +63,28 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[key]
 
 
+# The weight-update group's own timeout stands this far above the sync's deadline (rollout.sync.timeout_s): NCCL starts
+# an op's clock when it is enqueued, before the trainer takes its deadline, and with TORCH_NCCL_ASYNC_ERROR_HANDLING at
+# its default the watchdog ends the process when that clock runs out; the margin lets the trainer's deadline fire
+# first, raise its SyncError naming the servers and destroy the group (docs/cluster.md, "Every wait is bounded")
+GROUP_MARGIN_S = 60.0
+
+
+def group_timeout_s(sync_timeout_s: float) -> float:
+    """The weight-update group's timeout, on both ends: rollout.sync.timeout_s + GROUP_MARGIN_S."""
+    return sync_timeout_s + GROUP_MARGIN_S
+
+
 def init_custom_process_group(
-    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
+    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0,
+    rendezvous_s: float | None = None,
 ) -> dist.ProcessGroup:
-    """Join (or, as rank 0, host) a process group that is not the default one; blocks until all join."""
+    """Join (or, as rank 0, host) a process group that is not the default one; blocks until all join (within
+    ``rendezvous_s``, default ``timeout_s``); its collectives wait ``timeout_s``."""
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    meet = timedelta(seconds=timeout_s if rendezvous_s is None else rendezvous_s)
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=meet))
+    store.set_timeout(meet)
     store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(
         world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout

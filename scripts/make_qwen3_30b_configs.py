@@ -79,7 +79,7 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
         "# model.path=/path/to/Qwen3-30B-A3B; data.source and train.eval.data are DAPO-Math-17k and AIME 2024 in the\n"
         "# DAPO parquet layout (prompt: chat messages, reward_model.ground_truth), made by `qarl data prepare --from\n"
         "# <the downloaded files> --to data/` at the repository root (docs/data.md).\n"
-        f"# Submit: qarl slurm submit configs/qwen3-30b-a3b/{name}.yaml model.path=...\n"
+        f"# Submit: qarl slurm submit --config configs/qwen3-30b-a3b/{name}.yaml model.path=...\n"
         f"# SGLang servers run on {SERVER_PYTHON} (their own environment, docs/cluster.md \"Installing\"); elsewhere:\n"
         "# rollout.server_python=/path/to/env/bin/python (or QARL_SERVER_PYTHON=... for slurm/qarl.sbatch).\n"
     )
@@ -100,7 +100,9 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
             "max_batch_size": -(-PROMPTS * SAMPLES // servers), "mem_fraction_static": 0.8,
             "sampling": {"n_samples": SAMPLES, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": RESPONSE},
             "timeout_s": 3600.0, "startup_timeout_s": 1800.0,
-            "sync": {"bucket_mb": 1024, "timeout_s": 1800.0},
+            # each stretch of the sync's I/O (the group's creation, one 1 GiB bucket and the servers' load of it);
+            # the other learner ranks then wait up to 2 x 600 + 60 s in the sync's collectives (docs/cluster.md)
+            "sync": {"bucket_mb": 1024, "timeout_s": 600.0},
             # SGLang runs in its own environment (requirements/sglang-server.txt; docs/cluster.md "Installing")
             "server_python": SERVER_PYTHON,
         },
@@ -113,7 +115,11 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
                               "shuffle": False}},
         },
         "launch": {"backend": "ray", "ray_address": "auto", "gpus_per_learner_rank": 1, "master_addr": "auto",
-                   "server_host": "0.0.0.0", "nodes": nodes, "gpus_per_node": GPUS_PER_NODE},
+                   "server_host": "0.0.0.0", "nodes": nodes, "gpus_per_node": GPUS_PER_NODE,
+                   # the bounds nest (docs/cluster.md, "Every wait is bounded"): one call of the learner ranks (a
+                   # step of 256 x 9216 tokens, a whole sync, a save of ~0.4 TB of shards) > a checkpoint's
+                   # collectives (the slowest rank's writes to a shared file system) > the learner's collectives
+                   "rank_timeout_s": 7200.0, "checkpoint_timeout_s": 3600.0, "collective_timeout_s": 300.0},
         "seed": 1234,
     }
     return header + memory_header(cfg, f"configs/qwen3-30b-a3b/{name}.yaml"), cfg

@@ -232,3 +232,86 @@ def test_float8_codes_cross_a_gloo_group_bit_for_bit():
     """gloo has no float8 type: main before issue 29 raised "Invalid scalar type" at the first weight sync of every
     w8a8_fp8 run with the embedded server (found by tests/test_combinations.py's runs)."""
     assert parallelize.run_ranks(2, _float8_broadcast) == [True, True]
+
+
+def _half_an_answer_then_death() -> str:
+    """Rank 1 writes the header of a 1 MiB message and 3 of its bytes on every pipe it may answer on, then dies."""
+    import gc
+    import os
+    from multiprocessing.connection import Connection
+
+    if int(os.environ["RANK"]) == 1:
+        for conn in [o for o in gc.get_objects() if isinstance(o, Connection)]:
+            if conn.writable and not conn.readable and not conn.closed:
+                os.write(conn.fileno(), (1 << 20).to_bytes(4, "big") + b"abc")
+        os._exit(3)
+    return "rank 0's answer"
+
+
+def _run_two_ranks_that_die_mid_answer() -> str:
+    try:
+        parallelize.run_ranks(2, _half_an_answer_then_death, timeout=60)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_dies_half_way_through_its_answer_is_named_not_waited_for():
+    """Issue 53 item 5: run_ranks read every rank's answer from one shared queue, whose pipe this process also held
+    open for writing, so a rank that died after the first bytes of its answer left ``queue.get()`` waiting for the
+    rest, forever (no end of file; past run_ranks' own timeout too). Now each rank answers on its own pipe: its death
+    is an end of file, named."""
+    from bounded_child import run_in_child
+
+    message = run_in_child(_run_two_ranks_that_die_mid_answer, timeout_s=90, name="run_ranks, rank 1 dies")
+    assert "rank 1: exited (code 3) without a result" in message, message
+
+
+def _group_timeouts(timeout_s: float) -> dict[str, float]:
+    """Every process group Megatron created (and the default group), as its backend holds its timeout."""
+    from megatron.core import parallel_state as ps
+
+    parallelize.init_parallel(timeout_s=timeout_s)
+    out = {}
+    for group in ps._global_process_group_list:
+        pg = group or dist.distributed_c10d._get_default_group()
+        backend = pg._get_backend(torch.device("cpu"))
+        out[pg.group_desc or pg.group_name] = backend.options._timeout.total_seconds()
+    return out
+
+
+def test_every_learner_group_waits_exactly_collective_timeout_s():
+    """Issue 53 item 5: Megatron's groups took launch.collective_timeout_s rounded up to whole minutes, and its
+    expert-data-parallel gloo group none at all (gloo's 30 minutes: ``create_group`` without ``timeout``)."""
+    timeouts = parallelize.run_ranks(1, _group_timeouts, 7.5)[0]
+    assert "EXPERT_DATA_PARALLEL_GROUP_GLOO" in timeouts and len(timeouts) > 10, timeouts
+    assert set(timeouts.values()) == {7.5}, timeouts
+
+
+def _checkpoint_bound_timeouts() -> tuple[set, set, set]:
+    """Every learner group's timeout before, inside and after ``collective_timeout`` (a checkpoint's bound)."""
+    from megatron_qarl.learner.worker import LearnerWorker
+
+    def timeouts():
+        return {g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for g in parallelize.learner_groups()}
+
+    from megatron_qarl.preflight.rules import load_config
+
+    cfg = load_config(REPO / "configs" / "cpu_default.yaml",
+                      ["launch.collective_timeout_s=7.5", "launch.checkpoint_timeout_s=99"])
+    parallelize.init_parallel(timeout_s=cfg.launch.collective_timeout_s)  # as LearnerWorker.setup does
+    worker = LearnerWorker(cfg, 0, 1)
+    before = timeouts()
+    with worker._checkpoint_bound():
+        inside = timeouts()
+    return before, inside, timeouts()
+
+
+def test_a_checkpoint_waits_its_own_bound_and_the_collectives_theirs_after():
+    """Issue 53 item 1: dist-checkpointing's save and load and save_learner's barriers ran on the learner's groups
+    under launch.collective_timeout_s, so a rank that finished writing its shards more than that before the slowest
+    timed out. Now every learner group waits launch.checkpoint_timeout_s while a checkpoint is saved or loaded."""
+    before, inside, after = parallelize.run_ranks(1, _checkpoint_bound_timeouts)[0]
+    assert (before, inside, after) == ({7.5}, {99.0}, {7.5})

@@ -223,3 +223,43 @@ def test_relative_paths_follow_one_rule_from_any_working_directory(tmp_path, mon
     assert Path(cfg.model.path) == Path(tiny_model_dir).resolve()
     assert load_config(mine, ["data.source=synthetic"]).data.source == "synthetic"  # no path
     assert load_config(mine, ["train.output_dir=elsewhere"]).train.output_dir == str(tmp_path / "elsewhere")
+
+
+def test_every_config_loads_and_its_bounds_nest():
+    """Issue 53 item 1: every config under configs/ loads, and in each the bounds nest as docs/cluster.md's table
+    says: one call of the learner ranks (launch.rank_timeout_s) outlasts every wait inside it."""
+    root = Path(__file__).resolve().parents[1] / "configs"
+    paths = sorted(root.rglob("*.yaml"))
+    assert len(paths) == 22
+    for path in paths:
+        cfg = load_config(path)
+        la, sync = cfg.launch, cfg.rollout.sync
+        assert la.rank_timeout_s > max(la.collective_timeout_s, la.checkpoint_timeout_s, sync.peer_wait_s), path
+        assert sync.peer_wait_s == 2 * sync.timeout_s + 60.0  # the formula the docs and the errors quote
+
+
+@pytest.mark.parametrize("overrides, keys", [
+    (["launch.rank_timeout_s=600", "launch.collective_timeout_s=600"],
+     ("launch.rank_timeout_s: 600 s must be above launch.collective_timeout_s (600 s)",)),
+    (["launch.rank_timeout_s=1000", "launch.checkpoint_timeout_s=1200"],
+     ("launch.rank_timeout_s: 1000 s must be above launch.checkpoint_timeout_s (1200 s)",)),
+    (["rollout.sync.timeout_s=900"],  # a sync's peer wait: 2 x 900 + 60 = 1860 s, past the default 1800 s
+     ("launch.rank_timeout_s: 1800 s must be above the weight sync's peer wait 1860 s",
+      "2 x rollout.sync.timeout_s = 2 x 900 s, + 60 s")),
+])
+def test_an_inverted_pair_of_bounds_is_refused_naming_both_keys(overrides, keys, tiny_model_dir):
+    """Before issue 53 only launch.rank_timeout_s against launch.collective_timeout_s was checked: a sync bound of
+    1800 s (the 30B configs') passed with a rank bound of 1800 s, and the checkpoint had no bound of its own."""
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/cpu_default.yaml", overrides)
+    for text in keys:
+        assert text in str(err.value), str(err.value)
+
+
+def test_a_sync_bound_above_the_collective_bound_loads(tiny_model_dir):
+    """The learner ranks other than 0 no longer wait through the sync's I/O in the learner's collectives (they wait in
+    the sync's own, bounded by the sync's peer wait), so rollout.sync.timeout_s may exceed launch.collective_timeout_s;
+    what remains is that one call of the ranks outlasts the sync's peer wait."""
+    cfg = load_config("configs/cpu_default.yaml", ["rollout.sync.timeout_s=600", "launch.collective_timeout_s=60"])
+    assert cfg.rollout.sync.timeout_s > cfg.launch.collective_timeout_s
+    assert cfg.rollout.sync.peer_wait_s == 1260.0 < cfg.launch.rank_timeout_s

@@ -161,3 +161,17 @@ def test_config_validation():
     with pytest.raises(ValueError, match="module-level"):
         RewardScorer(RewardConfig(kind="exact"), verify_fn=lambda b, t: True)
 
+
+
+def test_a_worker_that_fails_at_start_up_is_reported_with_its_own_exit_code(monkeypatch):
+    """Issue 53 item 5: a worker whose verify function cannot be imported exits 1; the scorer, seeing its socket
+    close, sent SIGTERM before it waited (``reap``), so the error said code -15. Now it waits for the exit first."""
+    from megatron_qarl.data import reward
+
+    monkeypatch.setattr(reward, "_function_spec", lambda fn: "no_such_module_of_issue_53:verify")
+    scorer = RewardScorer(RewardConfig(workers=1))
+    try:
+        with pytest.raises(RuntimeError, match=r"reward worker exited during start-up \(code 1\)"):
+            scorer.score(["\\boxed{1}"], ["1"])
+    finally:
+        scorer.close()

@@ -255,3 +255,22 @@ def test_ending_the_ray_node_task_ends_its_ray_and_starts_nothing_again(tmp_path
     rc = join_ray(node, os.environ, head_up=lambda: True)
     assert rc == -signal.SIGTERM and starts.read_text().splitlines() == ["start"]
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_submit_waits_for_sbatch_within_a_bound(monkeypatch, tmp_path, capsys):
+    """Issue 53 item 5: ``submit`` waited on sbatch without a bound (sbatch itself waits on slurmctld). An sbatch
+    that never answers (an unreachable controller, stood in for by a program that sleeps) now ends the submit with a
+    UserError after SBATCH_TIMEOUT_S."""
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\nexec sleep 600\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(slurm, "SBATCH_TIMEOUT_S", 2.0)
+    monkeypatch.chdir(REPO)
+    t0 = time.monotonic()
+    assert slurm.main(["submit", "--config", "configs/cpu_default.yaml", f"train.output_dir={tmp_path}"]) == 2
+    assert time.monotonic() - t0 < 30
+    assert "sbatch gave no answer within 2 s" in capsys.readouterr().err

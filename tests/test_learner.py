@@ -307,3 +307,17 @@ def test_optimizer_cpu_offload_and_full_recompute_with_replay_are_refused(tiny_m
             Learner(arch, ParallelConfig(), OptimConfig(), optimizer_cpu_offload=True)
     with pytest.raises(ValueError, match=r"recompute: 'full' reruns the routers in the backward"):
         Learner(arch, ParallelConfig(), OptimConfig(), routing_replay=True, recompute="full")
+
+
+def test_a_learner_rank_refuses_an_nccl_environment_that_would_not_honour_its_timeouts(monkeypatch):
+    """Issue 53 item 5: what matters is the environment each rank's actor got (legacy names included), checked
+    there before the rank joins a group; on gloo the variables change nothing."""
+    from megatron_qarl.errors import UserError
+    from megatron_qarl.learner import worker
+    from megatron_qarl.moe import parallelize
+
+    worker.require_bounded_nccl(3, {"NCCL_ASYNC_ERROR_HANDLING": "0"})  # gloo here: fine
+    monkeypatch.setattr(parallelize, "dist_backend", lambda: "nccl")
+    with pytest.raises(UserError, match=r"learner rank 3: NCCL_ASYNC_ERROR_HANDLING=0 \(torch's legacy name"):
+        worker.require_bounded_nccl(3, {"NCCL_ASYNC_ERROR_HANDLING": "0"})
+    worker.require_bounded_nccl(3, {"NCCL_ASYNC_ERROR_HANDLING": "1"})

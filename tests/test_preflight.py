@@ -431,10 +431,18 @@ def test_preflight_reports_the_waits_bounds_and_refuses_a_nccl_that_would_not_ho
 
     gpu = load_config("configs/qwen3-30b-a3b/w4a16_tbpo_2x8.yaml")
     ok = timeouts_finding(gpu, environ={})
-    assert ok.ok and "launch.collective_timeout_s 300 s < launch.rank_timeout_s 1800 s" in ok.detail, ok
+    assert ok.ok and ("launch.collective_timeout_s 300 s, launch.checkpoint_timeout_s 3600 s and the sync's peer "
+                      "wait 1260 s (2 x rollout.sync.timeout_s 600 s + 60 s) < launch.rank_timeout_s 7200 s"
+                      in ok.detail), ok
     bad = timeouts_finding(gpu, environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
     assert bad.ok is False and bad.key == "launch.collective_timeout_s" and "only logged" in bad.detail, bad
     assert timeouts_finding(gpu, environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}).ok
+    # issue 53: torch honours the legacy names too (the TORCH_ one wins where both are set; ProcessGroupNCCL.hpp)
+    legacy = timeouts_finding(gpu, environ={"NCCL_ASYNC_ERROR_HANDLING": "0"})
+    assert legacy.ok is False and "NCCL_ASYNC_ERROR_HANDLING=0 (torch's legacy name of " in legacy.detail, legacy
+    assert timeouts_finding(gpu, environ={"NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_BLOCKING_WAIT": "true"}).ok
+    assert timeouts_finding(gpu, environ={"NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}).ok
+    assert not timeouts_finding(gpu, environ={"TORCH_NCCL_BLOCKING_WAIT": "maybe"}).ok
     assert timeouts_finding(load_config("configs/cpu_default.yaml"),
                             environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}).ok
     with pytest.raises(ConfigError, match=r"launch\.rank_timeout_s: 60 s must be above launch\.collective_timeout_s"):

@@ -193,7 +193,7 @@ def test_cli_errors(tiny_model, tmp_path):
         _quantize_via_cli(tmp_path / "missing", "w4a16", tmp_path / "d")
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "config.json").write_text("{}")
+    (bad / "config.json").write_text((Path(tiny_model) / "config.json").read_text())  # qarl quantize takes Qwen3-MoE
     w = torch.zeros(8, 128, dtype=torch.bfloat16)
     w[0, 0] = float("inf")
     save_file({"model.layers.0.mlp.experts.0.up_proj.weight": w}, str(bad / "model.safetensors"))

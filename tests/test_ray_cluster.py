@@ -132,3 +132,44 @@ def test_qarl_trains_exit_paths_leave_no_placement_group(ray_two_cpus, tmp_path,
     with pytest.raises(raised):
         cli.run(_cfg(tmp_path), progress=False, preflight=False)
     assert_nothing_left(ray_two_cpus)
+
+
+def test_a_close_after_a_stuck_rank_takes_one_bound_not_one_per_wait(ray_two_cpus, tmp_path):
+    """Issue 53 item 4: after a learner rank's call timed out, ``RayLearnerRanks.close`` queued ``close`` behind the
+    stuck call on the same actor and waited another launch.rank_timeout_s (here 5 s), and ``RayCluster.close`` then
+    stopped the servers one after another (3 x 3 s here; up to rollout.timeout_s each). Now nothing is queued behind
+    a stuck call (the actors are killed) and the servers stop at once: the whole close takes one server's stop."""
+    from megatron_qarl.errors import UserError
+    from megatron_qarl.launch.ray_launcher import RayCluster, RayLearnerRanks
+    from megatron_qarl.learner.worker import LearnerWorker
+    from megatron_qarl.moe.parallelize import free_port
+
+    class SlowToStop:  # defined here: Ray pickles it by value (the workers cannot import tests/)
+        """A rollout server's actor whose stop takes ``seconds`` (a server using its SIGTERM grace)."""
+
+        def __init__(self, seconds: float):
+            self.seconds = seconds
+
+        def stop(self) -> None:
+            time.sleep(self.seconds)
+
+    ray = ray_two_cpus
+    cfg = _cfg(tmp_path)
+    rank = ray.remote(LearnerWorker).options(num_cpus=0, runtime_env={"env_vars": {"LOCAL_RANK": "0"}}).remote(
+        cfg, 0, 2)  # rank 0 of a world of two whose rank 1 never comes: its setup waits in the rendezvous
+    ray.get(rank.address.remote(), timeout=120)  # the actor is up: the next call runs, it is not queued
+    learners = RayLearnerRanks([rank], timeout_s=5.0)
+    with pytest.raises(UserError, match=r"LearnerWorker\.setup on 1 learner rank\(s\) .*no answer within 5 s"):
+        learners.on_every_rank(LearnerWorker.setup, "127.0.0.1", free_port())
+    servers = [ray.remote(SlowToStop).options(num_cpus=0).remote(3.0) for _ in range(3)]
+    ray.get([s.__ray_ready__.remote() for s in servers], timeout=60)
+    cluster = RayCluster.__new__(RayCluster)  # the cluster around them, as __init__ leaves it
+    cluster.pg, cluster.actors, cluster.server_actors = None, [rank], servers
+    cluster._stop_timeout_s = cfg.rollout.timeout_s  # what main before issue 53 read
+    t0 = time.monotonic()
+    learners.close()
+    cluster.close()
+    took = time.monotonic() - t0
+    print(f"\nclose after a stuck rank, 3 servers each 3 s to stop: {took:.1f} s")
+    assert took < 8.0, took  # before: >= 5 (the queued close) + 9 (three stops in turn)
+    assert cluster.actors == [] and cluster.server_actors == []

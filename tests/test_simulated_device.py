@@ -132,3 +132,65 @@ def test_the_smoke_wants_a_model_it_can_find(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--model: checkpoints/tiny-qwen3-moe holds no config.json"):
         gpu_smoke.model_dir(None)
     assert gpu_smoke.model_dir(str(REPO / "checkpoints" / "tiny-qwen3-moe")).endswith("tiny-qwen3-moe")
+
+
+# ---------------------------------------------------------------------------------- clipping under optimizer offload
+def _offload_clip(model_dir: str) -> dict:
+    """A bf16 learner with ``optimizer_cpu_offload`` (Megatron's HybridDeviceOptimizer under its precision-aware
+    distributed optimizer) on the simulated device: one backward, then its gradients clipped by the learner's
+    ``clip_gradients`` and, from the same gradients, by Megatron's own ``clip_grad_norm`` of the same optimizer."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_qarl.config import OptimConfig, ParallelConfig
+    from megatron_qarl.learner.rank import Batch, Learner, clip_gradients, token_mean_nll
+    from megatron_qarl.moe.model import Qwen3MoeArch
+    from megatron_qarl.moe.parallelize import init_parallel, single_rank_env
+
+    single_rank_env()
+    dist.init_process_group("gloo")  # the simulated GPU has no NCCL: its groups are gloo
+    torch.manual_seed(0)
+    with simulated_cuda():
+        init_parallel()
+        arch = Qwen3MoeArch.from_model_dir(model_dir)
+        learner = Learner(arch, ParallelConfig(), OptimConfig(clip_grad=0.5), dtype=torch.bfloat16,
+                          optimizer_cpu_offload=True)
+        learner.load_hf(model_dir)
+        tokens, mask = torch.randint(0, arch.vocab_size, (2, 16)), torch.ones(2, 15)
+        learner.model.zero_grad_buffer()
+        learner.optimizer.zero_grad()
+        token_mean_nll(learner.logprobs(tokens), Batch(tokens, mask).to(learner.device), 30)[0].backward()
+        finalize_model_grads([learner.model])
+        assert not learner.optimizer.prepare_grads()
+        norm = float(learner.optimizer.get_grad_norm())
+        params = [p for opt in learner.optimizer.chained_optimizers for p in opt.get_parameters()]
+        held = [p for p in params if getattr(p, "decoupled_grad", None) is not None]
+        before = [p.decoupled_grad.clone() for p in held]
+        clip_gradients(learner.optimizer, 0.5, norm)  # what Learner.train_step clips with
+        ours = [p.decoupled_grad.clone() for p in held]
+        for p, g in zip(held, before, strict=True):
+            p.decoupled_grad.copy_(g)
+        megatron_norm = float(learner.optimizer.clip_grad_norm(0.5))
+        theirs = [p.decoupled_grad.clone() for p in held]
+        return {"norm": norm, "megatron_norm": megatron_norm, "params": len(params), "decoupled": len(held),
+                "grads": sum(p.grad is not None for p in params),
+                "scaled": [float(a.float().norm() / b.float().norm()) for a, b in zip(ours, before, strict=True)
+                           if bool(b.any())],
+                "equal": all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))}
+
+
+def test_clipping_under_optimizer_offload_clips_as_megatron_does():
+    """Issue 53 item 2: with learner.optimizer_cpu_offload the precision-aware distributed optimizer holds its shards'
+    gradients in ``.decoupled_grad`` (``.grad`` stays None); the learner's clip scaled ``.grad`` only, so nothing was
+    clipped while the logged norm (Megatron's, read from decoupled_grad) looked right. Now it passes
+    ``use_decoupled_grad`` as Megatron's ``clip_grad_norm`` does: the same gradients, bit for bit."""
+    from bounded_child import run_in_child
+
+    out = run_in_child(_offload_clip, str(REPO / "checkpoints" / "tiny-qwen3-moe"), timeout_s=300,
+                       name="offload clip")
+    print(f"\noffload clip: norm {out['norm']:.3f}, {out['decoupled']} of {out['params']} shard params hold "
+          f"decoupled_grad, {out['grads']} .grad; scaled by {min(out['scaled']):.4f}..{max(out['scaled']):.4f}")
+    assert out["decoupled"] == out["params"] > 0 and out["grads"] == 0  # the precision-aware path was taken
+    assert out["norm"] > 0.5 and out["megatron_norm"] == pytest.approx(out["norm"])
+    coeff = 0.5 / (out["norm"] + 1e-6)
+    assert all(s == pytest.approx(coeff, rel=1e-2) for s in out["scaled"]), out["scaled"]
+    assert out["equal"]

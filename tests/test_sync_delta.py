@@ -212,3 +212,29 @@ def test_a_bucket_without_a_group_is_refused_naming_it():
     t = BroadcastTransport([Engine("http://server.test")], group_name="g1", master_port=1)
     with pytest.raises(SyncError, match="no weight-update group 'g1'.*connect"):
         t.send([("w", torch.zeros(1))], "v1", None, None)
+
+
+def test_the_weight_update_group_outlives_the_syncs_deadline_and_closes_its_own_side_first(monkeypatch):
+    """Issue 53 item 3: the group was created with the same timeout as the broadcast's Python deadline, and close()
+    waited up to 30 s on the servers' destroy calls before destroying the local group: on NCCL the watchdog (which
+    starts an op's clock when it is enqueued) ended rank 0 before its SyncError. Now the group waits
+    rollout.sync.timeout_s + wire.GROUP_MARGIN_S, and close() destroys (on NCCL: aborts) its side first, then tells
+    the servers. Here a group of the trainer alone (gloo), its timeout read from the backend."""
+    import torch.distributed as dist
+
+    from megatron_qarl.moe.parallelize import free_port
+    from megatron_qarl.sync.transport import BroadcastTransport
+    from megatron_qarl.sync.weight_update import Engine, WeightUpdateAPI
+
+    t = BroadcastTransport([], timeout_s=7.0, master_port=free_port(), backend="gloo")
+    t.connect()
+    assert t.group._get_backend(torch.device("cpu")).options._timeout.total_seconds() == 7.0 + 60.0
+    order = []
+    api = WeightUpdateAPI(Engine("http://127.0.0.1:9"))
+    api.destroy_group = lambda name: order.append(f"the server told to destroy {name}")
+    t.apis = [api]
+    real = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group: (order.append("the local side"), real(group)))
+    t.close()
+    assert order == ["the local side", "the server told to destroy weight_update_group"]
+    assert t.group is None

@@ -9,7 +9,7 @@ import torch
 from megatron_qarl.config import OptimConfig, ParallelConfig
 from megatron_qarl.learner.rank import Batch, Learner, token_mean_nll
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.moe.parallelize import free_port, init_parallel, run_ranks
+from megatron_qarl.moe.parallelize import barrier, free_port, init_parallel, run_ranks
 from megatron_qarl.moe.verify import world_size
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.export import quantize_checkpoint
@@ -192,7 +192,7 @@ def test_a_bounded_sync_that_fails_continues_generation_so_no_request_waits_on_a
 
         sync.transport.session = failing_session
         real_payload = broadcaster_mod.iter_sync_tensors
-        broadcaster_mod.iter_sync_tensors = lambda _learner, _dtype: iter(())
+        broadcaster_mod.iter_sync_tensors = lambda *_args, **_kwargs: iter(())
         try:
             with pytest.raises(SyncError, match="the test's failure"):
                 sync.sync(learner=None)
@@ -232,7 +232,7 @@ def test_a_failing_continue_on_the_first_server_still_continues_the_second(monke
         api.continue_generation = recorder(api, "continue_generation", fails=api.url == urls[0])
     monkeypatch.setattr(sync, "connect", lambda: None)
     monkeypatch.setattr(sync.transport, "session", lambda *_args, **_kwargs: None)
-    monkeypatch.setattr(broadcaster_mod, "iter_sync_tensors", lambda _learner, _dtype: iter(()))
+    monkeypatch.setattr(broadcaster_mod, "iter_sync_tensors", lambda *_args, **_kwargs: iter(()))
     with pytest.raises(SyncError, match=r"127\.0\.0\.1:1/continue_generation: HTTP 503") as failure:
         sync.sync(learner=None)
     assert (urls[1], "continue_generation") in calls, "the second server was left paused"
@@ -282,3 +282,79 @@ def test_a_nan_on_one_expert_parallel_rank_fails_every_rank_alike_and_the_server
     assert "linear_fc1" in out[0]["message"] or "fc1" in out[0]["message"], out[0]["message"]
     assert max(o["seconds"] for o in out) < 30
     assert out[0]["version"] == "v1" and out[0]["same_output"]
+
+
+def _slow_server_syncs(model_dir: str, url: str, server_pid: int, collective_s: float) -> dict:
+    """TP2 learner (gloo) whose groups wait ``collective_s``; the server stops (SIGSTOP) at its first weight-update
+    call of a sync for longer than that (rank 1 is then in the payload's next gather), first within the sync's bound,
+    then past it."""
+    import datetime
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_qarl.sync.weight_update import WeightUpdateAPI
+
+    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    init_parallel(tp=2, seed=11, timeout_s=collective_s)
+    for group in ps._global_process_group_list:  # as init_parallel sets them (before issue 53: whole minutes)
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=collective_s), group)
+    learner = Learner(arch, ParallelConfig(tp=2), OptimConfig(), quant=QuantConfig(scheme="w4a16"))
+    learner.load_hf(model_dir)
+    real = WeightUpdateAPI.update_weights_from_distributed
+
+    def server_stops_for(seconds: float) -> None:
+        """Rank 0: at the next bucket's update call the server process stops for ``seconds`` (it neither receives
+        the broadcast nor answers meanwhile), then goes on."""
+        def stopped(api, *args, **kwargs):
+            WeightUpdateAPI.update_weights_from_distributed = real
+            os.kill(server_pid, signal.SIGSTOP)
+            threading.Timer(seconds, os.kill, (server_pid, signal.SIGCONT)).start()
+            return real(api, *args, **kwargs)
+        if dist.get_rank() == 0:
+            WeightUpdateAPI.update_weights_from_distributed = stopped
+
+    # the trainer's driver waits for every rank's sync call before it starts the next (Ray): so do the ranks here
+    driver = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=120))
+    out = {}
+    for case, stop_s, sync_s in (("within", 3 * collective_s, 6 * collective_s),
+                                 ("past", 5 * collective_s, 2 * collective_s)):
+        server_stops_for(stop_s)
+        # 16 KiB buckets: the first holds the embedding alone, so rank 1 is in the next tensor's TP gather meanwhile
+        sync = DistributedBroadcaster([Engine(url)], dtype=torch.float32, bucket_bytes=16 << 10, timeout_s=sync_s,
+                                      group_name=f"wug-{case}")
+        t0 = time.monotonic()
+        try:
+            report = sync.sync(learner)
+            out[case] = ("ok", report.buckets if report else None, time.monotonic() - t0)
+        except SyncError as err:
+            out[case] = ("SyncError", str(err), time.monotonic() - t0)
+        sync.close()
+        barrier(driver)
+    return out
+
+
+def test_a_slow_server_fails_the_sync_by_its_own_bound_on_every_rank(tiny_model_dir, w4a16_server):
+    """Issue 53 item 1. The ranks other than 0 wait in the sync's gathers while rank 0 talks to the servers; those
+    gathers ran on the learner's groups (launch.collective_timeout_s), so a server slower than that bound but within
+    rollout.sync.timeout_s killed the peer ranks with a collective timeout (the 30B configs: 300 s against 1800 s),
+    and a server past the sync's bound raised the SyncError on rank 0 alone. Now the sync's collectives run on groups
+    of their own (``sync_groups``, bound ``peer_wait_s``) and rank 0 broadcasts the outcome: here the learner's groups
+    wait 2 s, the server stops for 6 s within a 12 s sync bound (the sync completes), then for 10 s past a 4 s bound
+    (the same SyncError naming the server on both ranks, nothing left waiting)."""
+    url = w4a16_server.url
+    out = run_ranks(2, _slow_server_syncs, tiny_model_dir, url, w4a16_server.proc.pid, 2.0, timeout=300)
+    for rank, cases in enumerate(out):
+        print(f"\nrank {rank}: " + "; ".join(f"{case}: {r[0]} after {r[2]:.1f} s ({str(r[1])[:160]})"
+                                          for case, r in cases.items()))
+    rank0, rank1 = out
+    assert rank0["within"][0] == rank1["within"][0] == "ok"
+    assert rank0["within"][1] > 1 and rank1["within"][1] is None  # buckets sent: rank 1 waited between them
+    assert rank0["within"][2] >= 6.0  # it did wait for the stopped server, longer than the collectives' 2 s
+    assert rank0["past"][0] == rank1["past"][0] == "SyncError"
+    assert rank0["past"][1] == rank1["past"][1]
+    assert url in rank0["past"][1] and "rollout.sync.timeout_s=4 s" in rank0["past"][1], rank0["past"][1]

@@ -94,9 +94,88 @@ def test_closing_ray_learner_ranks_logs_what_it_swallows(caplog):
     from megatron_qarl.launch.ray_launcher import RayLearnerRanks
 
     class GoneActors(RayLearnerRanks):
-        def on_every_rank(self, method, *args):
+        def on_every_rank(self, method, *args, timeout_s=None):
             raise RuntimeError(f"{method.__name__}: the actor died")
 
     with caplog.at_level("WARNING"):
         GoneActors([], timeout_s=1.0).close()
     assert "closing the learner ranks failed: RuntimeError: close: the actor died" in caplog.text
+
+
+def _learner_worker(out: str):
+    """Learner rank 0 of configs/cpu_default.yaml (one rank, its output dir ``out``), set up as the trainer's is."""
+    from megatron_qarl.learner.worker import LearnerWorker
+
+    worker = LearnerWorker(load_config(CPU_DEFAULT, [f"train.output_dir={out}"]), 0, 1)
+    worker.setup(*worker.address())
+    return worker
+
+
+def _two_checkpoints(out: str) -> None:
+    """Two checkpoints of configs/cpu_default.yaml's learner, as the trainer saves and commits them."""
+    import dataclasses
+
+    from megatron_qarl.train.trainer import TrainerState
+
+    worker = _learner_worker(out)
+    root, cfg = f"{out}/checkpoints", worker.cfg
+    for step in (1, 2):
+        worker.save(str(ckpt.tmp_dir(root, step)))
+        data = {"epoch": 0, "index": step * cfg.train.prompts_per_step, "seed": cfg.data.synthetic.seed}
+        ckpt.commit(root, step, {"trainer": dataclasses.asdict(TrainerState(step, step + 1, data))}, keep=3)
+
+
+def _loads(out: str, path: str) -> int:
+    """The weight version a fresh learner rank holds after loading the checkpoint ``path``."""
+    worker = _learner_worker(out)
+    worker.load(path, 7)
+    return worker.weight_version
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoints(tmp_path_factory, tiny_model_dir):
+    """A run folder whose checkpoints/ holds two real learner checkpoints (steps 1 and 2, one rank)."""
+    from megatron_qarl.moe.parallelize import run_ranks
+
+    out = tmp_path_factory.mktemp("run")
+    run_ranks(1, _two_checkpoints, str(out))
+    return out
+
+
+@pytest.mark.parametrize("damage", ["truncated .distcp", "missing .distcp", "corrupt .metadata", "corrupt common.pt",
+                                    "trainer_state.json cut short"])
+def test_resume_from_a_corrupt_checkpoint_names_the_file_and_the_older_one(damage, run_with_checkpoints, tmp_path,
+                                                                           capsys):
+    """Issue 53 item 6: before, a run whose newest checkpoint had one ``.distcp`` truncated ended ``qarl train
+    --resume`` in ``CheckpointException ... EOFError`` (exit 1) after starting the servers and the learner, naming
+    neither the file nor the complete checkpoint beside it. Now the checkpoint is checked before anything starts:
+    exit 2, the file, and the newest older checkpoint that checks out, which ``--resume`` then takes."""
+    import shutil
+
+    from megatron_qarl import cli
+
+    out = tmp_path / "run"
+    shutil.copytree(run_with_checkpoints, out)
+    newest, older = out / "checkpoints" / "step_000002", out / "checkpoints" / "step_000001"
+    bad = {"truncated .distcp": newest / "__0_0.distcp", "missing .distcp": newest / "__0_1.distcp",
+           "corrupt .metadata": newest / ".metadata", "corrupt common.pt": newest / "common.pt",
+           "trainer_state.json cut short": newest / ckpt.STATE_FILE}[damage]
+    if damage == "missing .distcp":
+        bad.unlink()
+    else:
+        with open(bad, "r+b") as f:
+            f.truncate(bad.stat().st_size // 2)
+    argv = ["train", "--config", CPU_DEFAULT, f"train.output_dir={out}", "launch.backend=local", "--no-preflight",
+            "--resume"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:" in err and f"Checkpoint {newest} is incomplete or corrupt" in err, err
+    assert f"the newest older checkpoint that checks out is {older}: continue from it with --resume {older}" in err
+    assert not (out / "rollout_init").exists() and not (out / "logs").exists()  # nothing was started
+    assert ckpt.resume_point(out / "checkpoints", str(older)) == older  # what --resume CHECKPOINT continues from
+    with pytest.raises(Exception, match="no older checkpoint in .* checks out"):
+        ckpt.resume_point(out / "checkpoints", str(older.with_name("step_000000")))
+    if damage == "truncated .distcp":  # and the learner loads it
+        from megatron_qarl.moe.parallelize import run_ranks
+
+        assert run_ranks(1, _loads, str(out), str(older)) == [7]

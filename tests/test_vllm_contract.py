@@ -147,8 +147,9 @@ def test_a_vllm_server_off_loopback_without_an_api_key_is_refused_before_it_star
 
 
 def test_the_workers_weight_update_group_waits_as_long_as_the_trainers():
-    """Issue 38: /init_weight_transfer_engine carries rollout.sync.timeout_s (the transport's), so vLLM's workers'
-    side of the group does not keep QarlInitInfo's 300 s default; every key it sends is a QarlInitInfo field."""
+    """Issue 38: /init_weight_transfer_engine carries the trainer's group timeout (issue 53: rollout.sync.timeout_s +
+    wire.GROUP_MARGIN_S, as the trainer's side of the group), so vLLM's workers' side of the group does not keep
+    QarlInitInfo's 300 s default; every key it sends is a QarlInitInfo field."""
     import ast
 
     from megatron_qarl.sync.vllm_weight_update import VLLMWeightUpdateAPI
@@ -160,7 +161,7 @@ def test_the_workers_weight_update_group_waits_as_long_as_the_trainers():
     api.init_weights_update_group(master_address="10.0.0.1", master_port=29999, rank_offset=1, world_size=2,
                                   group_name="g", backend="nccl")
     info = sent[0]["init_info"]
-    assert info["timeout_s"] == 1234.0
+    assert info["timeout_s"] == 1234.0 + 60.0
     tree = ast.parse((REPO / "megatron_qarl" / "rollout" / "vllm_ext" / "qarl_vllm_ext.py").read_text())
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "QarlInitInfo"]
     fields = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)}

@@ -44,9 +44,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tup
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from megatron_qarl.moe.model_dir import check_model_dir
+
     path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path / 'config.json'}: not found (--model must be a Hugging Face model directory)")
+    check_model_dir(path)  # config.json (a Qwen3-MoE) and every weight file, named when corrupt or incomplete
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, local_files_only=True, experts_implementation="eager"

@@ -324,7 +324,8 @@ class RewardScorer:
                     message = conn.recv()
                 except (EOFError, OSError):
                     if not w.ready:
-                        code = reap(w.proc, "reward worker", grace_s=5.0)  # it closed its socket: it is exiting
+                        # it closed its socket: it is exiting; its own exit code, not SIGTERM's (-15)
+                        code = reap(w.proc, "reward worker", exit_wait_s=5.0, grace_s=5.0)
                         message = f"reward worker exited during start-up (code {code}); see its stderr"
                         raise RuntimeError(message) from None
                     if w.item is not None and w.item[0] == call:

@@ -251,13 +251,15 @@ def _timed(fn, *args) -> str:
 def _payload(learner, simulated: bool) -> tuple[dict, int]:
     """The learner's sync payload (name -> tensor, copied), every tensor broadcast through a weight-update group of
     world size one over NCCL (simulated: ``simulated_device``), which refuses tensors that are not on the GPU."""
+    import datetime
+
     import torch.distributed as dist
 
     from megatron_qarl.moe.parallelize import broadcast, group_device, to_group_device
     from megatron_qarl.sync.payload import iter_sync_tensors
 
     # a weight-update group of one (simulated: a gloo group standing in for NCCL, which refuses CPU tensors too)
-    group = dist.new_group(ranks=[0], backend=None if simulated else "nccl")
+    group = dist.new_group(ranks=[0], backend=None if simulated else "nccl", timeout=datetime.timedelta(seconds=120))
     out, refused, nbytes = {}, [], 0
     try:
         for name, tensor in iter_sync_tensors(learner):
@@ -359,14 +361,17 @@ def simulate(model_dir: str, workdir: str) -> dict[str, Any]:
     """The learner checks of ``smoke`` on a simulated CUDA device (``simulated_device``; local spec, every scheme,
     gloo world of one), plus ``simulated_equals_cpu``: the w4a16 learner's log-probs, loss and gradient norm on the
     simulated device equal the CPU run's bit for bit (the simulation changes nothing but the device check)."""
+    import datetime
+
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_qarl.gpu.simulated_device import simulated_cuda
-    from megatron_qarl.moe.parallelize import destroy_parallel, init_parallel, single_rank_env
+    from megatron_qarl.moe.parallelize import COLLECTIVE_TIMEOUT_S, destroy_parallel, init_parallel, single_rank_env
 
     single_rank_env()
-    dist.init_process_group("gloo")  # the simulated GPU has no NCCL: its groups are gloo (module docstring)
+    # the simulated GPU has no NCCL: its groups are gloo (module docstring); a world of one, bounded all the same
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     checks: dict[str, str] = {}
     try:
         with simulated_cuda():
@@ -483,13 +488,16 @@ def _refresh_vs_cpu(path: str) -> str:
 
 
 def _broadcast_rank(rank: int, world: int, port: int, q) -> None:
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     from megatron_qarl.moe.parallelize import broadcast, to_group_device
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # its join(timeout=120) is the caller's bound
     try:
         t = to_group_device(torch.full((1 << 20,), float(rank == 0) * 3.0))
         broadcast(t, 0, name="smoke tensor")

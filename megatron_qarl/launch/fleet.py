@@ -165,5 +165,12 @@ def server_env(cfg: QarlConfig) -> dict[str, str]:
     return {**env, **vllm_env(cfg.rollout.api_key)} if cfg.rollout.backend == "vllm" else env
 
 
+def learner_env(cfg: QarlConfig) -> dict[str, str]:
+    """What every learner rank's Ray actor gets on top of its node's environment (the raylet's: the job's on a
+    Slurm cluster, the driver's for a local Ray): LOCAL_RANK 0 where Ray gives the rank no GPU (Megatron reads it).
+    ``qarl preflight`` reads the NCCL variables of the environment the ranks get from this too."""
+    return {} if cfg.launch.gpus_per_learner_rank else {"LOCAL_RANK": "0"}
+
+
 def log_dir(cfg: QarlConfig) -> Path:
     return Path(cfg.train.output_dir) / "logs"

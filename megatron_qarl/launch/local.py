@@ -74,5 +74,9 @@ class LocalServers:
         return [p.pid() for p in self.procs]
 
     def close(self) -> None:
-        for p in self.procs:
-            p.stop()
+        """Stop every server at once (each ``ServerProcess.stop`` is bounded: SIGTERM, 10 s, SIGKILL, 10 s)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self.procs:
+            with ThreadPoolExecutor(len(self.procs)) as pool:
+                list(pool.map(ServerProcess.stop, self.procs))

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from megatron_qarl.moe.parallelize import free_port
+from megatron_qarl.utils.processes import reap
 
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "srun")
@@ -176,12 +177,8 @@ class LocalSlurm:
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        for p in self.procs:  # SIGTERM was sent above: up to 30 s to exit, then SIGKILL and 10 s (utils/processes.py)
+            reap(p, f"Slurm daemon {p.args[0]}", exit_wait_s=30.0, grace_s=0.0)
         self.procs = []
 
     def __enter__(self) -> LocalSlurm:

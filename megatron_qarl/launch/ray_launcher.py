@@ -18,7 +18,14 @@ from typing import Any
 
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
-from megatron_qarl.launch.fleet import LearnerRanks, check_server_interpreter, log_dir, server_command, server_env
+from megatron_qarl.launch.fleet import (
+    LearnerRanks,
+    check_server_interpreter,
+    learner_env,
+    log_dir,
+    server_command,
+    server_env,
+)
 from megatron_qarl.learner.worker import LearnerWorker
 from megatron_qarl.rollout.process import ServerProcess
 from megatron_qarl.utils import stacks
@@ -125,6 +132,31 @@ def placement_summary(pg, learner_ranks: int) -> str:
             f"{', '.join(where[learner_ranks:])}")
 
 
+# how long a shutdown waits: every server's stop at once (``ServerProcess.stop``: SIGTERM, 10 s, SIGKILL, 10 s, and
+# the actor's call around it), and the learner ranks' close (their groups; the broadcaster's, whose servers are told
+# within sync/transport.py's DESTROY_WAIT_S); past it the actors are killed all the same
+STOP_TIMEOUT_S = 60.0
+
+
+def stop_servers(actors, timeout_s: float = STOP_TIMEOUT_S) -> list[int]:
+    """``_ServerActor.stop`` on every server at once, all within one ``timeout_s``; the indices of those that did not
+    stop in time or failed (logged: their actors are killed next either way)."""
+    import ray
+
+    refs = [a.stop.remote() for a in actors]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    failed = []
+    for i, ref in enumerate(refs):
+        try:
+            if ref not in done:
+                raise TimeoutError(f"no answer within {timeout_s:g} s")
+            ray.get(ref, timeout=0)
+        except Exception as err:  # noqa: BLE001 - shutting down: an actor already gone is fine
+            log.debug("stopping rollout server %d: %s", i, err)
+            failed.append(i)
+    return failed
+
+
 def ray_get(refs, timeout_s: float, what: str):
     """``ray.get(refs, timeout=timeout_s)``; past the bound a UserError naming ``what`` (the actor and method), the
     seconds and Ray's resources, total and free (a rank never placed shows as a demand no node can meet)."""
@@ -152,7 +184,6 @@ class RayCluster:
         _init_ray(cfg)
         self.pg, self.actors, self.server_actors = None, [], []
         self._stop_stacks = lambda: None
-        self._stop_timeout_s = cfg.rollout.timeout_s
         world, servers = cfg.world_size, cfg.rollout.servers
         gl, gs = cfg.launch.gpus_per_learner_rank, cfg.rollout.gpus_per_server
         bundles = [{"CPU": 1, **({"GPU": gl} if gl else {})} for _ in range(world)]
@@ -172,8 +203,9 @@ class RayCluster:
 
             threads = cfg.train.learner_threads or max(1, (os.cpu_count() or 1) // world)
             worker_cls = ray.remote(_LearnerActor)
+            env = learner_env(cfg)
             self.actors = [worker_cls.options(num_cpus=1, num_gpus=gl, scheduling_strategy=strategy(r),
-                                              runtime_env={"env_vars": {"LOCAL_RANK": "0"}} if not gl else None)
+                                              runtime_env={"env_vars": env} if env else None)
                            .remote(cfg, r, world, threads) for r in range(world)]
             server_cls = ray.remote(_ServerActor)
             self.server_actors = [server_cls.options(num_cpus=1, num_gpus=gs, scheduling_strategy=strategy(world + i))
@@ -204,11 +236,7 @@ class RayCluster:
 
         self._stop_stacks()
         try:
-            for i, a in enumerate(self.server_actors):
-                try:
-                    ray_get(a.stop.remote(), self._stop_timeout_s, f"rollout server {i}'s _ServerActor.stop")
-                except Exception as err:  # noqa: BLE001 - shutting down: an actor already gone is fine
-                    log.debug("stopping rollout server %d: %s", i, err)
+            stop_servers(self.server_actors)  # all at once, within STOP_TIMEOUT_S
         finally:
             try:
                 for a in self.actors + self.server_actors:
@@ -225,22 +253,36 @@ class RayCluster:
 
 class RayLearnerRanks(LearnerRanks):
     """The learner ranks as Ray actors (one LearnerWorker each); every call waits ``timeout_s`` at most
-    (launch.rank_timeout_s)."""
+    (launch.rank_timeout_s). A call that did not answer in time leaves the ranks ``stuck``: an actor runs one call at
+    a time, so anything queued behind the stuck one would only wait its turn."""
 
     def __init__(self, actors, timeout_s: float):
         self.actors = actors
         self.world = len(actors)
         self.timeout_s = timeout_s
+        self.stuck: str | None = None  # the call that did not answer within timeout_s
 
-    def on_every_rank(self, method: Callable[..., Any], *args: Any) -> list[Any]:
-        return ray_get([getattr(a, method.__name__).remote(*args) for a in self.actors], self.timeout_s,
-                       f"LearnerWorker.{method.__name__} on {self.world} learner rank(s) (launch.rank_timeout_s)")
+    def on_every_rank(self, method: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """``timeout_s``: instead of launch.rank_timeout_s (the shutdown's STOP_TIMEOUT_S)."""
+        bound = "launch.rank_timeout_s" if timeout_s is None else f"shutdown, {timeout_s:g} s"
+        what = f"LearnerWorker.{method.__name__} on {self.world} learner rank(s) ({bound})"
+        try:
+            return ray_get([getattr(a, method.__name__).remote(*args) for a in self.actors],
+                           self.timeout_s if timeout_s is None else timeout_s, what)
+        except UserError:
+            self.stuck = what
+            raise
 
     def close(self) -> None:
-        """Close every rank's process groups; a rank that fails to (its actor already gone, say) is logged, and
-        RayCluster.close kills the actors next either way."""
+        """Close every rank's process groups within STOP_TIMEOUT_S; after a call that did not answer (``stuck``)
+        nothing is queued behind it: RayCluster.close kills the actors next, which ends their groups with them. A
+        rank that fails to close (its actor already gone, say) is logged; the actors are killed either way."""
+        if self.stuck is not None:
+            log.warning("not closing the learner ranks' groups: %s did not answer; their actors are killed",
+                        self.stuck)
+            return
         try:
-            super().close()
+            self.on_every_rank(LearnerWorker.close, timeout_s=STOP_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - shutting down: say what failed, do not mask the run's own error
             log.warning("closing the learner ranks failed: %s: %s (their actors are killed next)",
                         type(err).__name__, err)

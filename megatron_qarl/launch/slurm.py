@@ -2,8 +2,9 @@
 each node, network interface variables, per-job log folders, and the ``qarl train`` command line with
 ``--resume`` when the run already has a checkpoint (a requeued job continues where it stopped).
 
-    python -m launch.slurm submit [--dry-run] [--sbatch-arg=ARG ...] CONFIG [key.sub=value ...]
-        (the launcher in the repository's launch/ folder) sbatch slurm/qarl.sbatch with --nodes /
+    python -m launch.slurm submit [--dry-run] [--sbatch-arg=ARG ...] --config CONFIG [key.sub=value ...]
+        (the launcher in the repository's launch/ folder; the config also as the first bare word, CONFIG, and the
+        overrides anywhere on the line: megatron_qarl/cli.py parse_args) sbatch slurm/qarl.sbatch with --nodes /
         --gpus-per-node from the config's launch section and the job's log in <train.output_dir>/slurm/ (that
         folder is made first: sbatch does not make it)
 and, inside the job, as slurm/qarl.sbatch runs them:
@@ -36,11 +37,14 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from megatron_qarl.cli import add_config_args, parse_args
 from megatron_qarl.errors import UserError
 from megatron_qarl.utils.api_key import ENV as API_KEY_ENV
 from megatron_qarl.utils.api_key import from_env
 
 SBATCH_SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "qarl.sbatch"
+# how long `python -m launch.slurm submit` waits for sbatch (which waits on slurmctld); docs/cluster.md's table
+SBATCH_TIMEOUT_S = 120.0
 # what the cluster run always sets: Ray joins the job's cluster, rank 0 and the servers use node addresses
 CLUSTER_OVERRIDES = ("launch.backend=ray", "launch.ray_address=auto", "launch.master_addr=auto",
                      "launch.server_host=0.0.0.0")
@@ -427,7 +431,11 @@ def _submit(args: argparse.Namespace) -> int:
         print(shlex.join(cmd))
         return 0
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SBATCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"sbatch gave no answer within {SBATCH_TIMEOUT_S:g} s (slurmctld unreachable or "
+                        "overloaded? scontrol ping); the job may or may not have been queued: see squeue") from None
     if proc.returncode:
         raise UserError(f"sbatch failed ({proc.returncode}): {proc.stderr.strip()}")
     job = proc.stdout.strip().split(";")[0]
@@ -441,12 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("submit", help="sbatch slurm/qarl.sbatch for a config")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch command only")
     p.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch option (repeatable)")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    add_config_args(p, positional=True)
     p.set_defaults(func=_submit)
     p = sub.add_parser("env", help="(in the job) shell assignments for slurm/qarl.sbatch")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    add_config_args(p, positional=True)
     p.set_defaults(func=_env)
     p = sub.add_parser("ray-node", help="(one srun task per node) exec ray start for this node")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a worker waits for the head")
@@ -456,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None)
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=_wait_ray)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         return int(args.func(args) or 0)
     except UserError as err:

@@ -242,5 +242,83 @@ def latest(root: str | Path) -> Path | None:
     return path
 
 
+# ------------------------------------------------------------------------------- checked before a resume
+DIST_METADATA = ".metadata"  # torch.distributed.checkpoint's index: every item's file, offset and length
+MEGATRON_METADATA = "metadata.json"  # dist-checkpointing's backends
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """UserError naming the file and what is wrong unless every file a resume reads from ``path`` is there and whole,
+    read without loading a tensor: the trainer state and the learner's record (JSON), dist-checkpointing's
+    ``metadata.json``, torch.distributed.checkpoint's ``.metadata`` (unpickled), and every ``*.distcp`` file it names
+    holding at least the last byte it places there (a copy cut short holds fewer), ``common.pt`` and the per-rank
+    RNG states (small; loaded)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_qarl.moe.model_dir import read_json
+
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: not a checkpoint folder")
+    state = read_json(path / STATE_FILE, "the trainer's state")
+    if not isinstance(state, dict) or not isinstance(state.get("trainer"), dict):
+        raise UserError(f"{path / STATE_FILE}: no 'trainer' state in it")
+    for name in (LEARNER_META, MEGATRON_METADATA):
+        if name == MEGATRON_METADATA or (path / name).exists():
+            read_json(path / name, "dist-checkpointing's record" if name == MEGATRON_METADATA else "the layer spec")
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as err:  # noqa: BLE001 - any failure to read the index is a corrupt or missing file
+        raise UserError(f"{path / DIST_METADATA}: unreadable: {type(err).__name__}: {err}") from None
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        f = path / name
+        size = f.stat().st_size if f.is_file() else None
+        if size is None or size < end:
+            what = "missing" if size is None else f"truncated: {size} bytes"
+            raise UserError(f"{f}: {what}, but {DIST_METADATA} places {end} bytes of the checkpoint in it")
+    for f in [path / "common.pt", *sorted(path.glob("rng_rank*.pt"))]:
+        try:
+            torch.load(f, map_location="cpu", weights_only=False)
+        except Exception as err:  # noqa: BLE001 - a file torch cannot read back, whatever the reason
+            raise UserError(f"{f}: unreadable: {type(err).__name__}: {err}") from None
+
+
+def _older_that_checks_out(root: Path, than: str) -> Path | None:
+    """The newest checkpoint under ``root`` named before ``than`` that passes ``check_checkpoint``."""
+    for path in sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                        and p.name < than), reverse=True):
+        try:
+            check_checkpoint(path)
+        except UserError:
+            continue
+        return path
+    return None
+
+
+def resume_point(root: str | Path, requested: bool | str | Path) -> Path:
+    """The checkpoint ``qarl train --resume`` continues from, checked before anything is started: the newest under
+    ``root`` (``requested`` True) or the folder named. One that is incomplete or corrupt is a UserError naming the
+    file, and the newest older checkpoint beside it that checks out (``--resume`` takes it)."""
+    root = Path(root)
+    if requested is True:
+        pointer = root / "latest"
+        if not pointer.is_file():
+            raise UserError(f"--resume: no checkpoint in {root} (no {pointer.name} file)")
+        path = root / pointer.read_text().strip()
+    else:
+        path = Path(requested)
+    try:
+        check_checkpoint(path)
+    except UserError as err:
+        older = _older_that_checks_out(path.parent, path.name)
+        hint = (f"the newest older checkpoint that checks out is {older}: continue from it with --resume {older}"
+                if older else f"no older checkpoint in {path.parent} checks out")
+        raise UserError(f"{err}. Checkpoint {path} is incomplete or corrupt; {hint}") from None
+    return path
+
+
 def read_state(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / STATE_FILE).read_text())

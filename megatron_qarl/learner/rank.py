@@ -309,23 +309,12 @@ class Learner:
         grad_norm = float(self.optimizer.get_grad_norm())  # over every model-parallel rank and expert group
         finite = not found_inf and math.isfinite(grad_norm) and math.isfinite(global_loss)
         if finite:
-            self._clip(grad_norm)
+            clip_gradients(self.optimizer, self.clip_grad, grad_norm)
             self.optimizer.step_with_ready_grads()
             weights_changed(self)
         metrics = dict(metrics)
         metrics.update(loss=global_loss, grad_norm=grad_norm, skipped=0.0 if finite else 1.0)
         return metrics
-
-    def _clip(self, grad_norm: float) -> None:
-        """Scale every gradient by clip_grad / grad_norm when below 1 (the global norm, dense + experts)."""
-        from megatron.core.optimizer import optimizer as mopt
-
-        if self.clip_grad <= 0:
-            return
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            params = opt.get_parameters()
-            if params:
-                mopt.clip_grad_by_total_norm_fp32(params, max_norm=self.clip_grad, total_norm=grad_norm)
 
     def _dp_sum(self, value: torch.Tensor) -> float:
         """Sum of the per-rank loss shares = the global loss."""
@@ -378,6 +367,24 @@ class _Replay:
     def close(self) -> None:
         self.rr.clear_global_router_replay_action()
         self.rr.clear_global_indices()  # set_target_indices also queues them for a backward replay we never run
+
+
+def clip_gradients(optimizer, clip_grad: float, grad_norm: float) -> None:
+    """Scale every gradient by clip_grad / grad_norm when below 1 (``grad_norm``: the global norm, dense + experts,
+    already taken), as Megatron's ``MegatronOptimizer.clip_grad_norm`` does: the precision-aware optimizer
+    (``learner.optimizer_cpu_offload``) holds its shards' gradients in ``.decoupled_grad`` and leaves ``.grad`` None,
+    so the clip reads the attribute each optimizer's config names (``use_precision_aware_optimizer_no_fp8_or_ds_fp8``),
+    else it would scale nothing. ``clip_grad`` 0: off."""
+    from megatron.core.optimizer import optimizer as mopt
+
+    if clip_grad <= 0:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if params:
+            mopt.clip_grad_by_total_norm_fp32(
+                params, max_norm=clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
 def weights_changed(learner: Learner) -> None:

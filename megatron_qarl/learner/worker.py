@@ -34,6 +34,18 @@ def require_gpu(cfg: QarlConfig, rank: int) -> None:
         "a CPU run sets launch.gpus_per_node=0, launch.gpus_per_learner_rank=0 and rollout.backend=embedded")
 
 
+def require_bounded_nccl(rank: int, environ=os.environ) -> None:
+    """UserError, before the rank joins any group, when its process would not fail an NCCL collective that outlives
+    its timeout (``moe.parallelize.nccl_timeout_problem``: the environment this rank's actor got, legacy variable
+    names included); gloo ranks honour their timeouts whatever the variables say."""
+    from megatron_qarl.moe.parallelize import dist_backend, nccl_timeout_problem
+
+    problem = nccl_timeout_problem(environ) if dist_backend() == "nccl" else None
+    if problem:
+        raise UserError(f"learner rank {rank}: {problem}, so launch.collective_timeout_s would not be honoured; unset "
+                        "it in the job's environment (docs/cluster.md, 'Every wait is bounded')")
+
+
 class LearnerWorker:
     def __init__(self, cfg: QarlConfig, rank: int, world: int, threads: int | None = None):
         self.cfg, self.rank, self.world, self.threads = cfg, rank, world, threads
@@ -68,6 +80,7 @@ class LearnerWorker:
 
         cfg = self.cfg
         require_gpu(cfg, self.rank)
+        require_bounded_nccl(self.rank)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world), LOCAL_RANK=str(int(os.environ.get("LOCAL_RANK", 0))))
         if self.threads:
@@ -150,16 +163,27 @@ class LearnerWorker:
                 "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode, "check_s": report.check_s}
 
     # ------------------------------------------------------------------------------- checkpoints
+    def _checkpoint_bound(self):
+        """The learner groups' collectives wait launch.checkpoint_timeout_s while a checkpoint is written or read
+        (the slowest rank's shards), launch.collective_timeout_s again after."""
+        from megatron_qarl.moe.parallelize import collective_timeout
+
+        la = self.cfg.launch
+        return collective_timeout(la.checkpoint_timeout_s, la.collective_timeout_s)
+
     def save(self, path: str) -> None:
         from megatron_qarl.learner.checkpoint import save_learner
 
-        save_learner(path, self.learner.module, self.learner.optimizer, self.cfg.train.checkpoint.optimizer_format)
+        with self._checkpoint_bound():
+            save_learner(path, self.learner.module, self.learner.optimizer,
+                         self.cfg.train.checkpoint.optimizer_format)
 
     def load(self, path: str, weight_version: int) -> None:
         from megatron_qarl.learner.checkpoint import load_learner
         from megatron_qarl.learner.rank import weights_changed
 
-        load_learner(path, self.learner.module, self.learner.optimizer)
+        with self._checkpoint_bound():
+            load_learner(path, self.learner.module, self.learner.optimizer)
         weights_changed(self.learner)  # the fake-quant and exact caches of the loaded weights
         self.weight_version = weight_version
         if self.broadcaster is not None:

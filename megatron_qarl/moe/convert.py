@@ -42,13 +42,14 @@ tests/test_te_spec.py checks both tables against the modules Megatron's own spec
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
+from megatron_qarl.errors import UserError
 from megatron_qarl.moe.model import Qwen3MoeArch
+from megatron_qarl.moe.model_dir import check_weights
 from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 
 # the parameter layouts param_maps names: Megatron's local spec with SequentialMLP experts, with grouped experts
@@ -188,23 +189,21 @@ class SafetensorsDir:
     """Lazy access to the tensors of a Hugging Face safetensors directory (single or sharded)."""
 
     def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
+        """Every weight file is checked first (``moe.model_dir.check_weights``: a truncated shard, an index naming
+        a missing one, is a UserError naming the file)."""
+        from safetensors import SafetensorError, safe_open
 
         self.dir = Path(model_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = [p.name for p in sorted(self.dir.glob("*.safetensors"))]
-        if not files:
-            raise FileNotFoundError(f"{self.dir}: no *.safetensors files")
         self._handles = {}
         self._where: dict[str, str] = {}
-        for f in files:
-            handle = safe_open(str(self.dir / f), framework="pt")
-            self._handles[f] = handle
+        for path in check_weights(self.dir):
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except SafetensorError as err:
+                raise UserError(f"{path}: unreadable safetensors file: {err}") from None
+            self._handles[path.name] = handle
             for key in handle.keys():
-                self._where[key] = f
+                self._where[key] = path.name
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -244,20 +243,22 @@ def peer_expert_name(name: str, pm: ParamMap, lay: Layout, n_local: int, peer_ep
 
 @torch.no_grad()
 def iter_hf_tensors(model, arch: Qwen3MoeArch, *, all_experts: bool = True,
-                    include: Callable[[ParamMap], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    include: Callable[[ParamMap], bool] | None = None,
+                    groups=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: yield (Hugging Face name, full tensor) for the whole model on every rank.
 
     TP shards are all-gathered; with ``all_experts`` each EP rank's experts are all-gathered over
     the EP group too, otherwise every rank yields only its own experts (what a weight broadcaster
     from several EP ranks needs). ``include`` selects parameters (same answer on every rank). All
-    ranks must iterate in step.
+    ranks must iterate in step. ``groups`` (``parallelize.SyncGroups``: the weight sync's own, with its bound):
+    the TP / ETP / EP groups the gathers run on; None: Megatron's.
     """
     from megatron.core import parallel_state as ps
 
     lay = Layout.current()
-    tp_group = ps.get_tensor_model_parallel_group()
-    ep_group = ps.get_expert_model_parallel_group()
-    etp_group = ps.get_expert_tensor_parallel_group()
+    tp_group = groups.tp if groups else ps.get_tensor_model_parallel_group()
+    ep_group = groups.ep if groups else ps.get_expert_model_parallel_group()
+    etp_group = groups.etp if groups else ps.get_expert_tensor_parallel_group()
     params = dict(model.named_parameters())
     n_local = arch.num_experts // lay.ep
     for pm in param_maps(arch, lay.ep_rank, lay.ep, model_impl(model)):

@@ -51,8 +51,11 @@ class Qwen3MoeArch:
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> Qwen3MoeArch:
         """Read the architecture from a config.json dict; errors name the file and the key."""
-        if cfg.get("model_type") not in (None, "qwen3_moe"):
-            raise ConfigError(f"{source}: model_type is {cfg.get('model_type')!r}, expected 'qwen3_moe'")
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{source}: not a Qwen3-MoE config: a JSON {type(cfg).__name__}, not an object")
+        if cfg.get("model_type") != "qwen3_moe":
+            raise ConfigError(f"{source}: not a Qwen3-MoE config: model_type is {cfg.get('model_type')!r}, expected "
+                              "'qwen3_moe'")
         sparse_step = cfg.get("decoder_sparse_step", 1)
         if sparse_step != 1 or cfg.get("mlp_only_layers"):
             raise ConfigError(f"{source}: only all-MoE layers are supported "
@@ -87,11 +90,17 @@ class Qwen3MoeArch:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> Qwen3MoeArch:
+        """The arch of a model directory's config.json; a ConfigError naming the file when it is missing, unreadable,
+        no JSON or not a Qwen3-MoE."""
         path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{path}: not found (expected a Hugging Face model directory)")
         try:
-            cfg = json.loads(path.read_text())
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: not found (expected a Hugging Face model directory)") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path}: unreadable: {type(err).__name__}: {err}") from None
+        try:
+            cfg = json.loads(text)
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: line {err.lineno}: invalid JSON: {err.msg}") from None
         return cls.from_hf_config(cfg, str(path))

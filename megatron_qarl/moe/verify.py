@@ -67,10 +67,10 @@ def world_size(tp: int, ep: int) -> int:
 
 def run(model_dir: str, tp: int, ep: int, *, batch: int = 2, seq: int = 32, seed: int = 0,
         experts: str = "grouped") -> dict:
-    from megatron_qarl.moe.model import Qwen3MoeArch
+    from megatron_qarl.moe.model_dir import check_model_dir
     from megatron_qarl.moe.parallelize import run_ranks
 
-    arch = Qwen3MoeArch.from_model_dir(model_dir)
+    arch = check_model_dir(model_dir)  # config.json and every weight file, before any rank starts
     check_layout(arch, tp, ep)
     if seq % tp:
         raise UserError(f"--seq {seq} must be divisible by --tp {tp} (sequence parallel)")

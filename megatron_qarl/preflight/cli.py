@@ -25,8 +25,11 @@ import os
 import socket
 import sys
 
+from megatron_qarl.cli import add_config_args
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
+from megatron_qarl.launch.fleet import learner_env
+from megatron_qarl.moe.parallelize import nccl_timeout_problem
 from megatron_qarl.preflight.data import data_finding
 from megatron_qarl.preflight.environments import check_environments
 from megatron_qarl.preflight.report import Finding, format_report, problems
@@ -53,19 +56,25 @@ def memory_finding(cfg: QarlConfig, config: str) -> Finding:
 
 def timeouts_finding(cfg: QarlConfig, environ=os.environ) -> Finding:
     """The run's bounds on its waits (docs/cluster.md, "Every wait is bounded"), and whether NCCL will honour
-    ``launch.collective_timeout_s``: with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (and no ``TORCH_NCCL_BLOCKING_WAIT``)
-    torch's watchdog only logs a timed-out NCCL collective, and the ranks wait on; the Ray driver then waits
-    ``launch.rank_timeout_s`` and names the call, not the collective."""
+    ``launch.collective_timeout_s`` in the environment the learner ranks get (this one, which the job's Ray and a
+    local Ray hand on, plus ``launch.fleet.learner_env``): with async error handling off (``moe.parallelize.
+    nccl_timeout_problem``: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, or the legacy ``NCCL_ASYNC_ERROR_HANDLING=0``, and no
+    blocking wait) torch's watchdog only logs a timed-out NCCL collective, and the ranks wait on; the Ray driver then
+    waits ``launch.rank_timeout_s`` and names the call, not the collective. Each rank checks its own environment
+    again before it joins its groups (``LearnerWorker.setup``)."""
     r, la = cfg.rollout, cfg.launch
-    detail = (f"launch.collective_timeout_s {la.collective_timeout_s:g} s < launch.rank_timeout_s "
-              f"{la.rank_timeout_s:g} s; rollout.startup_timeout_s {r.startup_timeout_s:g} s, rollout.timeout_s "
-              f"{r.timeout_s:g} s, rollout.sync.timeout_s {r.sync.timeout_s:g} s")
-    if cfg.learner_on_gpus and environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0" and \
-            environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") in ("0", ""):
-        return Finding("bounded waits", False, "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a NCCL collective past "
-                       f"launch.collective_timeout_s ({la.collective_timeout_s:g} s) is only logged, its ranks wait "
-                       "on", key="launch.collective_timeout_s", env="learner",
-                       fix="unset TORCH_NCCL_ASYNC_ERROR_HANDLING (torch's default, 3, ends the process group)")
+    detail = (f"launch.collective_timeout_s {la.collective_timeout_s:g} s, launch.checkpoint_timeout_s "
+              f"{la.checkpoint_timeout_s:g} s and the sync's peer wait {r.sync.peer_wait_s:g} s (2 x "
+              f"rollout.sync.timeout_s {r.sync.timeout_s:g} s + {r.sync.peer_wait_s - 2 * r.sync.timeout_s:g} s) < "
+              f"launch.rank_timeout_s {la.rank_timeout_s:g} s; rollout.startup_timeout_s {r.startup_timeout_s:g} s, "
+              f"rollout.timeout_s {r.timeout_s:g} s")
+    problem = nccl_timeout_problem({**environ, **learner_env(cfg)}) if cfg.learner_on_gpus else None
+    if problem:
+        return Finding("bounded waits", False, f"{problem} (launch.collective_timeout_s {la.collective_timeout_s:g} "
+                       "s, and every other NCCL bound of the run, would not be honoured)",
+                       key="launch.collective_timeout_s", env="learner",
+                       fix="unset TORCH_NCCL_ASYNC_ERROR_HANDLING and NCCL_ASYNC_ERROR_HANDLING (torch's default, 3, "
+                           "ends the process group) in the job's environment, which the learner ranks inherit")
     return Finding("bounded waits", True, detail)
 
 
@@ -88,9 +97,8 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("preflight", help="check a run's environments before it starts",
                                    description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML run config, as for qarl train")
     parser.add_argument("--no-round-trip", action="store_true",
                         help="skip the weight-update round trip (what qarl train runs)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    add_config_args(parser, config_help="YAML run config, as for qarl train")
     parser.set_defaults(func=_run)
     return parser

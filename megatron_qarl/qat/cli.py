@@ -49,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--scheme: unknown scheme {args.scheme!r}; valid: {', '.join(QUANTIZED_SCHEMES)}")
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
+    from megatron_qarl.moe.model_dir import check_model_dir
+
+    check_model_dir(args.model)  # config.json and every weight file, before anything is written
     try:
         out = quantize_checkpoint(
             args.model, args.scheme, args.out, group_size=args.group_size, symmetric=not args.asymmetric,

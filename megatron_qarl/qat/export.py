@@ -28,6 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from megatron_qarl.errors import UserError
+from megatron_qarl.moe.model_dir import WEIGHT_INDEX, check_weights
 from megatron_qarl.qat.config import QuantConfig, ignore_for_config_json, is_quantized
 from megatron_qarl.qat.pack import pack_int4, unpack_int4
 from megatron_qarl.qat.quantizer import QuantizedWeight, quantize_weight
@@ -231,27 +233,22 @@ def scheme_of(quant_cfg: Mapping) -> tuple[str, int | None]:
 
 
 # ------------------------------------------------------------------------------------- checkpoint files
-_WEIGHT_INDEX = "model.safetensors.index.json"
-_SKIP_COPY = {"config.json", _WEIGHT_INDEX}
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / _WEIGHT_INDEX
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / f for f in files]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors weights found")
-    return files
+_SKIP_COPY = {"config.json", WEIGHT_INDEX}
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, Tensor]]:
-    """(name, tensor) over every weight file of an HF checkpoint directory, one tensor at a time."""
-    for path in _weight_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)
+    """(name, tensor) over every weight file of an HF checkpoint directory, one tensor at a time; every file is
+    checked before the first tensor is read (``moe.model_dir.check_weights``: a UserError naming a truncated or
+    corrupt shard, or an index naming a missing one)."""
+    from safetensors import SafetensorError
+
+    for path in check_weights(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield name, f.get_tensor(name)
+        except SafetensorError as err:
+            raise UserError(f"{path}: unreadable safetensors file: {err}") from None
 
 
 def _save_sharded(tensors: dict[str, Tensor], out_dir: Path, max_shard_bytes: int) -> None:
@@ -274,7 +271,7 @@ def _save_sharded(tensors: dict[str, Tensor], out_dir: Path, max_shard_bytes: in
         weight_map.update(dict.fromkeys(shard, fname))
         total += sum(t.numel() * t.element_size() for t in shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / _WEIGHT_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (out_dir / WEIGHT_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def quantize_checkpoint(
@@ -312,7 +309,7 @@ def quantize_checkpoint(
         _export_one(name, tensor, cfg, out, ignored)
     qcfg = quantization_config(cfg, ignored, engine)
     dst.mkdir(parents=True, exist_ok=True)
-    for stale in list(dst.glob("*.safetensors")) + [dst / _WEIGHT_INDEX]:
+    for stale in list(dst.glob("*.safetensors")) + [dst / WEIGHT_INDEX]:
         stale.unlink(missing_ok=True)
     _save_sharded(out, dst, max_shard_bytes)
     config["quantization_config"] = qcfg

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
-from megatron_qarl.errors import ConfigError, UserError
+from megatron_qarl.errors import UserError
+from megatron_qarl.moe.model_dir import check_model_dir
 from megatron_qarl.serve.engine import Engine, EngineConfig
 from megatron_qarl.serve.server import ServerConfig, build_app
 from megatron_qarl.utils import api_key
@@ -50,8 +50,7 @@ def _serve(args) -> int:
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or api_key.from_env())
     if not server_cfg.loopback and not server_cfg.api_key:
         raise UserError(f"--host {args.host} is not loopback: an API key is required (${api_key.ENV}, or --api-key)")
-    if not (Path(args.model) / "config.json").is_file():
-        raise ConfigError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
+    check_model_dir(args.model)  # config.json and every weight file, named when corrupt or incomplete
     try:
         engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                                      max_seq_len=args.max_seq_len, num_threads=args.num_threads,

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_qarl import wire
+from megatron_qarl.errors import UserError
 from megatron_qarl.moe.parallelize import broadcast, group_empty
 from megatron_qarl.qat.export import iter_safetensors
 from megatron_qarl.serve.engine import Engine
@@ -149,7 +150,7 @@ class WeightReceiver:
                 engine.abort_all("aborted by update_weights_from_disk")
             tensors = in_fresh_thread(lambda: dict(iter_safetensors(body.model_path)))  # see in_fresh_thread
             engine.weights.update_tensors(tensors, body.weight_version)
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, UserError) as err:  # UserError: a corrupt or incomplete model directory
             return JSONResponse({"success": False, "message": str(err), "num_paused_requests": n}, 400)
         self.model_path = body.model_path
         return JSONResponse({"success": True, "message": "Succeeded to update model weights.",

@@ -19,7 +19,15 @@ successful update too: a server whose continue fails does not stop the others'),
 request retracted there (bounded staleness), or sent there meanwhile, would otherwise wait until its client's
 timeout (rollout.timeout_s x retries), and the trainer's shutdown with it; the run stops on the error, so what
 those requests sample after it (possibly on partly updated weights) is never trained on.
-All learner ranks call `sync` (the payload is gathered collectively); only rank 0 talks to the servers.
+
+All learner ranks call `sync` (the payload is gathered collectively); only rank 0 talks to the servers. The payload's
+collectives run on the sync's own groups (moe/parallelize.py ``sync_groups``), whose timeout is the longest stretch
+of rank 0's I/O between two of them (sync/transport.py ``peer_wait_s``, from rollout.sync.timeout_s), not
+launch.collective_timeout_s: the other ranks wait through rank 0's I/O without a collective timing out first.
+Once the sessions' end is through (or rank 0 failed before it: it then finishes the payload's gathers first), rank 0
+broadcasts the outcome on the sync's world group, and a failure is the same SyncError on every rank. What follows
+(a delta's checksum check, continue_generation, verify) is rank 0's alone: a failure there is raised on rank 0,
+after the other ranks have returned.
 ``verify``: every server's /weights_checker checksums (SGLang's definition, sync/checksum.py) must equal those
 of what was sent -- the embedded server only (docs/rollout.md).
 
@@ -45,19 +53,41 @@ second session and checked again (a second disagreement raises SyncError).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
+from megatron_qarl.moe.parallelize import SyncGroups, broadcast, group_empty, sync_groups, to_group_device
 from megatron_qarl.sync import delta
 from megatron_qarl.sync.checksum import ChecksumAccumulator, weight_checksums
 from megatron_qarl.sync.payload import iter_sync_tensors
-from megatron_qarl.sync.transport import BroadcastTransport
+from megatron_qarl.sync.transport import BroadcastTransport, all_at_once, peer_wait_s
 from megatron_qarl.sync.verify import check_sent, disagreements
-from megatron_qarl.sync.weight_update import Engine, SyncError, WeightUpdateAPI
+from megatron_qarl.sync.weight_update import CLEANUP_S, Engine, SyncError, WeightUpdateAPI
 from megatron_qarl.wire import dtype_name
+
+log = logging.getLogger(__name__)
+
+OUTCOME_BYTES = 4096  # the sync's outcome as rank 0 broadcasts it: a failure's message, UTF-8, cut to this
+
+
+def share_outcome(problem: str | None, groups: SyncGroups | None) -> str:
+    """Collective over the sync's world group: rank 0's ``problem`` ("" or None: the sync went through), as every rank
+    receives it (one broadcast of OUTCOME_BYTES, one host read). Without groups (a world of one) ``problem``."""
+    if groups is None:
+        return problem or ""
+    if problem is not None:  # rank 0
+        data = list(problem.encode()[:OUTCOME_BYTES])
+        raw = torch.zeros(OUTCOME_BYTES, dtype=torch.uint8)
+        raw[: len(data)] = torch.tensor(data, dtype=torch.uint8)
+        buf = to_group_device(raw, groups.world)
+    else:
+        buf = group_empty([OUTCOME_BYTES], torch.uint8, groups.world)
+    broadcast(buf, 0, groups.world, name="the weight sync's outcome")
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="ignore")
 
 
 @dataclasses.dataclass
@@ -99,7 +129,7 @@ class DistributedBroadcaster:
         return self.transport.apis
 
     def connect(self) -> None:
-        """Create the weight-update group with every engine (learner rank 0 only)."""
+        """Create the weight-update group with every engine (learner rank 0 only; within the current stretch)."""
         if self._is_sender:
             self.transport.connect()
 
@@ -109,44 +139,46 @@ class DistributedBroadcaster:
 
     # ------------------------------------------------------------------------------------- sync
     def sync(self, learner) -> SyncReport | None:
-        """Push the learner's current weights (collective over learner ranks; rank 0 reports)."""
+        """Push the learner's current weights (collective over learner ranks; rank 0 reports). A failure up to the
+        sessions' end raises the same SyncError on every rank (module docstring)."""
         start = time.perf_counter()
         self.version += 1
         version = f"v{self.version}"
         report = SyncReport(version, 0, 0, 0, 0.0)
-        tensors = iter_sync_tensors(learner, self.dtype)
+        groups = sync_groups(peer_wait_s(self.transport.timeout_s)) if dist.is_initialized() else None
+        tensors = iter_sync_tensors(learner, self.dtype, groups=groups)
         if not self._is_sender:
             for _ in tensors:  # the other ranks take part in the gathers only
                 pass
+            problem = share_outcome(None, groups)
+            if problem:
+                raise SyncError(problem)
             return None
         checksums = ChecksumAccumulator() if self.verify else None
-        transport = self.transport
         paused: list[WeightUpdateAPI] = []
         try:
-            report.full_reason = self._full_sync_reason() if self.delta else ""
-            self.connect()
-            for api in self.apis:
-                paused.append(api)  # before the call: a pause that fails half-way may still hold requests
-                api.pause_generation(self.pause_mode)
-                api.flush_cache()
-            if not self.delta or report.full_reason:
-                stream = self._record(tensors) if self.delta else tensors
-                transport.session(([item] for item in stream), version, report, checksums, None)
-            else:
-                report.mode = "delta"
-                deltas = self.baseline.encode(tensors)
-                transport.session((d.wire() for d in deltas), version, report, None, delta.LOAD_FORMAT)
+            self._send(tensors, version, report, checksums, paused)
+        except BaseException as err:
+            problem = str(err) if isinstance(err, SyncError) else \
+                f"{type(err).__name__} on learner rank 0 during the weight sync: {err}"
+            try:
+                for _ in tensors:  # the other learner ranks are still in the payload's gathers: finish them
+                    pass
+                share_outcome(problem, groups)
+            except Exception as lost:  # noqa: BLE001 - a peer gone too (its gathers broken): keep rank 0's own error
+                log.warning("the other learner ranks were not told of the failed sync (%s: %s)",
+                            type(lost).__name__, lost)
+            self._after_failure(paused)
+            raise
+        share_outcome("", groups)
+        try:
+            if report.mode == "delta":
                 if not report.buckets:  # nothing changed, so no update call carried the new version: name it
-                    transport.each(lambda api: api.update_weight_version(version))
-                report.blocks = dict(self.baseline.blocks)
+                    self.transport.each(lambda api: api.update_weight_version(version))
                 if self.delta_check or self.verify:
                     self._check_delta(version, report)
         except BaseException:
-            for _ in tensors:  # the other learner ranks are still in the payload's gathers: finish them
-                pass
-            self.baseline = None  # the servers may hold part of this sync: the next one is full
-            for api in paused:  # release the requests parked on the paused servers (a dead one has none)
-                api.quietly_continue()
+            self._after_failure(paused)
             raise
         self._continue_all()
         self._held = {api.url: version for api in self.apis}
@@ -157,6 +189,35 @@ class DistributedBroadcaster:
         report.seconds = time.perf_counter() - start
         return report
 
+    def _send(self, tensors, version: str, report: SyncReport, checksums: ChecksumAccumulator | None,
+              paused: list[WeightUpdateAPI]) -> None:
+        """Rank 0's I/O up to the sessions' end: the preamble in one stretch (why full, the group, pause and flush),
+        then the session's start, buckets and end (sync/transport.py, a stretch each)."""
+        transport = self.transport
+        with transport.stretch():
+            report.full_reason = self._full_sync_reason() if self.delta else ""
+            self.connect()
+            paused.extend(self.apis)  # before the calls: a pause that fails half-way may still hold requests
+            for api in self.apis:
+                api.pause_generation(self.pause_mode)
+                api.flush_cache()
+        if not self.delta or report.full_reason:
+            stream = self._record(tensors) if self.delta else tensors
+            transport.session(([item] for item in stream), version, report, checksums, None)
+        else:
+            report.mode = "delta"
+            deltas = self.baseline.encode(tensors)
+            transport.session((d.wire() for d in deltas), version, report, None, delta.LOAD_FORMAT)
+            report.blocks = dict(self.baseline.blocks)
+
+    def _after_failure(self, paused: list[WeightUpdateAPI]) -> None:
+        """A failed sync on rank 0: the next one is full (the servers may hold part of this one), the sessions
+        still open are ended and the paused servers continued (each all at once, CLEANUP_S): requests parked there
+        would wait otherwise."""
+        self.baseline = None
+        self.transport.abandon()
+        all_at_once(paused, WeightUpdateAPI.quietly_continue, CLEANUP_S)
+
     def _continue_all(self) -> None:
         """``continue_generation`` on every server, then SyncError naming each that failed: one server's failure
         must not leave the servers after it paused (a request retracted there would wait out its client's
@@ -164,7 +225,8 @@ class DistributedBroadcaster:
         failed = []
         for api in self.apis:
             try:
-                api.continue_generation()
+                with self.transport.stretch():  # each server its own rollout.sync.timeout_s
+                    api.continue_generation()
             except SyncError as err:
                 failed.append(str(err))
         if failed:

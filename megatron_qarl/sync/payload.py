@@ -21,12 +21,13 @@ from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 from megatron_qarl.qat.export import to_sglang_tensors
 
 
-def check_sendable(fq) -> None:
+def check_sendable(fq, group=None) -> None:
     """UserError on every learner rank alike, before any tensor moves, when a quantized weight of any rank holds a
     nan / inf (its scales are non-finite; the codes would be garbage): every rank's finiteness flags, one per
     quantizer call, are all-gathered over the default group (one collective every rank joins) and read to the host
     once (their ``any``; the table itself only to name what was found). A refusal on the one rank that found it
-    would leave the others blocked in the sync's next gather."""
+    would leave the others blocked in the sync's next gather. ``group``: the world's group to gather on (the sync's
+    own, ``SyncGroups.world``; None: the default group)."""
     import torch.distributed as dist
 
     from megatron_qarl.qat.modules import finite_flags
@@ -36,7 +37,7 @@ def check_sendable(fq) -> None:
         return
     bad = torch.stack([torch.logical_not(f) for _, f in flags]).to(torch.uint8)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    rows = all_gather_tensors(to_group_device(bad), None, world, name="the weights' finiteness flags") \
+    rows = all_gather_tensors(to_group_device(bad, group), group, world, name="the weights' finiteness flags") \
         if world > 1 else [bad]
     table = torch.stack(rows)  # [rank][quantizer call]
     if not bool(table.any()):  # the one host read when all is well
@@ -48,29 +49,31 @@ def check_sendable(fq) -> None:
                     "no tensor was sent, the rollout servers keep their previous weights")
 
 
-def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_sync_tensors(learner, dtype: torch.dtype = torch.bfloat16, groups=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) in the server's checkpoint format, in one fixed order (collective). Every rank first agrees
-    that every quantized weight is finite (``check_sendable``, raised here, before the generator's first item)."""
+    that every quantized weight is finite (``check_sendable``, raised here, before the generator's first item).
+    ``groups``: the groups every collective of it runs on (``parallelize.SyncGroups``, the sync's own; None:
+    the default group and Megatron's)."""
     fq = learner.fake_quant
     if fq:
-        check_sendable(fq)
-    return _sync_tensors(learner, fq, dtype)
+        check_sendable(fq, groups.world if groups else None)
+    return _sync_tensors(learner, fq, dtype, groups)
 
 
-def _sync_tensors(learner, fq, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _sync_tensors(learner, fq, dtype: torch.dtype, groups) -> Iterator[tuple[str, torch.Tensor]]:
     quantized = {t.pm.mcore for t in fq.targets} if fq else set()
 
     def high_precision(pm: ParamMap) -> bool:
         return pm.mcore not in quantized
 
-    for name, tensor in iter_hf_tensors(learner.module, learner.arch, include=high_precision):
+    for name, tensor in iter_hf_tensors(learner.module, learner.arch, include=high_precision, groups=groups):
         yield name, tensor.to(dtype)
     if not fq:
         return
     from megatron.core import parallel_state as ps
 
     lay = fq.layout
-    ep_group = ps.get_expert_model_parallel_group() if lay.ep > 1 else None
+    ep_group = (groups.ep if groups else ps.get_expert_model_parallel_group()) if lay.ep > 1 else None
     n_local = learner.arch.num_experts // lay.ep
     shapes: dict[tuple, torch.Tensor] = {}  # W4A16's weight_shape, made once per shape and device (per stack)
     for t in fq.targets:

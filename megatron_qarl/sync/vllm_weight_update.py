@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 
 from megatron_qarl.sync.weight_update import SyncError, WeightUpdateAPI
+from megatron_qarl.wire import group_timeout_s
 
 
 class VLLMWeightUpdateAPI(WeightUpdateAPI):
@@ -64,11 +65,12 @@ class VLLMWeightUpdateAPI(WeightUpdateAPI):
 
     def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str) -> dict:
-        # timeout_s: the workers' side of the group waits as long as the trainer's (rollout.sync.timeout_s), not
-        # QarlInitInfo's default of 300 s
+        # timeout_s: the workers' side of the group waits as long as the trainer's (rollout.sync.timeout_s + the
+        # margin, wire.group_timeout_s), not QarlInitInfo's default of 300 s
         self.call("POST", "/init_weight_transfer_engine", {"init_info": {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": self.timeout_s}})
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+            "timeout_s": group_timeout_s(self.timeout_s)}})
         return {"success": True}
 
     def destroy_group(self, group_name: str) -> None:

@@ -13,7 +13,10 @@ sglang/srt/managers/io_struct.py; tests/test_sglang_contract.py has SGLang's own
 
 Blocking (httpx), one call per request, no retries: a weight update is not idempotent. A transport error or a
 4xx/5xx is a SyncError naming the server and the endpoint; an answer ``{"success": false, ...}`` is returned as
-is (the transport decides what a refusal means mid-broadcast).
+is (the transport decides what a refusal means mid-broadcast). Each call waits ``timeout_s``
+(rollout.sync.timeout_s) at most, and no longer than the ``deadline`` of the stretch of the sync it belongs to
+(sync/transport.py ``BroadcastTransport.stretch``: every call of one stretch shares one rollout.sync.timeout_s); a
+best-effort cleanup call (``quietly``: a failed sync's ends, continues and the group's destroy) waits ``CLEANUP_S``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ import httpx
 
 from megatron_qarl.utils.http import tls_context
 from megatron_qarl.wire import response_body
+
+# how long a best-effort cleanup call waits for its server (a failed sync's end_weight_update, continue_generation,
+# the weight-update group's destroy): the cleanup of a failed sync is bounded by this, whatever rollout.sync.timeout_s
+CLEANUP_S = 30.0
 
 
 class SyncError(RuntimeError):
@@ -43,21 +50,36 @@ class WeightUpdateAPI:
 
     def __init__(self, engine: Engine, timeout_s: float = 300.0):
         self.engine, self.timeout_s = engine, timeout_s
+        self.deadline: float | None = None  # time.monotonic() by which the current stretch of the sync must end
 
     @property
     def url(self) -> str:
         return self.engine.url
 
-    def call(self, method: str, path: str, payload: dict | None = None) -> dict:
-        """One HTTP call; a transport error or a 4xx/5xx is a SyncError naming the server and the endpoint."""
+    def _budget(self, path: str, cap: float | None = None) -> float:
+        """Seconds a call to ``path`` may wait: ``timeout_s`` (or ``cap``), and no more than what is left of the
+        stretch's ``deadline``; a SyncError naming the server when nothing is left."""
+        limit = self.timeout_s if cap is None else min(cap, self.timeout_s)
+        if self.deadline is None:
+            return limit
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise SyncError(f"{self.url}{path}: not called: this stretch of the weight sync has used its "
+                            f"rollout.sync.timeout_s={self.timeout_s:g} s")
+        return min(limit, left)
+
+    def call(self, method: str, path: str, payload: dict | None = None, timeout_s: float | None = None) -> dict:
+        """One HTTP call, waiting ``timeout_s`` if given, else ``_budget``; a transport error or a 4xx/5xx is a
+        SyncError naming the server and the endpoint."""
         key = self.engine.api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
+        timeout = self._budget(path) if timeout_s is None else timeout_s
         try:
             if method == "POST":
-                r = httpx.post(self.url + path, json=payload or {}, headers=headers, timeout=self.timeout_s,
+                r = httpx.post(self.url + path, json=payload or {}, headers=headers, timeout=timeout,
                                verify=tls_context())
             else:
-                r = httpx.get(self.url + path, headers=headers, timeout=self.timeout_s, verify=tls_context())
+                r = httpx.get(self.url + path, headers=headers, timeout=timeout, verify=tls_context())
         except httpx.HTTPError as err:
             raise SyncError(f"{self.url}{path}: {type(err).__name__}: {err}") from None
         if r.status_code >= 400:
@@ -66,9 +88,10 @@ class WeightUpdateAPI:
         return body if isinstance(body, dict) else {"text": body}
 
     def quietly(self, path: str, payload: dict | None = None) -> None:
-        """Best-effort cleanup call: a dead or refusing server has nothing to clean up."""
+        """Best-effort cleanup call, ``CLEANUP_S`` at most whatever the stretch has left: a dead or refusing server
+        has nothing to clean up."""
         try:
-            self.call("POST", path, payload)
+            self.call("POST", path, payload, timeout_s=CLEANUP_S)
         except SyncError:
             pass
 
@@ -76,7 +99,8 @@ class WeightUpdateAPI:
     def health(self) -> None:
         """GET /health (no key needed, short timeout): fail fast, naming the server, before a group is formed."""
         try:
-            httpx.get(self.url + "/health", timeout=10.0, verify=tls_context()).raise_for_status()
+            timeout = self._budget("/health", 10.0)
+            httpx.get(self.url + "/health", timeout=timeout, verify=tls_context()).raise_for_status()
         except httpx.HTTPError as err:
             raise SyncError(f"{self.url}/health: {type(err).__name__}: {err}") from None
 
@@ -107,11 +131,15 @@ class WeightUpdateAPI:
         self.call("POST", "/continue_generation", {})
 
     def quietly_continue(self) -> None:
-        """``continue_generation``, best effort (after a failed sync: a dead server has nothing to continue)."""
+        """``continue_generation``, best effort and ``CLEANUP_S`` at most (after a failed sync: a dead server has
+        nothing to continue)."""
+        deadline, self.deadline = self.deadline, time.monotonic() + CLEANUP_S
         try:
             self.continue_generation()
         except SyncError:
             pass
+        finally:
+            self.deadline = deadline
 
     # ---------------------------------------------------------------------------------- group
     def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,

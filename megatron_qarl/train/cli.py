@@ -1,4 +1,4 @@
-"""``qarl train --config C [--resume] [key.sub=value ...]``: the QaRL training job.
+"""``qarl train --config C [--resume [CHECKPOINT]] [key.sub=value ...]``: the QaRL training job.
 
 Validates the whole config first, refuses a GPU run that ``qarl plan`` says does not fit its GPUs
 (``check_memory``) and a run whose environments are not ready (``qarl preflight`` without its round trip:
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_qarl.cli import add_config_args
 from megatron_qarl.config import QarlConfig
 from megatron_qarl.errors import UserError
 from megatron_qarl.preflight.rules import load_config
@@ -85,9 +86,19 @@ def check_memory(cfg: QarlConfig, config: str = "this config") -> None:
 EXIT_STOPPED = 75  # stopped early on SIGUSR1/SIGTERM with a checkpoint saved (EX_TEMPFAIL); --resume continues
 
 
-def run(cfg: QarlConfig, *, resume: bool = False, progress: bool = True,
+def run(cfg: QarlConfig, *, resume: bool | str = False, progress: bool = True,
         stop: threading.Event | None = None, config: str = "this config", preflight: bool = True) -> dict[str, float]:
+    """``resume``: True (``--resume``) continues from the newest checkpoint, a path (``--resume CHECKPOINT``) from
+    that one. Before anything starts, the policy's directory and the checkpoint to resume are checked whole: a
+    corrupt or incomplete one is a UserError naming the file (and, for a checkpoint, the newest older one that
+    checks out)."""
+    from megatron_qarl.learner.checkpoint import resume_point
+    from megatron_qarl.moe.model_dir import check_model_dir
+
     check_memory(cfg, config)
+    check_model_dir(cfg.model.path)
+    if resume:
+        resume = resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
     from megatron_qarl.preflight.data import require_data
 
     require_data(cfg)  # every prompt file the run reads exists and has its keys (the training set is read next)
@@ -187,11 +198,12 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train", help="run QaRL training (learner + rollout servers)",
                                    description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML run config (configs/cpu_default.yaml)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the output dir")
+    parser.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
+                        help="continue from the newest checkpoint of the output dir, or from CHECKPOINT (a step_* "
+                             "folder of it: a key.sub=value word is an override, never CHECKPOINT)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-preflight", action="store_true",
                         help="skip the environment checks of qarl preflight (run before anything is built)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    add_config_args(parser)
     parser.set_defaults(func=_run)
     return parser

@@ -83,7 +83,9 @@ def build_batch(groups: list[list[Sample]], pad_id: int) -> tuple[Batch, torch.T
 
 class Trainer:
     def __init__(self, cfg: QarlConfig, learners: LearnerRanks, servers: ServerFleet, *, tokenizer,
-                 resume: bool = False, progress: bool = True, stream: PromptStream | None = None):
+                 resume: bool | str | Path = False, progress: bool = True, stream: PromptStream | None = None):
+        """``resume``: True continues from the newest checkpoint of the output dir, a path from that checkpoint
+        (``qarl train`` checks it first: ``learner.checkpoint.resume_point``)."""
         self.cfg, self.learners, self.servers = cfg, learners, servers
         self.tokenizer = tokenizer
         self.out = Path(cfg.train.output_dir)
@@ -94,7 +96,7 @@ class Trainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         if resume:
-            path = ckpt.latest(self.ckpt_root)
+            path = ckpt.latest(self.ckpt_root) if resume is True else Path(resume)
             if path is None:
                 raise UserError(f"--resume: no checkpoint in {self.ckpt_root}")
             saved = ckpt.read_state(path)
