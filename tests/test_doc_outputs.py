@@ -55,7 +55,7 @@ def test_a_drifted_quote_fails_the_check_naming_its_block(tmp_path):
     assert doc.read_text() == text
 
 
-BARE = re.compile(r"^\s*(qarl|python3?) ")
+BARE = re.compile(r"^\s*(qarl|python3?) (?!\S*: error:)")  # not an error message quoted ("qarl train: error: ...")
 INLINE = re.compile(r"`(python3? (?!-m venv)[^`]*)`")
 
 
