@@ -75,12 +75,18 @@ class ModelConfig(_Section):
         fake-quant GEMMs run with fp8 autocast off inside (ModelOpt's TE plugin refuses it) and attention in FP8,
         which the rollout computes in BF16 (docs/quantization.md, "FP8 on the TE spec"); the W8A8 schemes quantize
         every TE linear, leaving nothing to FP8.
+    attention: the local spec's core attention (``moe/attention.py``): ``sdpa`` torch's fused
+        scaled_dot_product_attention (flash kernels on CUDA and CPU, GQA without repeated K/V, no s^2 scores kept),
+        ``unfused`` Megatron's DotProductAttention (s^2 scores in memory), ``auto`` = sdpa. An explicit sdpa / unfused
+        makes model.impl auto build the local spec; with model.impl te it is refused (TE has its own fused attention).
+        numerics=exact ignores it (its attention is numerics/exact.c's).
     """
 
     path: str
     dtype: Literal["float32", "bfloat16"] = "float32"
     impl: Literal["auto", "local", "te"] = "auto"
     te_fp8: bool = False
+    attention: Literal["auto", "sdpa", "unfused"] = "auto"
 
     @field_validator("path")
     @classmethod
@@ -403,9 +409,11 @@ class QarlConfig(_Section):
                               "train: the learner divides its logits by the rollout's temperature, as SGLang's "
                               "returned log-probs are of the temperature-scaled logits")
         self._check_learner_memory_options()
+        from megatron_qarl.moe.attention import check_attention
         from megatron_qarl.moe.te import check_te_fp8
 
         check_te_fp8(self.model.te_fp8, self.model.impl, self.quant.scheme)
+        check_attention(self.model.attention, self.model.impl)
         return self
 
     @property

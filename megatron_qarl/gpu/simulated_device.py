@@ -183,6 +183,10 @@ class _CudaArguments(TorchFunctionMode):
             return _backward(*args, **kwargs)
         if func is torch.autograd.backward:
             return _backward(*args, **{"gradient" if k == "grad_tensors" else k: v for k, v in kwargs.items()})
+        if func is torch.nn.functional.scaled_dot_product_attention and _STATE.shapes_only:
+            answer = _flash_attention(*args, **kwargs)
+            if answer is not _NOT_HANDLED:
+                return answer
         if func is torch.Tensor.pin_memory:
             return args[0]  # host memory is host memory: there is no page-locking to do without a driver
         if func is torch.Tensor.cuda:
@@ -211,6 +215,26 @@ class _CudaArguments(TorchFunctionMode):
         if kwargs.get("pin_memory"):  # page-locked host memory needs a driver: host memory is host memory here
             kwargs["pin_memory"] = False
         return func(*args, **kwargs)
+
+
+_FLASH_OPS = {_aten._scaled_dot_product_flash_attention.default,
+              _aten._scaled_dot_product_flash_attention_backward.default}
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False):
+    """``F.scaled_dot_product_attention`` on the shape-only device as on a GPU: CUDA's flash kernel where a GPU's
+    SDPA picks it (fp16 / bf16, no mask, no dropout, head dim <= 256 and a multiple of 8, grouped query heads
+    native), through its meta kernel (``torch._meta_registrations``: the output and an fp32 log-sum-exp per head
+    and query, which its backward reads with q, k, v; no s x s tensor). Elsewhere ``_NOT_HANDLED``: SDPA runs as
+    torch dispatches it for a "meta" tensor, the math kernel, which is also what CUDA runs for those (a mask or fp32
+    with grouped query heads rules out its flash and memory-efficient kernels)."""
+    d = query.shape[-1]
+    if (attn_mask is not None or dropout_p or query.dtype not in _FLASH_DTYPES or d > 256 or d % 8
+            or (query.shape[-3] != key.shape[-3] and not enable_gqa)):
+        return _NOT_HANDLED
+    return _aten._scaled_dot_product_flash_attention(query, key, value, 0.0, is_causal, False, scale=scale)[0]
 
 
 def _backward(tensors, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
@@ -353,7 +377,7 @@ def _run_shapes(func, args, kwargs):
     choice); ``.item()`` returns ``_scalar_stand_in``; a copy to the host, zeros. c10d collectives run on the
     stand-in process group of the other ranks (plan.simulate): a collective with real inputs gets real outputs."""
     leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, SimTensor)]
-    meta = any(a._data.is_meta for a in leaves)
+    meta = any(a._data.is_meta for a in leaves) or func in _FLASH_OPS  # CUDA's flash kernel: no CPU one to run
     answer = _data_dependent(func, args, kwargs, meta)
     if answer is not _NOT_HANDLED:
         return answer

@@ -23,7 +23,8 @@ import torch
 from megatron_qarl.algo.policy_loss import PolicyLossConfig, loss_normalizer, policy_loss
 from megatron_qarl.config import OptimConfig, ParallelConfig
 from megatron_qarl.moe.exact import exact_forward
-from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask
+from megatron_qarl.moe.attention import resolve_attention
+from megatron_qarl.moe.model import Qwen3MoeArch, attention_mask, build_model
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
 from megatron_qarl.moe.te import check_te_fp8, resolve_impl
 from megatron_qarl.qat.config import QuantConfig
@@ -95,7 +96,7 @@ class Learner:
                  impl: str = "local", compile_quantizer: bool = False, distributed_optimizer: bool = True,
                  optimizer_cpu_offload: bool = False, optimizer_offload_fraction: float = 1.0, recompute: str = "none",
                  recompute_num_layers: int = 1, te_fp8: bool = False, numerics: str = "default",
-                 act_dtype: torch.dtype = torch.bfloat16, refresh_kernel: str = "auto"):
+                 act_dtype: torch.dtype = torch.bfloat16, refresh_kernel: str = "auto", attention: str = "auto"):
         """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
         Transformer Engine layers, in BF16 GEMMs on ModelOpt's fake-quant operands for the quantized schemes
         (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (impl te, schemes bf16 and w4a16,
@@ -103,7 +104,9 @@ class Learner:
         ``compile_quantizer``: learner.compile_quantizer (``qat.quantizer.fake_quantize_weight``); ``refresh_kernel``:
         learner.refresh_kernel (``qat.modules.resolve_refresh_kernel``).
         The memory options: see the class docstring. ``numerics`` "exact": log-probs from moe/exact.py (the rollout
-        engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype)."""
+        engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype).
+        ``attention``: ``model.attention`` (auto | sdpa | unfused), the local spec's core attention
+        (``moe.attention``); ``self.attention`` is what was built: "sdpa", "unfused" or "te"."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -119,12 +122,14 @@ class Learner:
         if optimizer_cpu_offload and not torch.cuda.is_available():
             raise ValueError("optimizer_cpu_offload: Megatron's HybridDeviceOptimizer moves optimizer states from the "
                              "GPU to the CPU and needs CUDA (streams, pinned memory); this torch has no CUDA device")
-        self.impl = resolve_impl(impl)
+        self.impl = resolve_impl(impl, attention)
+        self.attention = resolve_attention(attention, self.impl)
         check_te_fp8(te_fp8, self.impl, (quant or QuantConfig()).scheme)
         self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
                                   dispatcher=parallel.dispatcher, routing_replay=routing_replay,
                                   te=self.impl == "te", te_fp8=te_fp8, recompute=recompute,
-                                  recompute_num_layers=recompute_num_layers)
+                                  recompute_num_layers=recompute_num_layers,
+                                  attention="unfused" if self.attention == "te" else self.attention)
         self.routing_replay = routing_replay  # R3: routes given to logprobs() are replayed by Megatron's routers
         # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
         # the same quantizer only produces what the rollout servers load
@@ -199,7 +204,7 @@ class Learner:
             return self.exact.logprobs(padded, labels_BS, temperature)[:, : seq - 1], None
         replay = _Replay(self, padded.shape, routes_BSLK, record) if self.routing_replay else None
         try:
-            logits_BSV = self.model(padded, position_ids, causal_mask(s).to(self.device))  # this rank's vocab shard
+            logits_BSV = self.model(padded, position_ids, attention_mask(self.attention, s, self.device))  # vocab shard
             routes = replay.recorded() if replay is not None and record else None
         finally:
             if replay is not None:

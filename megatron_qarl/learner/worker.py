@@ -79,7 +79,7 @@ class LearnerWorker:
                                aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size,
                                temperature=cfg.rollout.sampling.temperature,
                                routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl, te_fp8=cfg.model.te_fp8,
-                               compile_quantizer=cfg.learner.compile_quantizer,
+                               attention=cfg.model.attention, compile_quantizer=cfg.learner.compile_quantizer,
                                refresh_kernel=cfg.learner.refresh_kernel,
                                distributed_optimizer=cfg.learner.distributed_optimizer,
                                optimizer_cpu_offload=cfg.learner.optimizer_cpu_offload,
