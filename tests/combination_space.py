@@ -3,14 +3,14 @@ verdict from the one config loader (``preflight.rules.validate_run``): refused a
 and the reason) or accepted, and then it must run (tests/test_combinations.py, tests/test_vllm_server.py).
 
 The dimensions: rollout.backend x train.async x quant.scheme x algo.routing_replay (R3) x rollout.sync.delta x
-train.mismatch_split x algo.loss.mode x algo.loss.mismatch x model.te_fp8 x the sampling (temperature, top_p,
-top_k) x launch.backend x numerics. Literal and bool fields take every value their type allows
+train.mismatch_split x algo.loss.mode x algo.loss.mismatch x model.te_fp8 x model.attention x the sampling
+(temperature, top_p, top_k) x launch.backend x numerics. Literal and bool fields take every value their type allows
 (``typing.get_args``), so a value added to the config's types joins the space, the refusal census and the pairwise
 run plans by itself; the sampling floats take their default and one other value (a temperature other than 1, a
 top_p below 1, a top_k on).
 
 Run plans are pairwise (``cover``): every pair of values that some accepted, runnable combination holds is held by
-at least one run. The full product is 276,480 combinations; pairwise needs a few dozen runs per backend.
+at least one run. The full product is 829,440 combinations; pairwise needs a few dozen runs per backend.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
     _typed("algo.loss.mode", PolicyLossConfig, "mode"),
     _typed("algo.loss.mismatch", PolicyLossConfig, "mismatch"),
     _typed("model.te_fp8", ModelConfig, "te_fp8"),
+    _typed("model.attention", ModelConfig, "attention"),
     _chosen("rollout.sampling.temperature", SamplingConfig, "temperature", 0.7),
     _chosen("rollout.sampling.top_p", SamplingConfig, "top_p", 0.9),
     _chosen("rollout.sampling.top_k", SamplingConfig, "top_k", 20),

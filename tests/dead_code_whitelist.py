@@ -40,3 +40,7 @@ replace_function  # qat/modules.py register_backends: ModelOpt's plugins.custom 
 compile_variants  # qat/triton_refresh.py: the sm_90 compile check, run by tests/test_triton_refresh.py (python -c)
 chunk_size  # megatron_cpu.py foreach_l2_norm / foreach_scale: amp_C.multi_tensor_* signatures (multi_tensor_applier)
 noop_flag  # megatron_cpu.py foreach_l2_norm / foreach_scale: amp_C's overflow buffer argument, unused as Megatron's
+attention_type  # moe/attention.py SDPAttention(...): Megatron's core-attention builder signature (CoreAttentionBuilder)
+cp_comm_type  # moe/attention.py SDPAttention(...): Megatron's core-attention builder signature (context parallel 1)
+pg_collection  # moe/attention.py SDPAttention(...): Megatron's core-attention builder signature (heads come split)
+core_attention  # moe/model.py layer_spec: a field of Megatron's SelfAttentionSubmodules, read when it builds a layer

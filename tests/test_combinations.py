@@ -1,7 +1,7 @@
 """Every combination of a run's keys is refused at config load, naming the keys and the reason, or it runs
 (issue 29). The space (tests/combination_space.py) comes from the config's own types: backend x train.async x
 quant.scheme x R3 x delta sync x mismatch split x loss mode x mismatch correction x model.te_fp8 x sampling
-(temperature, top_p, top_k) x launch, 138,240 combinations.
+(temperature, top_p, top_k) x model.attention x launch x numerics, 829,440 combinations.
 
 - the census: each combination through the one loader (``preflight.rules.validate_run``); a refusal names a config
   key first; every value of every dimension is accepted in some combination (none is dead).
@@ -40,7 +40,8 @@ def test_the_space_is_the_product_of_the_config_types():
     assert dims["algo.loss.mismatch"] == MismatchCorrection.__args__
     assert dims["train.async"] == ("off", "one_step", "bounded") and dims["algo.routing_replay"] == (False, True)
     assert dims["numerics"] == ("default", "exact")
-    assert cs.SIZE == 276_480 == len(list(cs.combinations()))
+    assert dims["model.attention"] == ("auto", "sdpa", "unfused")
+    assert cs.SIZE == 829_440 == len(list(cs.combinations()))
 
 
 def _is_key(dotted: str) -> bool:

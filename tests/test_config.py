@@ -189,3 +189,26 @@ def test_te_fp8_with_one_layers_experts_left_in_high_precision_is_refused_at_loa
                                           r"gate_proj.*model\.layers\.0\.mlp\.experts\.0\.gate_proj.*te_fp8=false"):
         load_config(REPO / "configs" / "cpu_default.yaml", [*fp8, f"quant.ignore={json.dumps(ignore)}"])
     load_config(REPO / "configs" / "cpu_default.yaml", [f"quant.ignore={json.dumps(ignore)}"])  # without FP8: fine
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "unfused"])
+def test_model_attention_chooses_the_local_specs_core_attention(attention, tiny_model_dir, monkeypatch):
+    """Issue 55: model.attention (auto | sdpa | unfused) picks the local spec's core attention; auto is sdpa. An
+    explicit one with model.impl=te is refused at load naming both keys (TE has its own fused attention); with
+    model.impl=auto it builds the local spec even where Transformer Engine imports."""
+    from megatron_qarl.moe import te
+    from megatron_qarl.moe.attention import resolve_attention
+
+    base = REPO / "configs" / "cpu_default.yaml"
+    assert load_config(base).model.attention == "auto"
+    assert load_config(base, [f"model.attention={attention}"]).model.attention == attention
+    with pytest.raises(ConfigError, match=rf"^model\.attention: '{attention}' chooses the core attention of "
+                                          r"Megatron's local spec, but model\.impl=te .*model\.impl=local$"):
+        load_config(base, [f"model.attention={attention}", "model.impl=te"])
+    assert load_config(base, ["model.impl=te"]).model.attention == "auto"
+    with pytest.raises(ConfigError, match=r"^model\.attention: Input should be 'auto', 'sdpa' or 'unfused'"):
+        load_config(base, ["model.attention=flash"])
+    monkeypatch.setattr(te, "transformer_engine_available", lambda: True)
+    assert te.resolve_impl("auto", attention) == "local" and te.resolve_impl("auto", "auto") == "te"
+    assert resolve_attention(attention, "local") == attention and resolve_attention("auto", "local") == "sdpa"
+    assert resolve_attention("auto", "te") == "te"
