@@ -234,3 +234,25 @@ def test_sdpa_launches_do_not_grow_with_the_sequence_and_read_the_host_no_more(m
         for seq in OP_SEQS:
             sdpa, unfused = ops[("sdpa", seq)][phase], ops[("unfused", seq)][phase]
             assert sdpa[1] <= unfused[1] and sdpa[0] < unfused[0], (phase, seq, sdpa, unfused)
+
+
+@pytest.mark.parametrize("batch, heads, groups", [(2, 4, 2), (1, 8, 1), (2, 8, 2)])
+def test_both_ways_of_grouping_the_heads_compute_the_same(batch, heads, groups):
+    """``grouped_sdpa``: CUDA's path (the kernel's ``enable_gqa``) and the CPU's (each group's query heads over its
+    K / V expanded as a view) give the same output bit for bit and the same gradients to float32 rounding, from
+    Megatron's [s, b, np, hn] layout; the CPU's output is a view of that layout again (no copy)."""
+    from megatron_qarl.moe.attention import grouped_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    raw = [torch.randn(48, batch, n, 32, generator=g) for n in (heads, groups, groups)]
+    got = {}
+    for native in (True, False):
+        q, k, v = (t.clone().requires_grad_() for t in raw)
+        out = grouped_sdpa(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), mask=None, causal=True, scale=0.2,
+                           native_gqa=native)
+        (out * torch.linspace(0, 1, 32)).sum().backward()
+        got[native] = (out.detach(), q.grad, k.grad, v.grad)
+        assert out.permute(2, 0, 1, 3).is_contiguous() or native
+    assert torch.equal(got[True][0], got[False][0])
+    for a, b in zip(got[True][1:], got[False][1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,9 @@ g(h) = h // (np / ng) and the causal mask (key j <= query i):
 
     out[i, h] = sum_j softmax_j(scale * q_h[i] . k_g(h)[j]) v_g(h)[j],   scale = softmax_scale or 1 / sqrt(hn)
 
-- **GQA** without repeated K / V (``enable_gqa``: the kernel reads group g(h) for head h).
+- **GQA** without repeated K / V (``grouped_sdpa``): on CUDA ``enable_gqa`` (the kernel reads group g(h) for head
+  h); on CPU each group's query heads over that group's K / V as a stride-0 view (torch's CPU flash backward with
+  ``enable_gqa`` is several times slower).
 - **Tensor parallel**: the heads of this rank (np = a / TP, ng = g / TP, as Megatron's ``Attention`` hands them);
   sequence parallel is Megatron's: the attention runs on the gathered sequence, as the unfused one does.
 - **Scale and dtype** as Megatron's: the net scale of ``DotProductAttention`` (``apply_query_key_layer_scaling``
@@ -70,6 +72,30 @@ def resolve_attention(attention: str, impl: str) -> str:
     return "unfused" if attention == "unfused" else "sdpa"
 
 
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, causal: bool,
+                 scale: float, native_gqa: bool) -> torch.Tensor:
+    """SDPA of q [b, np, s, hn] over k, v [b, ng, s, hn], query head h on group h // r (r = np / ng), without
+    repeating K / V in memory: ``native_gqa`` (CUDA) hands the groups to the kernel (``enable_gqa``: flash attention
+    reads group h // r for head h); otherwise (CPU) each group's r query heads become one batch entry over that
+    group's K / V expanded to r heads, a view (stride 0):
+
+        q -> [b * ng, r, s, hn] (a view of Megatron's [s, b, np, hn] layout),  k, v -> [b * ng, 1, s, hn] -> expand r
+
+    because torch's CPU flash backward with ``enable_gqa`` parallelises over the KV groups only (measured on this
+    project's 2-core machine, 8 query heads on 1 group, 4096 tokens, bf16: 3.9 s against 0.47 s for the same forward
+    + backward; BENCHMARKS.md). Its backward sums each group's r head gradients (autograd's expand), transient.
+    With a mask (padding / arbitrary types) the kernel takes the groups itself."""
+    b, heads, s, d = q.shape
+    groups = k.shape[1]
+    if heads == groups or native_gqa or mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=heads != groups)
+    r = heads // groups
+    kg, vg = (t.reshape(b * groups, 1, t.shape[2], d).expand(-1, r, -1, -1) for t in (k, v))
+    out = F.scaled_dot_product_attention(q.reshape(b * groups, r, s, d), kg, vg, is_causal=causal, scale=scale)
+    return out.reshape(b, heads, s, d)
+
+
 class SDPAttention(torch.nn.Module):
     """Megatron's core attention of the local spec on ``torch.nn.functional.scaled_dot_product_attention`` (module
     docstring). Built by Megatron's ``Attention`` with the core-attention builder's keyword arguments. No parameters
@@ -113,8 +139,7 @@ class SDPAttention(torch.nn.Module):
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)
         v = value.contiguous().permute(1, 2, 0, 3)  # a view of the fused qkv output: keep only V's own bytes
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = grouped_sdpa(q, k, v, mask=mask, causal=causal, scale=self.softmax_scale, native_gqa=q.is_cuda)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 

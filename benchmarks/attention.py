@@ -1,0 +1,124 @@
+"""The local spec's core attention on CPU, torch's fused SDPA against Megatron's unfused DotProductAttention (issue 55):
+aten ops, host reads, peak memory and time of a forward + backward, measured in one run.
+
+    .venv/bin/python benchmarks/attention.py [--seqs 1024 4096] [--repeats 3] [--out benchmarks/results/attention_cpu.md]
+
+The model: one Megatron layer (``moe.model.build_model``, the local spec) of what one TP4 rank of Qwen3-30B-A3B holds
+in its attention (8 query heads, 1 KV group of 128, hidden 2048), 8 experts top-2 of FFN 768 and a 1024-token
+vocabulary (the experts and vocabulary cut so that the attention's share is visible), bf16, one sequence of s tokens.
+A forward + backward: logits -> float logsumexp mean -> backward. Per attention and s:
+  - aten ops and host reads (``_local_scalar_dense``, ``item``, ``is_nonzero``, ``nonzero``) seen by a
+    TorchDispatchMode;
+  - the peak live bytes of every tensor an aten op returned (``plan.tracker.AllocationTracker``: a storage counts
+    while a tensor holds it; the parameters and the inputs, made before, are not counted), beside one layer's s x s
+    scores in fp32, a * s^2 * 4 B;
+  - wall seconds, the median of ``--repeats`` interleaved runs (the counting runs are apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+REPO = Path(__file__).resolve().parents[1]
+SYNCS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default", "aten.nonzero.default"}
+ATTENTIONS = ("unfused", "sdpa")
+
+
+class Counted(TorchDispatchMode):
+    """aten ops, host reads and (with a tracker) the live bytes of what the ops return."""
+
+    def __init__(self, tracker=None):
+        super().__init__()
+        self.ops, self.syncs, self.tracker = 0, 0, tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.syncs += str(func) in SYNCS
+        out = func(*args, **(kwargs or {}))
+        if self.tracker is not None:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.tracker.add(t)
+        return out
+
+
+def layer_arch(seq: int):
+    from megatron_qarl.moe.model import Qwen3MoeArch
+
+    base = Qwen3MoeArch.from_model_dir(REPO / "configs" / "models" / "qwen3-30b-a3b")
+    return dataclasses.replace(base, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=1,
+                               num_experts=8, num_experts_per_tok=2, vocab_size=1024, max_position_embeddings=seq)
+
+
+def run(attention: str, seq: int, repeats: int) -> dict:
+    from megatron_qarl.moe.model import attention_mask, build_model
+    from megatron_qarl.plan.tracker import AllocationTracker
+
+    arch = layer_arch(seq)
+    torch.manual_seed(0)
+    model = build_model(arch, dtype=torch.bfloat16, attention=attention)
+    tokens = torch.randint(0, arch.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    positions, mask = torch.arange(seq)[None], attention_mask(attention, seq)
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
+        model(tokens, positions, mask).float().logsumexp(-1).mean().backward()
+
+    fwd_bwd()  # warm-up
+    tracker = AllocationTracker()
+    with Counted(tracker) as counted:
+        fwd_bwd()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fwd_bwd()
+        times.append(time.perf_counter() - t0)
+    return {"ops": counted.ops, "syncs": counted.syncs, "peak": tracker.peak, "seconds": statistics.median(times),
+            "scores": arch.num_attention_heads * seq**2 * 4}
+
+
+def render(rows: dict, seqs: list[int], repeats: int) -> str:
+    out = [f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch "
+           f"{torch.__version__}; one layer (8 / 1 heads of 128, hidden 2048, 8 experts), bf16, one sequence; "
+           f"forward + backward, median of {repeats}.", "",
+           "| s | attention | aten ops | host reads | peak MiB | one layer's fp32 scores MiB | seconds | "
+           "sdpa / unfused: ops, peak, time |", "|---|---|---|---|---|---|---|---|"]
+    for seq in seqs:
+        u = rows[("unfused", seq)]
+        for att in ATTENTIONS:
+            r = rows[(att, seq)]
+            ratio = (f"{r['ops'] / u['ops']:.2f}, {r['peak'] / u['peak']:.3f}, {r['seconds'] / u['seconds']:.2f}"
+                     if att == "sdpa" else "-")
+            out.append(f"| {seq} | {att} | {r['ops']} | {r['syncs']} | {r['peak'] / 2**20:.0f} | "
+                       f"{r['scores'] / 2**20:.0f} | {r['seconds']:.3f} | {ratio} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    from megatron_qarl.moe.parallelize import init_parallel, single_rank_env
+
+    single_rank_env()
+    init_parallel()
+    rows = {(att, seq): run(att, seq, args.repeats) for seq in args.seqs for att in ATTENTIONS}
+    text = render(rows, args.seqs, args.repeats)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
