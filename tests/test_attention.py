@@ -49,14 +49,14 @@ def _problem_tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, mask
 
 
-def _learner(model_dir: str, dtype: torch.dtype, scheme: str, attention: str, **kw):
+def _learner(model_dir: str, dtype: torch.dtype, scheme: str, attention: str, tp: int = 1, **kw):
     from megatron_qarl.config import OptimConfig, ParallelConfig
     from megatron_qarl.learner.rank import Learner
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.qat.config import QuantConfig
 
     torch.manual_seed(0)
-    learner = Learner(Qwen3MoeArch.from_model_dir(model_dir), ParallelConfig(), OptimConfig(lr=1e-3), dtype=dtype,
+    learner = Learner(Qwen3MoeArch.from_model_dir(model_dir), ParallelConfig(tp=tp), OptimConfig(lr=1e-3), dtype=dtype,
                       quant=QuantConfig(scheme=scheme), attention=attention, **kw)
     learner.load_hf(model_dir)
     return learner

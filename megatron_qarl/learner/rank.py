@@ -26,6 +26,7 @@ from megatron_qarl.moe.exact import exact_forward
 from megatron_qarl.moe.attention import resolve_attention
 from megatron_qarl.moe.model import Qwen3MoeArch, attention_mask, build_model
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
+from megatron_qarl.learner.packing import loss_lengths, pack, unpack
 from megatron_qarl.moe.te import check_te_fp8, resolve_impl
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.modules import apply_fake_quant
@@ -137,6 +138,9 @@ class Learner:
                                             refresh_kernel=refresh_kernel)
                            if quant and quant.enabled else None)
         self.exact = exact_forward(numerics, self, act_dtype, quant, aligned)  # None unless numerics: exact
+        # packed sequences (learner/packing.py): where the core attention takes them (sdpa; Megatron's unfused one
+        # refuses them, TE's is not run here) and the routes are the learner's own (R3 replays per [B, S] position)
+        self.packs = self.attention == "sdpa" and self.exact is None and not routing_replay
         self.model = DistributedDataParallel(
             self.module.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -169,21 +173,28 @@ class Learner:
         pad = (-tokens_BS.shape[1]) % self.tp
         return torch.nn.functional.pad(tokens_BS, (0, pad)) if pad else tokens_BS
 
-    def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None) -> torch.Tensor:
+    def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
+                 lengths: list[int] | None = None) -> torch.Tensor:
         """log softmax(z / T)[tokens[:, t+1]] given tokens[:, :t+1], for t < S-1: [B, S-1], fp32, with
         autograd (T = ``temperature``; the vocabulary stays split over tensor-parallel ranks).
 
         ``routes_BSLK`` (R3; needs ``routing_replay``): every MoE layer routes position s of row b to the
         experts ``routes_BSLK[b, s, layer]`` (the rollout server's) instead of its own top-k; the gate
-        weights are the softmax of the router's logits over those experts."""
-        return self._logprobs(tokens_BS, routes_BSLK, record=False)[0]
+        weights are the softmax of the router's logits over those experts.
+        ``lengths`` (host ints, ``packing.loss_lengths``): row b needs only its first lengths[b] tokens; where the
+        learner packs (``self.packs``) they are computed end to end without padding (``learner/packing.py``) and
+        logp[b, t] for t >= lengths[b] - 1 is 0."""
+        return self._logprobs(tokens_BS, routes_BSLK, record=False, lengths=lengths)[0]
 
     def _logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool,
-                  temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  temperature: float | None = None,
+                  lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logp [B, S-1] at ``temperature`` or the learner's, and with ``record`` the experts this rank's routers
-        chose: [B, S_local, L, K])."""
+        chose: [B, S_local, L, K]); ``lengths``: see ``logprobs``."""
         from megatron.core import tensor_parallel
 
+        if lengths is not None and self.packs:
+            return self._packed_logprobs(tokens_BS, lengths, temperature), None
         seq = tokens_BS.shape[1]
         padded = self._pad_seq(tokens_BS.to(self.device))
         labels_BS = torch.roll(padded, -1, dims=1)
@@ -214,14 +225,34 @@ class Learner:
         ce_BS = tensor_parallel.vocab_parallel_cross_entropy(logits_BSV, labels_BS)
         return -ce_BS[:, : seq - 1].float(), routes
 
+    def _packed_logprobs(self, tokens_BS: torch.Tensor, lengths: list[int],
+                         temperature: float | None) -> torch.Tensor:
+        """``logprobs`` of the rows packed end to end (``learner/packing.py``): one THD sequence, the core attention
+        within each row (Megatron's ``PackedSeqParams``), the log-probs put back in [B, S-1]."""
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        packed = pack(tokens_BS, lengths, self.tp).to(self.device)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
+                                 max_seqlen_q=packed.max_len, max_seqlen_kv=packed.max_len,
+                                 cp_group=ps.get_context_parallel_group())
+        logits_1TV = self.model(packed.tokens, packed.positions, None, packed_seq_params=params)
+        temperature = self.temperature if temperature is None else temperature
+        if temperature != 1.0:
+            logits_1TV = logits_1TV / temperature
+        ce_1T = tensor_parallel.vocab_parallel_cross_entropy(logits_1TV, packed.labels)
+        return unpack(-ce_1T.float(), packed, tuple(tokens_BS.shape))[:, : tokens_BS.shape[1] - 1]
+
     @torch.no_grad()
     def forward_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
-                         temperature: float | None = None) -> torch.Tensor:
+                         temperature: float | None = None, lengths: list[int] | None = None) -> torch.Tensor:
         """The aligned forward (fake quant on when configured): logp [B, S-1] of the whole batch on
         every rank; each data-parallel rank computes its slice (rows padded to a multiple of the
         data-parallel size by repeating the last one), then they are all-gathered. ``routes_BSLK``: R3.
-        ``temperature``: instead of the learner's (1.0: the unscaled ones, train/pipeline.py's mismatch split)."""
-        return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature)[0]
+        ``temperature``: instead of the learner's (1.0: the unscaled ones, train/pipeline.py's mismatch split).
+        ``lengths``: the rows' needed lengths (``logprobs``; packed where the learner packs)."""
+        return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature, lengths=lengths)[0]
 
     @torch.no_grad()
     def forward_routes(self, tokens_BS: torch.Tensor,
@@ -234,12 +265,14 @@ class Learner:
         return self._dp_forward(tokens_BS, routes_BSLK, record=True)
 
     def _dp_forward(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool,
-                    temperature: float | None = None):
+                    temperature: float | None = None, lengths: list[int] | None = None):
         from megatron.core import parallel_state as ps
 
         self.model.eval()
         rows = tokens_BS.shape[0]
         pad = (-rows) % self.dp_size
+        if lengths is not None:
+            lengths = list(lengths) + lengths[-1:] * pad
         if pad:
             tokens_BS = torch.cat([tokens_BS, tokens_BS[-1:].expand(pad, -1)])
             if routes_BSLK is not None:
@@ -248,8 +281,10 @@ class Learner:
         rows_BS = tokens_BS[mine]
         routes_mine = routes_BSLK[mine] if routes_BSLK is not None else None
         size = self.micro_batch_size or rows_BS.shape[0]
+        lengths_mine = lengths[mine] if lengths is not None else None
         parts = [self._logprobs(rows_BS[i:i + size], None if routes_mine is None else routes_mine[i:i + size],
-                                record, temperature) for i in range(0, rows_BS.shape[0], size)]
+                                record, temperature, None if lengths_mine is None else lengths_mine[i:i + size])
+                 for i in range(0, rows_BS.shape[0], size)]
         local = {"log-probs": torch.cat([p[0] for p in parts])}
         if record:
             local["routes"] = self._gather_seq(torch.cat([p[1] for p in parts]))[:, : tokens_BS.shape[1]]
@@ -294,8 +329,10 @@ class Learner:
         loss = torch.zeros((), device=self.device)
         parts: list[dict] = []
         for micro in local.micro_batches(self.micro_batch_size):  # gradients accumulate in DDP's buffers
+            lengths = loss_lengths(micro.loss_mask_BT) if self.packs else None  # read on the host, before the move
             micro = micro.to(self.device)
-            micro_loss, micro_metrics = loss_fn(self.logprobs(micro.tokens_BS, micro.extra.get("routes_BSLK")), micro)
+            micro_loss, micro_metrics = loss_fn(self.logprobs(micro.tokens_BS, micro.extra.get("routes_BSLK"),
+                                                              lengths), micro)
             (micro_loss * self.dp_size).backward()
             loss = loss + micro_loss.detach()
             parts.append(micro_metrics)

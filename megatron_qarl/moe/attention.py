@@ -25,8 +25,10 @@ g(h) = h // (np / ng) and the causal mask (key j <= query i):
 - **Call signature**: megatron-core 0.16.1's core-attention protocol (``transformer/attention.py``
   ``CoreAttention``): ``(query, key, value, attention_mask, attn_mask_type=, attention_bias=,
   packed_seq_params=)``, [sq, b, np|ng, hn] in, [sq, b, np * hn] out; Megatron's selective recompute of
-  ``core_attn`` calls it the same way inside its checkpoint. ``attention_bias`` and ``packed_seq_params`` are
-  refused, as ``DotProductAttention`` refuses them (the learner never passes them).
+  ``core_attn`` calls it the same way inside its checkpoint. ``attention_bias`` is refused, as
+  ``DotProductAttention`` refuses it. ``packed_seq_params`` (THD, packed sequences: ``learner/packing.py``) runs
+  each sequence causally on its own tokens, a block-diagonal causal mask (``SDPAttention._packed``);
+  ``DotProductAttention`` refuses it, so the unfused learner does not pack.
 
 What it keeps for the backward (the kernel's saved tensors): q, k, v (k and v per group, not per head: V is made
 contiguous first, so Megatron's fused qkv output it is a view of is not held for it), the output and the fp32
@@ -132,8 +134,7 @@ class SDPAttention(torch.nn.Module):
             raise ValueError("SDPAttention: attention_bias is not supported (neither is it by Megatron's "
                              "DotProductAttention)")
         if packed_seq_params is not None:
-            raise ValueError("SDPAttention: packed_seq_params (THD packed sequences) is not supported; the learner "
-                             "runs right-padded [s, b] batches")
+            return self._packed(query, key, value, attn_mask_type or self.attn_mask_type, packed_seq_params)
         mask, causal = self._mask(attn_mask_type or self.attn_mask_type, attention_mask, query.shape[0],
                                   key.shape[0])
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
@@ -142,6 +143,34 @@ class SDPAttention(torch.nn.Module):
         out = grouped_sdpa(q, k, v, mask=mask, causal=causal, scale=self.softmax_scale, native_gqa=q.is_cuda)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask_type, params) -> torch.Tensor:
+        """Packed sequences (Megatron's THD format, ``learner/packing.py``): [t, np, hn] query, [t, ng, hn] key /
+        value of sequences laid end to end, sequence i at cu_seqlens[i]:cu_seqlens[i+1]; each attends causally to
+        its own tokens only (a block-diagonal causal mask) -> [t, np * hn]. CUDA: torch's variable-length flash
+        attention (``torch.nn.attention.varlen.varlen_attn``: one kernel over every sequence, grouped query heads
+        native; not run here, no GPU); CPU: ``grouped_sdpa`` on each sequence in turn (the lengths are read on the
+        host, where CPU tensors are)."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if params.qkv_format != "thd" or mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPAttention: packed sequences take qkv_format 'thd' with a causal mask, got "
+                             f"{params.qkv_format!r} and {mask_type}")
+        cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
+        if params.cu_seqlens_q_padded is not None or not torch.equal(cu_q, cu_k):
+            raise ValueError("SDPAttention: packed sequences need the same cu_seqlens for queries and keys, unpadded")
+        v = value.contiguous()
+        if query.is_cuda:
+            from torch.nn.attention.varlen import varlen_attn
+
+            out = varlen_attn(query, key, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv,
+                              scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=query.shape[1] != key.shape[1])
+            return out.reshape(out.shape[0], -1)
+        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        parts = [grouped_sdpa(q.permute(1, 0, 2)[None], k.permute(1, 0, 2)[None], vv.permute(1, 0, 2)[None], mask=None,
+                              causal=True, scale=self.softmax_scale, native_gqa=False)[0].permute(1, 0, 2)
+                 for q, k, vv in zip(query.split(lengths), key.split(lengths), v.split(lengths), strict=True)]
+        return torch.cat(parts).reshape(query.shape[0], -1)
 
     @staticmethod
     def _mask(mask_type, attention_mask: torch.Tensor | None, sq: int, sk: int):
