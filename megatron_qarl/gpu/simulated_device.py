@@ -22,6 +22,9 @@ device arithmetic fails as it does on a GPU.
   ``torch.cuda.FloatTensor`` check, the alltoall dispatcher's device-to-host stream, the checkpoint writer's
   non-blocking copies and synchronize. Fixes keyed on other conditions (no Transformer Engine) stay.
 
+- **Attention**: ``F.scaled_dot_product_attention`` runs the kernel a GPU would pick (shape-only: CUDA's flash
+  kernel through its meta function, ``_flash_attention``) or the CPU run's (real values: torch's CPU flash kernel,
+  ``_cpu_flash_attention``), not the math kernel torch picks for a "meta" tensor.
 - **Shape-only backing** (``simulated_cuda(shapes_only=True)``, for ``plan.simulate``): device tensors hold meta
   tensors (shape, dtype, strides; no memory) instead of CPU ones, except small ones (up to ``SMALL_BYTES``) made
   by factories or copied from the host, which keep real values; ``_run_shapes`` runs each op on meta when any
@@ -183,8 +186,8 @@ class _CudaArguments(TorchFunctionMode):
             return _backward(*args, **kwargs)
         if func is torch.autograd.backward:
             return _backward(*args, **{"gradient" if k == "grad_tensors" else k: v for k, v in kwargs.items()})
-        if func is torch.nn.functional.scaled_dot_product_attention and _STATE.shapes_only:
-            answer = _flash_attention(*args, **kwargs)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            answer = (_flash_attention if _STATE.shapes_only else _cpu_flash_attention)(*args, **kwargs)
             if answer is not _NOT_HANDLED:
                 return answer
         if func is torch.Tensor.pin_memory:
@@ -235,6 +238,19 @@ def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
             or (query.shape[-3] != key.shape[-3] and not enable_gqa)):
         return _NOT_HANDLED
     return _aten._scaled_dot_product_flash_attention(query, key, value, 0.0, is_causal, False, scale=scale)[0]
+
+
+def _cpu_flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    """``F.scaled_dot_product_attention`` on the real-valued simulated device: the kernel the same call runs on CPU
+    tensors (torch's CPU flash attention, ``_scaled_dot_product_flash_attention_for_cpu``, for float operands without
+    dropout), so that the simulated run computes what the CPU run does bit for bit; torch would otherwise pick the
+    math kernel for the "meta" tensor a SimTensor is to C++. ``_NOT_HANDLED`` elsewhere."""
+    if dropout_p or query.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (
+            query.shape[-3] != key.shape[-3] and not enable_gqa):
+        return _NOT_HANDLED
+    return _aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, attn_mask=attn_mask,
+                                                             scale=scale)[0]
 
 
 def _backward(tensors, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:

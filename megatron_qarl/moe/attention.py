@@ -98,6 +98,12 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: tor
     return out.reshape(b, heads, s, d)
 
 
+def _cuda_kernels(t: torch.Tensor) -> bool:
+    """Whether ``t``'s kernels are CUDA's: a CUDA tensor of a CUDA build of torch (the simulated device's tensors
+    report CUDA on a CPU build, whose kernels are the CPU's: gpu/simulated_device.py)."""
+    return t.is_cuda and torch.version.cuda is not None
+
+
 class SDPAttention(torch.nn.Module):
     """Megatron's core attention of the local spec on ``torch.nn.functional.scaled_dot_product_attention`` (module
     docstring). Built by Megatron's ``Attention`` with the core-attention builder's keyword arguments. No parameters
@@ -140,7 +146,7 @@ class SDPAttention(torch.nn.Module):
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)
         v = value.contiguous().permute(1, 2, 0, 3)  # a view of the fused qkv output: keep only V's own bytes
-        out = grouped_sdpa(q, k, v, mask=mask, causal=causal, scale=self.softmax_scale, native_gqa=q.is_cuda)
+        out = grouped_sdpa(q, k, v, mask=mask, causal=causal, scale=self.softmax_scale, native_gqa=_cuda_kernels(q))
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -149,8 +155,8 @@ class SDPAttention(torch.nn.Module):
         value of sequences laid end to end, sequence i at cu_seqlens[i]:cu_seqlens[i+1]; each attends causally to
         its own tokens only (a block-diagonal causal mask) -> [t, np * hn]. CUDA: torch's variable-length flash
         attention (``torch.nn.attention.varlen.varlen_attn``: one kernel over every sequence, grouped query heads
-        native; not run here, no GPU); CPU: ``grouped_sdpa`` on each sequence in turn (the lengths are read on the
-        host, where CPU tensors are)."""
+        native; not run here, no GPU); elsewhere (CPU, and the simulated device, whose torch has no CUDA kernels):
+        ``grouped_sdpa`` on each sequence in turn, the lengths read on the host."""
         from megatron.core.transformer.enums import AttnMaskType
 
         if params.qkv_format != "thd" or mask_type != AttnMaskType.causal:
@@ -160,7 +166,7 @@ class SDPAttention(torch.nn.Module):
         if params.cu_seqlens_q_padded is not None or not torch.equal(cu_q, cu_k):
             raise ValueError("SDPAttention: packed sequences need the same cu_seqlens for queries and keys, unpadded")
         v = value.contiguous()
-        if query.is_cuda:
+        if _cuda_kernels(query):
             from torch.nn.attention.varlen import varlen_attn
 
             out = varlen_attn(query, key, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv,
@@ -170,7 +176,8 @@ class SDPAttention(torch.nn.Module):
         parts = [grouped_sdpa(q.permute(1, 0, 2)[None], k.permute(1, 0, 2)[None], vv.permute(1, 0, 2)[None], mask=None,
                               causal=True, scale=self.softmax_scale, native_gqa=False)[0].permute(1, 0, 2)
                  for q, k, vv in zip(query.split(lengths), key.split(lengths), v.split(lengths), strict=True)]
-        return torch.cat(parts).reshape(query.shape[0], -1)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # one sequence: the kernel's output, no copy
+        return out.reshape(query.shape[0], -1)
 
     @staticmethod
     def _mask(mask_type, attention_mask: torch.Tensor | None, sq: int, sk: int):
