@@ -77,3 +77,52 @@ def test_packed_log_probs_equal_the_padded_ones(tiny_model_dir, tp):
         assert r["zeros"] == 0.0  # no log-prob computed past a row's last loss target
         assert r["step"].max() <= FP32_TOKEN and r["step"].mean() <= PER_TOKEN, r["step"].max()
         assert r["packed_rows"] and all(len(rows) == 12 for rows in r["packed_rows"])  # the packed path ran
+
+
+def _device_reads(model_dir: str) -> dict:
+    """Reads of simulated-device values on the host (``_local_scalar_dense``, ``item``, ``is_nonzero``,
+    ``nonzero`` of a device tensor) in a train step, packed and right-padded, on the simulated CUDA device."""
+    import torch.distributed as dist
+    from test_attention import _learner, _problem_tokens
+
+    from megatron_qarl.gpu import simulated_device as sd
+    from megatron_qarl.learner.rank import Batch, token_mean_nll
+    from megatron_qarl.moe.parallelize import single_rank_env
+
+    single_rank_env()
+    dist.init_process_group("gloo")
+    reads = {"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default",
+             "aten.nonzero.default"}
+    counted, run = [], sd._run
+
+    def counting(func, args, kwargs):
+        if str(func) in reads and any(isinstance(a, sd.SimTensor) for a in args):
+            counted.append(str(func))
+        return run(func, args, kwargs)
+
+    tokens, mask = _problem_tokens(6)
+    out = {}
+    sd._run = counting
+    try:
+        with sd.simulated_cuda():
+            init_parallel()
+            for packs in (True, False):
+                learner = _learner(model_dir, torch.float32, "bf16", "sdpa")
+                learner.packs = packs
+                batch = Batch(tokens, mask.float())
+                learner.train_step(batch, lambda lp, b: token_mean_nll(lp, b, b.loss_mask_BT.sum()))
+                counted.clear()
+                learner.train_step(batch, lambda lp, b: token_mean_nll(lp, b, b.loss_mask_BT.sum()))
+                out[packs] = list(counted)
+    finally:
+        sd._run = run
+    return out
+
+
+@pytest.mark.simulated_device
+def test_packing_reads_no_device_value_on_a_simulated_gpu(tiny_model_dir):
+    """The lengths and cu_seqlens stay on the host (``Packed.to``): Megatron's THD rope reads them in every layer, which
+    on a GPU would be a device sync each time. On the simulated device a packed train step reads the device exactly
+    as often as a right-padded one (the loss and the gradient norm)."""
+    reads = run_ranks(1, _device_reads, tiny_model_dir)[0]
+    assert reads[True] == reads[False] and len(reads[True]) <= 2, reads

@@ -40,8 +40,13 @@ class Packed:
     max_len: int
 
     def to(self, device) -> Packed:
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+        """Every tensor on ``device`` but ``cu_seqlens``, which stays on the host (pinned for a CUDA device): Megatron's
+        THD rope reads it (``.tolist()``) in every layer, which on a device would be a sync each time; the CUDA
+        attention copies it over itself, asynchronously (``moe.attention.SDPAttention._packed``)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "cu_seqlens"}
+        cu = self.cu_seqlens.pin_memory() if torch.device(device).type == "cuda" else self.cu_seqlens
+        return dataclasses.replace(self, cu_seqlens=cu, **moved)
 
 
 def loss_lengths(loss_mask_BT: torch.Tensor) -> list[int]:

@@ -156,7 +156,8 @@ class SDPAttention(torch.nn.Module):
         its own tokens only (a block-diagonal causal mask) -> [t, np * hn]. CUDA: torch's variable-length flash
         attention (``torch.nn.attention.varlen.varlen_attn``: one kernel over every sequence, grouped query heads
         native; not run here, no GPU); elsewhere (CPU, and the simulated device, whose torch has no CUDA kernels):
-        ``grouped_sdpa`` on each sequence in turn, the lengths read on the host."""
+        ``grouped_sdpa`` on each sequence in turn. cu_seqlens is a host tensor (``packing.Packed.to``): the lengths are
+        read without a device sync."""
         from megatron.core.transformer.enums import AttnMaskType
 
         if params.qkv_format != "thd" or mask_type != AttnMaskType.causal:
@@ -169,6 +170,7 @@ class SDPAttention(torch.nn.Module):
         if _cuda_kernels(query):
             from torch.nn.attention.varlen import varlen_attn
 
+            cu_q = cu_k = cu_q.to(query.device, non_blocking=True)  # from the host (learner/packing.py), no sync
             out = varlen_attn(query, key, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv,
                               scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=query.shape[1] != key.shape[1])
             return out.reshape(out.shape[0], -1)
