@@ -12,7 +12,7 @@ A forward + backward: logits -> float logsumexp mean -> backward. Per attention 
   - the peak live bytes of every tensor an aten op returned (``plan.tracker.AllocationTracker``: a storage counts
     while a tensor holds it; the parameters and the inputs, made before, are not counted), beside one layer's s x s
     scores in fp32, a * s^2 * 4 B;
-  - wall seconds, the median of ``--repeats`` interleaved runs (the counting runs are apart).
+  - wall seconds, the median of ``--repeats`` runs, the two attentions alternating (the counting runs are apart).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def layer_arch(seq: int):
                                num_experts=8, num_experts_per_tok=2, vocab_size=1024, max_position_embeddings=seq)
 
 
-def run(attention: str, seq: int, repeats: int) -> dict:
+def _model(attention: str, seq: int):
+    """The one-layer model (module docstring) with ``attention`` and its forward + backward of ``seq`` tokens."""
     from megatron_qarl.moe.model import attention_mask, build_model
-    from megatron_qarl.plan.tracker import AllocationTracker
 
     arch = layer_arch(seq)
     torch.manual_seed(0)
@@ -73,17 +73,30 @@ def run(attention: str, seq: int, repeats: int) -> dict:
         model.zero_grad(set_to_none=True)
         model(tokens, positions, mask).float().logsumexp(-1).mean().backward()
 
-    fwd_bwd()  # warm-up
-    tracker = AllocationTracker()
-    with Counted(tracker) as counted:
-        fwd_bwd()
-    times = []
+    return fwd_bwd, arch.num_attention_heads * seq**2 * 4
+
+
+def run(seq: int, repeats: int) -> dict:
+    """Both attentions at ``seq``: each counted once after a warm-up, then timed alternately ``repeats`` times."""
+    from megatron_qarl.plan.tracker import AllocationTracker
+
+    fns, out = {}, {}
+    for attention in ATTENTIONS:
+        fns[attention], scores = _model(attention, seq)
+        fns[attention]()  # warm-up
+        tracker = AllocationTracker()
+        with Counted(tracker) as counted:
+            fns[attention]()
+        out[attention] = {"ops": counted.ops, "syncs": counted.syncs, "peak": tracker.peak, "scores": scores,
+                          "times": []}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fwd_bwd()
-        times.append(time.perf_counter() - t0)
-    return {"ops": counted.ops, "syncs": counted.syncs, "peak": tracker.peak, "seconds": statistics.median(times),
-            "scores": arch.num_attention_heads * seq**2 * 4}
+        for attention in ATTENTIONS:
+            t0 = time.perf_counter()
+            fns[attention]()
+            out[attention]["times"].append(time.perf_counter() - t0)
+    for r in out.values():
+        r["seconds"] = statistics.median(r.pop("times"))
+    return out
 
 
 def render(rows: dict, seqs: list[int], repeats: int) -> str:
@@ -113,7 +126,7 @@ def main() -> None:
 
     single_rank_env()
     init_parallel()
-    rows = {(att, seq): run(att, seq, args.repeats) for seq in args.seqs for att in ATTENTIONS}
+    rows = {(att, seq): r for seq in args.seqs for att, r in run(seq, args.repeats).items()}
     text = render(rows, args.seqs, args.repeats)
     print(text)
     if args.out:
