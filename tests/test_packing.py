@@ -40,7 +40,7 @@ def _packed_vs_padded(model_dir: str, tp: int) -> dict:
     learner (selective recompute) and of one that does not, and their log-probs after it."""
     from test_attention import _learner, _problem_tokens
 
-    from megatron_qarl.learner import rank
+    from megatron_qarl.learner import packing
     from megatron_qarl.learner.rank import Batch, token_mean_nll
 
     init_parallel(tp=tp)
@@ -49,8 +49,8 @@ def _packed_vs_padded(model_dir: str, tp: int) -> dict:
     loss_mask[:, :5] = 0  # the prompt: log-probs no loss reads
     lengths = loss_lengths(loss_mask)
     calls = []
-    real_pack = rank.pack
-    rank.pack = lambda *a, **k: calls.append(a[1]) or real_pack(*a, **k)
+    real_pack = packing.pack
+    packing.pack = lambda *a, **k: calls.append(a[1]) or real_pack(*a, **k)
     try:
         learner = _learner(model_dir, torch.float32, "w4a16", "sdpa", tp=tp)
         padded, packed = learner.forward_logprobs(tokens), learner.forward_logprobs(tokens, lengths=lengths)
@@ -61,7 +61,7 @@ def _packed_vs_padded(model_dir: str, tp: int) -> dict:
             learner.train_step(Batch(tokens, loss_mask), lambda lp, b: token_mean_nll(lp, b, b.loss_mask_BT.sum()))
             after[packs] = learner.forward_logprobs(tokens)
     finally:
-        rank.pack = real_pack
+        packing.pack = real_pack
     scored = torch.arange(tokens.shape[1] - 1)[None] < torch.tensor(lengths)[:, None] - 1
     return {"forward": (packed - padded)[scored].abs(), "zeros": packed[~scored].abs().max().item(),
             "step": (after[True] - after[False])[mask].abs(), "packed_rows": calls}

@@ -94,3 +94,24 @@ def unpack(values_1T: torch.Tensor, packed: Packed, shape: tuple[int, int]) -> t
     flat = values_1T.reshape(-1)[: packed.index.numel()]
     out = flat.new_zeros(shape[0] * shape[1])
     return out.index_put((packed.index[packed.scored],), flat[packed.scored]).reshape(shape)
+
+
+def packed_logprobs(model, tokens_BS: torch.Tensor, lengths: list[int], *, tp: int, device: torch.device,
+                    temperature: float) -> torch.Tensor:
+    """``Learner.logprobs`` of the rows packed end to end: one THD sequence through ``model`` (Megatron's GPTModel or
+    its DDP wrapper, the core attention within each row: ``PackedSeqParams``), log softmax(z / temperature) of each
+    row's next token, put back in [B, S-1] (0 where no loss reads; module docstring). ``tp``: the sequence's
+    multiple (sequence parallelism)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    packed = pack(tokens_BS, lengths, tp).to(device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
+                             max_seqlen_q=packed.max_len, max_seqlen_kv=packed.max_len,
+                             cp_group=ps.get_context_parallel_group())
+    logits_1TV = model(packed.tokens, packed.positions, None, packed_seq_params=params)
+    if temperature != 1.0:
+        logits_1TV = logits_1TV / temperature
+    ce_1T = tensor_parallel.vocab_parallel_cross_entropy(logits_1TV, packed.labels)
+    return unpack(-ce_1T.float(), packed, tuple(tokens_BS.shape))[:, : tokens_BS.shape[1] - 1]

@@ -26,7 +26,7 @@ from megatron_qarl.moe.exact import exact_forward
 from megatron_qarl.moe.attention import resolve_attention
 from megatron_qarl.moe.model import Qwen3MoeArch, attention_mask, build_model
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
-from megatron_qarl.learner.packing import loss_lengths, pack, unpack
+from megatron_qarl.learner.packing import loss_lengths, packed_logprobs
 from megatron_qarl.moe.te import check_te_fp8, resolve_impl
 from megatron_qarl.qat.config import QuantConfig
 from megatron_qarl.qat.modules import apply_fake_quant
@@ -138,8 +138,7 @@ class Learner:
                                             refresh_kernel=refresh_kernel)
                            if quant and quant.enabled else None)
         self.exact = exact_forward(numerics, self, act_dtype, quant, aligned)  # None unless numerics: exact
-        # packed sequences (learner/packing.py): where the core attention takes them (sdpa; Megatron's unfused one
-        # refuses them, TE's is not run here) and the routes are the learner's own (R3 replays per [B, S] position)
+        # packed sequences (learner/packing.py) where the core attention takes them and R3 does not replay [B, S] routes
         self.packs = self.attention == "sdpa" and self.exact is None and not routing_replay
         self.model = DistributedDataParallel(
             self.module.config,
@@ -194,7 +193,9 @@ class Learner:
         from megatron.core import tensor_parallel
 
         if lengths is not None and self.packs:
-            return self._packed_logprobs(tokens_BS, lengths, temperature), None
+            temperature = self.temperature if temperature is None else temperature
+            return packed_logprobs(self.model, tokens_BS, lengths, tp=self.tp, device=self.device,
+                                   temperature=temperature), None
         seq = tokens_BS.shape[1]
         padded = self._pad_seq(tokens_BS.to(self.device))
         labels_BS = torch.roll(padded, -1, dims=1)
@@ -224,25 +225,6 @@ class Learner:
             logits_BSV = logits_BSV / temperature
         ce_BS = tensor_parallel.vocab_parallel_cross_entropy(logits_BSV, labels_BS)
         return -ce_BS[:, : seq - 1].float(), routes
-
-    def _packed_logprobs(self, tokens_BS: torch.Tensor, lengths: list[int],
-                         temperature: float | None) -> torch.Tensor:
-        """``logprobs`` of the rows packed end to end (``learner/packing.py``): one THD sequence, the core attention
-        within each row (Megatron's ``PackedSeqParams``), the log-probs put back in [B, S-1]."""
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        packed = pack(tokens_BS, lengths, self.tp).to(self.device)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
-                                 max_seqlen_q=packed.max_len, max_seqlen_kv=packed.max_len,
-                                 cp_group=ps.get_context_parallel_group())
-        logits_1TV = self.model(packed.tokens, packed.positions, None, packed_seq_params=params)
-        temperature = self.temperature if temperature is None else temperature
-        if temperature != 1.0:
-            logits_1TV = logits_1TV / temperature
-        ce_1T = tensor_parallel.vocab_parallel_cross_entropy(logits_1TV, packed.labels)
-        return unpack(-ce_1T.float(), packed, tuple(tokens_BS.shape))[:, : tokens_BS.shape[1] - 1]
 
     @torch.no_grad()
     def forward_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
@@ -339,39 +321,41 @@ class Learner:
         metrics = {k: (sum(float(p[k]) for p in parts) if k in SUMMED_METRICS else
                        sum(float(p[k]) for p in parts) / len(parts)) for k in parts[0]}
         finalize_model_grads([self.model])
-        global_loss = self._dp_sum(loss)
+        global_loss = dp_sum(loss, self.dp_size)
         found_inf = self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())  # over every model-parallel rank and expert group
         finite = not found_inf and math.isfinite(grad_norm) and math.isfinite(global_loss)
         if finite:
-            self._clip(grad_norm)
+            clip_grads(self.optimizer, self.clip_grad, grad_norm)
             self.optimizer.step_with_ready_grads()
             weights_changed(self)
         metrics = dict(metrics)
         metrics.update(loss=global_loss, grad_norm=grad_norm, skipped=0.0 if finite else 1.0)
         return metrics
 
-    def _clip(self, grad_norm: float) -> None:
-        """Scale every gradient by clip_grad / grad_norm when below 1 (the global norm, dense + experts)."""
-        from megatron.core.optimizer import optimizer as mopt
 
-        if self.clip_grad <= 0:
-            return
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            params = opt.get_parameters()
-            if params:
-                mopt.clip_grad_by_total_norm_fp32(params, max_norm=self.clip_grad, total_norm=grad_norm)
+def clip_grads(optimizer, clip_grad: float, grad_norm: float) -> None:
+    """Scale every gradient by clip_grad / grad_norm when below 1 (the global norm, dense + experts)."""
+    from megatron.core.optimizer import optimizer as mopt
 
-    def _dp_sum(self, value: torch.Tensor) -> float:
-        """Sum of the per-rank loss shares = the global loss."""
-        from megatron.core import parallel_state as ps
+    if clip_grad <= 0:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if params:
+            mopt.clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=grad_norm)
 
-        if self.dp_size == 1:
-            return float(value)
-        group = ps.get_data_parallel_group()
-        v = to_group_device(value.detach().clone().float().reshape(1), group)
-        all_reduce(v, group, name="loss")
-        return v.item()
+
+def dp_sum(value: torch.Tensor, dp_size: int) -> float:
+    """Sum of the per-rank loss shares over data parallelism = the global loss."""
+    from megatron.core import parallel_state as ps
+
+    if dp_size == 1:
+        return float(value)
+    group = ps.get_data_parallel_group()
+    v = to_group_device(value.detach().clone().float().reshape(1), group)
+    all_reduce(v, group, name="loss")
+    return v.item()
 
 
 class _Replay:
