@@ -22,6 +22,8 @@ g(h) = h // (np / ng) and the causal mask (key j <= query i):
   Transformer Engine's attention does with Megatron's causal type (the learner passes None: no s x s mask is made);
   ``no_mask`` attends everywhere; the padding / arbitrary types take ``attention_mask`` (True where attention is not
   allowed, Megatron's convention), which on CUDA leaves the flash kernel (GQA with a mask runs the math kernel).
+- **K / V** arrive as Megatron's ``Attention`` hands them to its core attention (after RoPE, and after whatever it
+  does to them before: a KV-cache fake quant there applies to this module's inputs exactly as to the unfused one's).
 - **Call signature**: megatron-core 0.16.1's core-attention protocol (``transformer/attention.py``
   ``CoreAttention``): ``(query, key, value, attention_mask, attn_mask_type=, attention_bias=,
   packed_seq_params=)``, [sq, b, np|ng, hn] in, [sq, b, np * hn] out; Megatron's selective recompute of
@@ -98,6 +100,16 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: tor
     return out.reshape(b, heads, s, d)
 
 
+def _varlen_attn():
+    """torch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``, CUDA), None in a torch
+    without it (the learner pins torch 2.13, which has it; a GPU image may bring its own torch)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
 def _cuda_kernels(t: torch.Tensor) -> bool:
     """Whether ``t``'s kernels are CUDA's: a CUDA tensor of a CUDA build of torch (the simulated device's tensors
     report CUDA on a CPU build, whose kernels are the CPU's: gpu/simulated_device.py)."""
@@ -155,8 +167,8 @@ class SDPAttention(torch.nn.Module):
         value of sequences laid end to end, sequence i at cu_seqlens[i]:cu_seqlens[i+1]; each attends causally to
         its own tokens only (a block-diagonal causal mask) -> [t, np * hn]. CUDA: torch's variable-length flash
         attention (``torch.nn.attention.varlen.varlen_attn``: one kernel over every sequence, grouped query heads
-        native; not run here, no GPU); elsewhere (CPU, and the simulated device, whose torch has no CUDA kernels):
-        ``grouped_sdpa`` on each sequence in turn. cu_seqlens is a host tensor (``packing.Packed.to``): the lengths are
+        native; not run here, no GPU); elsewhere (CPU, the simulated device, whose torch has no CUDA kernels, and a
+        CUDA torch older than varlen_attn): ``grouped_sdpa`` on each sequence in turn. cu_seqlens is a host tensor (``packing.Packed.to``): the lengths are
         read without a device sync."""
         from megatron.core.transformer.enums import AttnMaskType
 
@@ -167,16 +179,16 @@ class SDPAttention(torch.nn.Module):
         if params.cu_seqlens_q_padded is not None or not torch.equal(cu_q, cu_k):
             raise ValueError("SDPAttention: packed sequences need the same cu_seqlens for queries and keys, unpadded")
         v = value.contiguous()
-        if _cuda_kernels(query):
-            from torch.nn.attention.varlen import varlen_attn
-
+        cuda = _cuda_kernels(query)
+        varlen_attn = _varlen_attn() if cuda else None
+        if varlen_attn is not None:
             cu_q = cu_k = cu_q.to(query.device, non_blocking=True)  # from the host (learner/packing.py), no sync
             out = varlen_attn(query, key, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv,
                               scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=query.shape[1] != key.shape[1])
             return out.reshape(out.shape[0], -1)
         lengths = (cu_q[1:] - cu_q[:-1]).tolist()
         parts = [grouped_sdpa(q.permute(1, 0, 2)[None], k.permute(1, 0, 2)[None], vv.permute(1, 0, 2)[None], mask=None,
-                              causal=True, scale=self.softmax_scale, native_gqa=False)[0].permute(1, 0, 2)
+                              causal=True, scale=self.softmax_scale, native_gqa=cuda)[0].permute(1, 0, 2)
                  for q, k, vv in zip(query.split(lengths), key.split(lengths), v.split(lengths), strict=True)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)  # one sequence: the kernel's output, no copy
         return out.reshape(query.shape[0], -1)
