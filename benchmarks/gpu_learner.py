@@ -1,6 +1,8 @@
-"""The learner at Qwen3-30B-A3B layer shapes on one GPU, per scheme: what fake quantization costs (issue 37).
+"""The learner at Qwen3-30B-A3B layer shapes on one GPU, per scheme: what fake quantization costs (issue 37), and the
+local spec's core attention, torch's fused SDPA against Megatron's unfused one (issue 55).
 
     python benchmarks/gpu_learner.py [--out benchmarks/results/gpu_learner.md]        (scripts/gpu_smoke.sh --bench)
+    python benchmarks/gpu_learner.py --rows attention [--out ...]                     (the attention rows only)
     python benchmarks/gpu_learner.py --device cpu --small                            (a dry run of the same code)
 
 Each row in its own process (a fresh CUDA context, ModelOpt's state, the allocator's peak): a TP1/EP1 ``Learner``
@@ -14,6 +16,15 @@ and bf16 scales it writes, for every scheme and refresh kernel (``learner.refres
 kernel on CUDA, qat/triton_refresh.py; ``torch`` the reference ops). ``--small`` shrinks the model (hidden 256, 16
 experts, vocab 4096, 2 x 128 tokens) so a CPU runs the whole table in a few minutes: it checks the script, its figures
 mean nothing for a GPU.
+
+The attention rows (``ATTENTION_ROWS``, ``model.attention``): bf16, 2 layers, one sequence of 4096 tokens, the sdpa
+and the unfused core attention (the scheme rows above run the default, sdpa). Every row gives the train step's
+model FLOPs utilisation: MFU = F / (train_step s x the GPU's peak), F = 6 N T + 6 L a d s^2 per sequence (N the
+active parameters without the embedding, T tokens; the causal attention's QK^T and PV, each s^2 / 2 x a x d
+multiply-adds forward, twice that backward: what a causal fused kernel computes; the unfused one computes the whole
+s^2), the peak the dense BF16 tensor-core figure of NVIDIA's datasheets (``PEAK_BF16``; H100 SXM / H200: 989.4
+TFLOPS, H100 PCIe: 756 TFLOPS); "-" on other devices. The train step also steps Adam and re-quantizes the weights,
+so this MFU is the learner's, not the GEMMs'.
 
 ``--plan CONFIG``: the planner meets the GPU (plan/measure.py). The config cut to one GPU (TP 1, EP 1) and to each of
 ``--plan-layers`` (2 4), its phases run on the device, each phase's allocator peak (allocated, reserved) beside
@@ -34,16 +45,41 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero")
-# (scheme, learner.compile_quantizer, layers, learner.refresh_kernel)
-ROWS = [("bf16", False, 2, "auto"), ("w4a16", False, 2, "auto"), ("w4a16", False, 2, "torch"),
-        ("w4a16", True, 2, "auto"), ("w8a8_fp8", False, 2, "auto"), ("w8a8_int8", False, 2, "auto"),
-        ("w4a16", False, 8, "auto")]
+# (scheme, learner.compile_quantizer, layers, learner.refresh_kernel, model.attention, (sequences, tokens each))
+ROWS = [("bf16", False, 2, "auto", "sdpa", (4, 1024)), ("w4a16", False, 2, "auto", "sdpa", (4, 1024)),
+        ("w4a16", False, 2, "torch", "sdpa", (4, 1024)), ("w4a16", True, 2, "auto", "sdpa", (4, 1024)),
+        ("w8a8_fp8", False, 2, "auto", "sdpa", (4, 1024)), ("w8a8_int8", False, 2, "auto", "sdpa", (4, 1024)),
+        ("w4a16", False, 8, "auto", "sdpa", (4, 1024))]
+ATTENTION_ROWS = [("bf16", False, 2, "auto", attention, (1, 4096)) for attention in ("sdpa", "unfused")]
+SMALL_SHAPE = {(4, 1024): (2, 128), (1, 4096): (1, 512)}  # --small: the shapes a CPU runs in seconds
+# dense BF16 tensor-core FLOP/s (no sparsity), NVIDIA's H100 / H200 datasheets; matched in the device's name in order
+PEAK_BF16 = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12))
 SCHEMES = ("w4a16", "w8a8_fp8", "w8a8_int8")
 
 
-def row_name(scheme: str, compiled: bool, kernel: str) -> str:
+def row_name(scheme: str, compiled: bool, kernel: str, attention: str = "sdpa") -> str:
     return scheme + (" (compile_quantizer)" if compiled else "") + (f" (refresh_kernel={kernel})"
-                                                                    if kernel != "auto" else "")
+                                                                    if kernel != "auto" else "") + \
+        (f" (attention={attention})" if attention != "sdpa" else "")
+
+
+def train_flops(a, sequences: int, seq: int) -> float:
+    """Model FLOPs of one train step (module docstring): 6 N T + 6 L a d s^2 per sequence, N the active parameters
+    without the embedding (``plan.memory.param_counts``)."""
+    from megatron_qarl.plan.memory import param_counts
+
+    n = param_counts(a)["active_non_embedding"]
+    return 6 * n * sequences * seq + sequences * 6 * a.num_hidden_layers * a.num_attention_heads * a.head_dim * seq**2
+
+
+def peak_flops(device: str) -> float | None:
+    """The device's dense BF16 peak (``PEAK_BF16``), None where it is not in the table (and on a CPU)."""
+    import torch
+
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_BF16 if key in name), None)
 
 
 def arch(layers: int, small: bool):
@@ -97,7 +133,8 @@ def _timed(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def row(scheme: str, compiled: bool, layers: int, kernel: str, device: str, small: bool, repeats: int) -> dict:
+def row(scheme: str, compiled: bool, layers: int, kernel: str, attention: str, shape: tuple[int, int], device: str,
+        small: bool, repeats: int) -> dict:
     """One row, in this process."""
     import torch
 
@@ -110,8 +147,9 @@ def row(scheme: str, compiled: bool, layers: int, kernel: str, device: str, smal
     init_parallel()
     a = arch(layers, small)
     learner = Learner(a, ParallelConfig(), OptimConfig(lr=1e-5), dtype=torch.bfloat16,
-                      quant=QuantConfig(scheme=scheme), compile_quantizer=compiled, refresh_kernel=kernel)
-    rows, seq = (2, 128) if small else (4, 1024)
+                      quant=QuantConfig(scheme=scheme), compile_quantizer=compiled, refresh_kernel=kernel,
+                      attention=attention)
+    rows, seq = SMALL_SHAPE[tuple(shape)] if small else tuple(shape)
     tokens = torch.randint(0, a.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
     batch = Batch(tokens, torch.ones(rows, seq - 1))
 
@@ -134,8 +172,10 @@ def row(scheme: str, compiled: bool, layers: int, kernel: str, device: str, smal
     step_prof = _profiled(step, device)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     used = learner.fake_quant.kernel if learner.fake_quant else "-"
-    return {"scheme": row_name(scheme, compiled, kernel), "layers": layers, "kernel": used,
-            "forward_s": statistics.median(t_fwd), "step_s": statistics.median(t_step), "peak_gib": peak,
+    step_s, gpu_peak = statistics.median(t_step), peak_flops(device)
+    return {"scheme": row_name(scheme, compiled, kernel, attention), "layers": layers, "kernel": used,
+            "tokens": f"{rows} x {seq}", "forward_s": statistics.median(t_fwd), "step_s": step_s, "peak_gib": peak,
+            "mfu": train_flops(a, rows, seq) / step_s / gpu_peak if gpu_peak else None,
             "forward": fwd_prof, "step": step_prof}
 
 
@@ -235,7 +275,7 @@ def _child(args, q) -> None:
     try:
         q.put(row(*args))
     except Exception as err:  # noqa: BLE001 - a row that fails is reported in the table, the others still run
-        q.put({"scheme": row_name(args[0], args[1], args[3]), "layers": args[2],
+        q.put({"scheme": row_name(args[0], args[1], args[3], args[4]), "layers": args[2],
                "error": f"{type(err).__name__}: {str(err)[:300]}"})
 
 
@@ -269,21 +309,25 @@ def render(rows: list[dict], alone: list[dict], device: str, small: bool) -> str
     import torch
 
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({'--small' if small else 'full size'})"
-    base = {r["layers"]: r for r in rows if r["scheme"] == "bf16" and "error" not in r}
+    base = {(r["layers"], r["tokens"]): r for r in rows if r["scheme"] == "bf16" and "error" not in r}
     out = [f"Device: {where}; torch {torch.__version__}; median of the timed calls after a warm-up step.", "",
-           "| scheme | refresh | layers | log-prob forward s | train_step s | forward + step | vs bf16 | peak GiB | "
-           "forward launches / syncs | step launches / syncs |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| scheme | refresh | layers | tokens | log-prob forward s | train_step s | forward + step | vs bf16 | "
+           "peak GiB | train-step MFU | forward launches / syncs | step launches / syncs |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['scheme']} | - | {r['layers']} | failed: {r['error']} |||||||")
+            out.append(f"| {r['scheme']} | - | {r['layers']} | - | failed: {r['error']} ||||||||")
             continue
         total = r["forward_s"] + r["step_s"]
-        ref = base.get(r["layers"])
+        ref = base.get((r["layers"], r["tokens"]))
         ratio = f"{total / (ref['forward_s'] + ref['step_s']):.2f}x" if ref else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        out.append(f"| {r['scheme']} | {r['kernel']} | {r['layers']} | {r['forward_s']:.3f} | {r['step_s']:.3f} | "
-                   f"{total:.3f} | {ratio} | {peak} | {r['forward']['launches']} / {r['forward']['syncs']} | "
-                   f"{r['step']['launches']} / {r['step']['syncs']} |")
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        out.append(f"| {r['scheme']} | {r['kernel']} | {r['layers']} | {r['tokens']} | {r['forward_s']:.3f} | "
+                   f"{r['step_s']:.3f} | {total:.3f} | {ratio} | {peak} | {mfu} | {r['forward']['launches']} / "
+                   f"{r['forward']['syncs']} | {r['step']['launches']} / {r['step']['syncs']} |")
+    if not alone:
+        return "\n".join(out) + "\n"
     out += ["", f"The quantizer alone, one refresh of a stacked {alone[0]['shape']} fp32 weight (GB/s over the fp32 "
                 "read and the bf16 weight, 1-byte codes and scales written):", "",
             "| scheme | refresh kernel | ms | GB/s | launches |", "|---|---|---|---|---|"]
@@ -297,8 +341,9 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--small", action="store_true", help="a small model: checks the script on a CPU")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rows", default="all", help=f"comma-separated row indices (0-{len(ROWS) - 1}), 'all' or "
-                                                      "'none' (then no quantizer table either)")
+    parser.add_argument("--rows", default="all", help=f"comma-separated row indices (0-{len(ROWS) - 1}), 'all' "
+                                                      "(the scheme rows, the quantizer table and the attention rows), "
+                                                      "'schemes' (the first two), 'attention' (the last) or 'none'")
     parser.add_argument("--plan", default=None, metavar="CONFIG", help="the planner on the device (one GPU)")
     parser.add_argument("--plan-layers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--plan-sim", type=Path, default=None,
@@ -310,8 +355,9 @@ def main() -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_learner: no CUDA device here (--device cpu --small checks the script on a CPU)")
-    if args.rows in ("all", "none"):
-        chosen = ROWS if args.rows == "all" else []
+    named = {"all": ROWS + ATTENTION_ROWS, "schemes": ROWS, "attention": ATTENTION_ROWS, "none": []}
+    if args.rows in named:
+        chosen = named[args.rows]
     else:
         chosen = [ROWS[int(i)] for i in args.rows.split(",")]
     ctx = mp.get_context("spawn")
@@ -323,17 +369,19 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text("\n".join(parts))
 
-    for scheme, compiled, layers, kernel in chosen:
+    for scheme, compiled, layers, kernel, attention, shape in chosen:
         q = ctx.SimpleQueue()
-        p = ctx.Process(target=_child, args=((scheme, compiled, layers, kernel, args.device, args.small,
-                                              args.repeats), q))
+        p = ctx.Process(target=_child, args=((scheme, compiled, layers, kernel, attention, shape, args.device,
+                                              args.small, args.repeats), q))
         p.start()
         p.join()
-        results.append(q.get() if not q.empty() else {"scheme": row_name(scheme, compiled, kernel), "layers": layers,
+        results.append(q.get() if not q.empty() else {"scheme": row_name(scheme, compiled, kernel, attention),
+                                                      "layers": layers,
                                                       "error": f"the row's process exited with {p.exitcode}"})
         print(json.dumps(results[-1]), flush=True)
     if chosen:
-        write(render(results, quantizer_alone(args.device, args.small, args.repeats), args.device, args.small))
+        alone = quantizer_alone(args.device, args.small, args.repeats) if args.rows != "attention" else []
+        write(render(results, alone, args.device, args.small))
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.plan:

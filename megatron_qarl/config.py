@@ -78,6 +78,11 @@ class ModelConfig(_Section):
         fake-quant GEMMs run with fp8 autocast off inside (ModelOpt's TE plugin refuses it) and attention in FP8,
         which the rollout computes in BF16 (docs/quantization.md, "FP8 on the TE spec"); the W8A8 schemes quantize
         every TE linear, leaving nothing to FP8.
+    attention: the local spec's core attention (``moe/attention.py``): ``sdpa`` torch's fused
+        scaled_dot_product_attention (flash kernels on CUDA and CPU, GQA without repeated K/V, no s^2 scores kept),
+        ``unfused`` Megatron's DotProductAttention (s^2 scores in memory), ``auto`` = sdpa. An explicit sdpa / unfused
+        makes model.impl auto build the local spec; with model.impl te it is refused (TE has its own fused attention).
+        numerics=exact ignores it (its attention is numerics/exact.c's).
     experts: the local spec's routed experts (``moe.grouped.resolve_experts``, docs/training.md "Three expert
         implementations"): ``grouped`` one parameter per projection and two grouped matmuls per layer (moe/grouped.py),
         ``sequential`` Megatron's SequentialMLP (an MLP per expert, run one after another), ``auto`` grouped where
@@ -89,6 +94,7 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     impl: Literal["auto", "local", "te"] = "auto"
     te_fp8: bool = False
+    attention: Literal["auto", "sdpa", "unfused"] = "auto"
     experts: Literal["auto", "sequential", "grouped"] = "auto"
 
     @field_validator("path")
@@ -443,9 +449,11 @@ class QarlConfig(_Section):
                               "returned log-probs are of the temperature-scaled logits")
         self._check_learner_memory_options()
         self._check_sync_bound()
+        from megatron_qarl.moe.attention import check_attention
         from megatron_qarl.moe.te import check_te_fp8
 
         check_te_fp8(self.model.te_fp8, self.model.impl, self.quant.scheme)
+        check_attention(self.model.attention, self.model.impl)
         if self.model.impl == "te" and self.model.experts != "auto":
             raise ConfigError(f"model.experts: {self.model.experts} chooses the local spec's experts, but model.impl "
                               "is te (Transformer Engine's grouped experts, TEGroupedMLP); use model.experts=auto or "

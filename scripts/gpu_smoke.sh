@@ -17,7 +17,9 @@
 #   5. --bench: benchmarks/gpu_learner.py, the learner at Qwen3-30B-A3B layer shapes per scheme (forward, train step,
 #      peak memory, kernel launches and host syncs per call, the quantizer's GB/s per scheme and refresh kernel; the
 #      planner's phases on the device beside the simulation and the plan, a 30B config cut to one GPU), into
-#      benchmarks/results/gpu_learner.md: one device call does smoke and bench (a few minutes on an H200)
+#      benchmarks/results/gpu_learner.md; the local spec's core attention, torch's fused SDPA against Megatron's
+#      unfused one (bf16, one 4096-token sequence: step time, peak memory, MFU) into benchmarks/results/gpu_attention.md:
+#      one device call does smoke and bench (a few minutes on an H200)
 # Exits non-zero when a check that could run failed. On a machine without CUDA it says so and exits 0.
 #   bash scripts/gpu_smoke.sh [--no-simulate] [--bench]     (PY=/path/to/python to choose the interpreter)
 set -uo pipefail
@@ -82,7 +84,9 @@ fi
 if [ "$BENCH" -eq 1 ]; then
   echo "== bench: benchmarks/gpu_learner.py -> benchmarks/results/gpu_learner.md"
   if [ "$CUDA" -eq 1 ]; then
-    timeout 420 "$PY" benchmarks/gpu_learner.py --out benchmarks/results/gpu_learner.md || RC=1
+    timeout 420 "$PY" benchmarks/gpu_learner.py --rows schemes --out benchmarks/results/gpu_learner.md || RC=1
+    echo "== bench: the core attention, sdpa and unfused -> benchmarks/results/gpu_attention.md"
+    timeout 180 "$PY" benchmarks/gpu_learner.py --rows attention --out benchmarks/results/gpu_attention.md || RC=1
     echo "== bench: the planner on the device -> benchmarks/results/gpu_plan.md"
     # the simulation side was made ahead on a CPU (benchmarks/gpu_learner.py --plan-sim): only the device runs here.
     # 2 layers only: the 4-layer simulation ran out of the 24 GiB of the CPU machine that made the file (killed,

@@ -12,8 +12,11 @@ gives each one's memory per GPU):
             (each server holds the whole quantized model: no tensor-parallel all-reduce while decoding)
 Memory (each file's header gives its figures, computed here with megatron_qarl.plan.layouts.config_plan): every
 learner runs micro-batches of one full-length sequence (learner.micro_batch_size 1), the distributed optimizer,
-and selective recompute (the core attention, so that the local spec's unfused attention keeps no s^2 scores
-when Transformer Engine is absent). The 8-GPU learner of the 2 x 8 runs keeps Adam for 1/8 of the experts
+and no activation recompute: the attention keeps no s^2 scores, neither TE's fused one (TE spec) nor torch's fused
+SDPA (the local spec's default without Transformer Engine, moe/attention.py), so selective recompute of the core
+attention would save nothing (with sdpa it keeps more: its checkpoint holds the fused qkv output) and cost a second
+attention forward; only model.attention=unfused (Megatron's DotProductAttention) needs learner.recompute=selective,
+whose figure the header gives beside. The 8-GPU learner of the 2 x 8 runs keeps Adam for 1/8 of the experts
 (expert DP 1: the distributed optimizer cannot shard it further): it fits 141 GB GPUs (H200), and 80 GB ones
 only with optimizer CPU offload (slime's recipe for 8 H100s), which the 2 x 8 configs turn on. The 16-GPU learner
 of the 4 x 8 runs fits 80 GB GPUs without offload. The GiB per GPU: each file's header, and the tables of
@@ -88,7 +91,7 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
         "parallel": {"tp": 4, "ep": ep, "world_size": learner, "sequence_parallel": True, "dispatcher": "alltoall"},
         "quant": {"scheme": scheme, "group_size": 128, "symmetric": True},
         "learner": {"aligned": True, "micro_batch_size": 1, "distributed_optimizer": True,
-                    "optimizer_cpu_offload": nodes == 2, "recompute": "selective"},
+                    "optimizer_cpu_offload": nodes == 2, "recompute": "none"},
         "optim": {"lr": 1.0e-6, "weight_decay": 0.0, "clip_grad": 1.0},
         "algo": {"advantage": {"estimator": "grpo"}, "loss": dict(ALGOS[algo][1])},
         "data": {"source": "../../data/dapo-math-17k/dapo-math-17k.parquet", "prompt_key": "prompt",
@@ -125,34 +128,41 @@ def config(scheme: str, algo: str, nodes: int) -> tuple[str, dict]:
     return header + memory_header(cfg, f"configs/qwen3-30b-a3b/{name}.yaml"), cfg
 
 
+def _plan(run, offload: bool, attention: str, gpu_gib: float = H100_GIB) -> dict:
+    """``config_plan`` of the learner with ``attention``; the unfused attention with selective recompute (what it
+    needs: its s^2 scores recomputed in the backward instead of kept)."""
+    recompute = "selective" if attention == "unfused" else None
+    return config_plan(run, PlanOptions(gpu_gib=gpu_gib, optimizer_cpu_offload=offload, attention=attention,
+                                        recompute=recompute), alternatives=False)
+
+
 def _fits(run, offload: bool, attention: str) -> list[str]:
     """The GPUs of ``GPUS`` on which the learner fits: its step's peak phase and the GPU's fixed costs (qarl plan)."""
-    return [name for name, size in GPUS.items()
-            if config_plan(run, PlanOptions(gpu_gib=size, optimizer_cpu_offload=offload, attention=attention),
-                           alternatives=False)["learner"]["fits"]]
+    return [name for name, size in GPUS.items() if _plan(run, offload, attention, size)["learner"]["fits"]]
 
 
 def memory_header(cfg: dict, path: str) -> str:
     """Comment lines: the learner's memory per GPU with optimizer CPU offload on and off, for the TE spec's flash
-    attention and the local spec's unfused one, which GPUs each fits, and whether the rollout servers fit."""
+    attention, the local spec's sdpa one and its unfused one (with selective recompute), which GPUs the first two
+    fit, and whether the rollout servers fit."""
     run = validate_run(cfg, base_dir=OUT)  # relative paths: the config file's folder
     le = run.learner
     lines = [f"# Memory per GPU (qarl plan --config {path}): micro-batch {le.micro_batch_size} x "
              f"{run.data.max_prompt_tokens + run.rollout.sampling.max_new_tokens} tokens, recompute {le.recompute};",
-             "# flash = TE spec's attention (Transformer Engine installed), unfused = local spec's (without TE);",
-             "# GiB = the step's peak phase + the GPU's fixed costs:"]
+             "# flash = TE spec's attention (Transformer Engine installed), sdpa = local spec's with torch's fused",
+             "# attention (without TE), unfused = local spec's DotProductAttention (model.attention=unfused, with",
+             "# learner.recompute=selective); GiB = the step's peak phase + the GPU's fixed costs:"]
     for offload in (True, False):
-        plans = {att: config_plan(run, PlanOptions(optimizer_cpu_offload=offload, attention=att),
-                                  alternatives=False) for att in ATTENTIONS}
+        plans = {att: _plan(run, offload, att) for att in ATTENTIONS}
         totals = {att: round(p["learner"]["step"]["peak_gib"] + p["learner"]["step"]["fixed_gib"]["total"], 2)
                   for att, p in plans.items()}
         flash = _fits(run, offload, "flash")
-        both = [g for g in _fits(run, offload, "unfused") if g in flash]
+        both = [g for g in _fits(run, offload, "sdpa") if g in flash]
         fit = (f"fits {' and '.join(both)} GPUs" if both else
                f"fits {' and '.join(flash)} GPUs with flash attention only" if flash else "fits neither")
         host = plans["flash"]["learner"]["optimizer_host_gib_per_rank"]
         lines.append(f"#   learner, optimizer CPU offload {'on ' if offload else 'off'}: "
-                     f"{totals['flash']} flash / {totals['unfused']} unfused GiB -> {fit}"
+                     f"{totals['flash']} flash / {totals['sdpa']} sdpa / {totals['unfused']} unfused GiB -> {fit}"
                      + (f" (host: {host} GiB per rank, {host * GPUS_PER_NODE:.0f} per node)" if offload else ""))
     rollout = [name for name, size in GPUS.items()
                if config_plan(run, PlanOptions(gpu_gib=size), alternatives=False)["rollout"]["fits"]]

@@ -3,8 +3,8 @@ verdict from the one config loader (``preflight.rules.validate_run``): refused a
 and the reason) or accepted, and then it must run (tests/test_combinations.py, tests/test_vllm_server.py).
 
 The dimensions: rollout.backend x train.async x quant.scheme x algo.routing_replay (R3) x rollout.sync.delta x
-train.mismatch_split x algo.loss.mode x algo.loss.mismatch x model.te_fp8 x the sampling (temperature, top_p,
-top_k) x launch.backend x numerics. Literal and bool fields take every value their type allows
+train.mismatch_split x algo.loss.mode x algo.loss.mismatch x model.te_fp8 x model.attention x the sampling
+(temperature, top_p, top_k) x launch.backend x numerics. Literal and bool fields take every value their type allows
 (``typing.get_args``), so a value added to the config's types joins the space, the refusal census and the pairwise
 run plans by itself; the sampling floats take their default and one other value (a temperature other than 1, a
 top_p below 1, a top_k on).
@@ -13,9 +13,9 @@ Run plans are pairwise (``cover``): every pair of values that some accepted, run
 at least one run. The full product is millions of combinations (``SIZE``); pairwise needs a few dozen runs per
 backend.
 
-The census does not validate the product (276,480 combinations took 84 s here before model.experts tripled it;
-issue 52): it looks, for every backend and every pair of values of two other dimensions, for an accepted
-combination holding them (``find``: from every other dimension's first value, changing the dimensions a refusal
+The census does not validate the product (276,480 combinations took 84 s here; model.experts and model.attention
+multiplied it by 9; issue 52): it looks, for every backend and every pair of values of two other dimensions, for an
+accepted combination holding them (``find``: from every other dimension's first value, changing the dimensions a refusal
 names, breadth first, the loader's own messages guiding the search), and validates a seeded random sample of the
 product besides (``SAMPLE``). Every combination it looks at must be refused naming a key, or load; every pair an
 accepted combination of the sample holds must have been found by the search (tests/test_combinations.py), which
@@ -97,6 +97,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
     _typed("algo.loss.mismatch", PolicyLossConfig, "mismatch"),
     _typed("model.te_fp8", ModelConfig, "te_fp8"),
     _typed("model.experts", ModelConfig, "experts"),
+    _typed("model.attention", ModelConfig, "attention"),
     _chosen("rollout.sampling.temperature", SamplingConfig, "temperature", 0.7),
     _chosen("rollout.sampling.top_p", SamplingConfig, "top_p", 0.9),
     _chosen("rollout.sampling.top_k", SamplingConfig, "top_k", 20),

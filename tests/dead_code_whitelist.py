@@ -49,7 +49,11 @@ async_finish  # moe/dispatch.py token_combine: Megatron's MoEAlltoAllTokenDispat
 allocate_on_comm_stream  # moe/dispatch.py token_combine: the same signature
 hidden_shape_before_permute  # moe/dispatch.py: read by Megatron's combine_postprocess / combine_preprocess (unpermute)
 __class__  # moe/dispatch.py sort_dispatch: a Megatron dispatcher becomes our subclass of it
-tensor_model_parallel  # moe/grouped.py: Megatron's parameter attribute (grad norm: param_is_not_tensor_parallel_duplicate)
+tensor_model_parallel  # moe/grouped.py: Megatron's parameter attribute (param_is_not_tensor_parallel_duplicate)
 partition_dim  # moe/grouped.py: Megatron's parameter attribute (set with tensor_model_parallel)
 allreduce  # moe/grouped.py: Megatron's parameter attribute: DDP and the optimizer's expert-parallel grouping read it
 backward_dw  # moe/grouped.py GroupedExperts: Megatron's MoE layer calls its experts' backward_dw (delayed wgrad)
+attention_type  # moe/attention.py SDPAttention(...): Megatron's core-attention builder signature (CoreAttentionBuilder)
+cp_comm_type  # moe/attention.py SDPAttention(...): Megatron's core-attention builder signature (context parallel 1)
+pg_collection  # moe/attention.py SDPAttention(...): Megatron's core-attention builder signature (heads come split)
+core_attention  # moe/model.py layer_spec: a field of Megatron's SelfAttentionSubmodules, read when it builds a layer

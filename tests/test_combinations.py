@@ -1,7 +1,7 @@
 """Every combination of a run's keys is refused at config load, naming the keys and the reason, or it runs
 (issue 29). The space (tests/combination_space.py) comes from the config's own types: backend x train.async x
 quant.scheme x R3 x delta sync x mismatch split x loss mode x mismatch correction x model.te_fp8 x model.experts x
-sampling (temperature, top_p, top_k) x launch x numerics, 829,440 combinations.
+sampling (temperature, top_p, top_k) x model.attention x launch x numerics, 2,488,320 combinations.
 
 - the census (issue 52: not the product, which grows with every key): for every pair of values an accepted holder
   searched through the one loader (``preflight.rules.validate_run``), and a random sample of the product; a refusal
@@ -43,7 +43,8 @@ def test_the_space_is_the_product_of_the_config_types():
     assert dims["train.async"] == ("off", "one_step", "bounded") and dims["algo.routing_replay"] == (False, True)
     assert dims["numerics"] == ("default", "exact")
     assert dims["model.experts"] == ("auto", "sequential", "grouped")
-    assert cs.SIZE == 829_440
+    assert dims["model.attention"] == ("auto", "sdpa", "unfused")
+    assert cs.SIZE == 2_488_320
 
 
 def _is_key(dotted: str) -> bool:

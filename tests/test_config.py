@@ -263,3 +263,26 @@ def test_a_sync_bound_above_the_collective_bound_loads(tiny_model_dir):
     cfg = load_config("configs/cpu_default.yaml", ["rollout.sync.timeout_s=600", "launch.collective_timeout_s=60"])
     assert cfg.rollout.sync.timeout_s > cfg.launch.collective_timeout_s
     assert cfg.rollout.sync.peer_wait_s == 1260.0 < cfg.launch.rank_timeout_s
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "unfused"])
+def test_model_attention_chooses_the_local_specs_core_attention(attention, tiny_model_dir, monkeypatch):
+    """Issue 55: model.attention (auto | sdpa | unfused) picks the local spec's core attention; auto is sdpa. An
+    explicit one with model.impl=te is refused at load naming both keys (TE has its own fused attention); with
+    model.impl=auto it builds the local spec even where Transformer Engine imports."""
+    from megatron_qarl.moe import te
+    from megatron_qarl.moe.attention import resolve_attention
+
+    base = REPO / "configs" / "cpu_default.yaml"
+    assert load_config(base).model.attention == "auto"
+    assert load_config(base, [f"model.attention={attention}"]).model.attention == attention
+    with pytest.raises(ConfigError, match=rf"^model\.attention: '{attention}' chooses the core attention of "
+                                          r"Megatron's local spec, but model\.impl=te .*model\.impl=local$"):
+        load_config(base, [f"model.attention={attention}", "model.impl=te"])
+    assert load_config(base, ["model.impl=te"]).model.attention == "auto"
+    with pytest.raises(ConfigError, match=r"^model\.attention: Input should be 'auto', 'sdpa' or 'unfused'"):
+        load_config(base, ["model.attention=flash"])
+    monkeypatch.setattr(te, "transformer_engine_available", lambda: True)
+    assert te.resolve_impl("auto", attention) == "local" and te.resolve_impl("auto", "auto") == "te"
+    assert resolve_attention(attention, "local") == attention and resolve_attention("auto", "local") == "sdpa"
+    assert resolve_attention("auto", "te") == "te"

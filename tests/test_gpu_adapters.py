@@ -135,10 +135,39 @@ def test_the_gpu_learner_bench_runs_its_rows_on_a_cpu(tmp_path):
     rows = [line for line in learner_table.splitlines() if line.startswith(("| bf16 |", "| w4a16 |"))]
     assert len(rows) == 2 and "failed" not in table, table
     bf16, w4a16 = (r.split("|") for r in rows)
-    assert w4a16[2].strip() == "torch" and w4a16[7].strip().endswith("x"), rows[1]  # auto on a CPU: torch's ops
-    syncs = [int(cells[col].split("/")[1]) for cells in (bf16, w4a16) for col in (9, 10)]
+    assert w4a16[2].strip() == "torch" and w4a16[8].strip().endswith("x"), rows[1]  # auto on a CPU: torch's ops
+    assert bf16[4].strip() == "2 x 128" and bf16[10].strip() == "-", rows[0]  # no MFU without a GPU's peak
+    syncs = [int(cells[col].split("/")[1]) for cells in (bf16, w4a16) for col in (11, 12)]
     assert syncs[:2] == syncs[2:], rows  # fake quant adds no host sync to the forward or the step
     assert "The quantizer alone" in table and "GB/s" in table
     alone = [line.split("|")[1:3] for line in table.split("The quantizer alone")[1].splitlines()
              if line.startswith("| w")]
     assert [(a.strip(), b.strip()) for a, b in alone] == [(s, "torch") for s in ("w4a16", "w8a8_fp8", "w8a8_int8")]
+
+
+def test_the_gpu_learner_bench_runs_both_attention_rows_on_a_cpu(tmp_path, monkeypatch):
+    """Issue 55: --rows attention runs the sdpa and the unfused core attention (bf16, one long sequence; --small: 512
+    tokens on a CPU) with the same ops but the attention's; the MFU's peak is the GPU's datasheet figure by name."""
+    import importlib.util
+
+    import torch
+
+    out = tmp_path / "gpu_attention.md"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_learner.py"), "--device", "cpu", "--small",
+                           "--rows", "attention", "--repeats", "1", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = out.read_text()
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| bf16")]
+    assert [r[1].strip() for r in rows] == ["bf16", "bf16 (attention=unfused)"] and "failed" not in table, table
+    assert all(r[4].strip() == "1 x 512" for r in rows) and "quantizer alone" not in table
+    sdpa_ops, unfused_ops = (int(r[11].split("/")[0]) for r in rows)
+    assert sdpa_ops < unfused_ops, rows  # the fused kernel: fewer ops per log-prob forward (the step packs its row)
+    spec = importlib.util.spec_from_file_location("gpu_learner", REPO / "benchmarks" / "gpu_learner.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", 756e12),
+                       ("NVIDIA H200", 989.4e12), ("Tesla V100-SXM2-16GB", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
+        assert bench.peak_flops("cuda") == peak, name
+    assert bench.peak_flops("cpu") is None

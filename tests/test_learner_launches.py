@@ -105,6 +105,9 @@ def _counts(scheme: str, experts: int, layers: int = LAYERS) -> dict:
     torch.manual_seed(0)  # the same weights, so the same experts get tokens
     learner = Learner(arch_with(experts, layers), ParallelConfig(), OptimConfig(lr=1e-5),
                       quant=QuantConfig(scheme=scheme))
+    # right-padded rows, as before packing: its cu_seqlens are host tensors whose reads on a CPU look like device reads
+    # here (Megatron's THD rope reads them); tests/test_packing.py counts them on the simulated device: none there
+    learner.packs = False
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = Batch(tokens, torch.ones(2, 15))
 

@@ -13,7 +13,7 @@ import torch
 
 from megatron_qarl.gpu.simulated_device import SimTensor, simulated_cuda
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.plan.layouts import PlanOptions, learner_settings, micro_batch_tokens
+from megatron_qarl.plan.layouts import PlanOptions, learner_settings, local_spec_attention, micro_batch_tokens
 from megatron_qarl.plan.memory import LearnerLayout
 from megatron_qarl.plan.simulate import extrapolate, simulate_learner
 from megatron_qarl.plan.tracker import AllocationTracker
@@ -99,7 +99,7 @@ def _sim(seq: int, **overrides):
     sim = simulate_learner(cfg, layers=2, phases=PEAK_PHASES)
     arch = dataclasses.replace(Qwen3MoeArch.from_model_dir(cfg.model.path), num_hidden_layers=2)
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
-    opts = PlanOptions(attention="unfused")
+    opts = PlanOptions(attention=local_spec_attention(cfg))  # the local spec's, as the simulation runs
     st = learner_settings(cfg, opts)
     shape = step_shape_of(cfg, micro_batch_tokens(cfg, lay.dp, opts), seq, st)
     return sim, step_memory(arch, cfg.quant, lay, shape, PEAK_PHASES)

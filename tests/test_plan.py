@@ -161,24 +161,32 @@ def test_unfused_attention_keeps_the_scores_and_recompute_drops_them(big):
     assert unfused["selective"] - flash["selective"] > 2 * 6 * per_score * tokens  # one layer's scores + work
     chunks = activation_bytes(big, lay, tokens, attention="unfused", recompute="full", recompute_num_layers=4)
     assert chunks > unfused["full"]  # a 4-layer chunk being recomputed holds 4 layers' activations
-    with pytest.raises(ValueError, match="attention: 'sdpa'"):
-        activation_bytes(big, lay, tokens, attention="sdpa")
+    sdpa = {r: activation_bytes(big, lay, tokens, attention="sdpa", recompute=r) for r in ("none", "selective")}
+    sdpa_short = activation_bytes(big, lay, tokens, seq_len=4608, attention="sdpa")
+    assert sdpa["none"] - sdpa_short == pytest.approx(rope, abs=2)  # no s^2 term: the rotary tables only
+    # issue 55: without recompute the sdpa core attention keeps less than selective recompute's checkpoint (q, k, v
+    # with the fused qkv output they view, and the roped q, k), and far less than unfused with selective
+    assert sdpa["none"] < sdpa["selective"] < unfused["selective"] - 6 * per_score * tokens
+    with pytest.raises(ValueError, match="attention: 'bogus'"):
+        activation_bytes(big, lay, tokens, attention="bogus")
     with pytest.raises(ValueError, match="recompute: True"):
         activation_bytes(big, lay, tokens, recompute=True)
 
 
-def _saved_for_backward(arch: Qwen3MoeArch, tp: int, batch: int, seq: int, recompute: str,
+def _saved_for_backward(arch: Qwen3MoeArch, tp: int, batch: int, seq: int, recompute: str, attention: str,
                         experts: str = "grouped") -> int:
-    """Bytes of the tensors one rank's local-spec model saves for its backward during a training forward in
-    BF16 (torch's saved-tensor hooks; the parameters left out)."""
+    """Bytes of the tensors one rank's local-spec model with the core attention ``attention`` and the experts
+    ``experts`` saves for its backward during a training forward in BF16 (torch's saved-tensor hooks; the parameters
+    left out)."""
     import torch
 
-    from megatron_qarl.moe.model import build_model, causal_mask
+    from megatron_qarl.moe.model import attention_mask, build_model
     from megatron_qarl.moe.parallelize import init_parallel
 
     init_parallel(tp=tp, seed=1)
     torch.manual_seed(0)
-    model = build_model(arch, tp=tp, dtype=torch.bfloat16, recompute=recompute, experts=experts)
+    model = build_model(arch, tp=tp, dtype=torch.bfloat16, recompute=recompute, attention=attention,
+                        experts=experts)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -191,17 +199,20 @@ def _saved_for_backward(arch: Qwen3MoeArch, tp: int, batch: int, seq: int, recom
 
     tokens = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, torch.arange(seq).expand(batch, seq), causal_mask(seq))
+        model(tokens, torch.arange(seq).expand(batch, seq), attention_mask(attention, seq))
     return sum(saved.values())
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("tp", "recompute", "experts"), [(1, "none", "grouped"), (1, "selective", "grouped"),
-                                                     (2, "none", "grouped"), (2, "selective", "sequential")])
-def test_local_spec_activations_are_what_megatron_saves(big, tp, recompute, experts):
+@pytest.mark.parametrize(("tp", "recompute", "attention", "experts"),
+                         [(1, "none", "unfused", "grouped"), (1, "selective", "unfused", "grouped"),
+                          (2, "none", "unfused", "grouped"), (2, "selective", "unfused", "sequential"),
+                          (1, "none", "sdpa", "grouped"), (2, "none", "sdpa", "grouped"),
+                          (2, "selective", "sdpa", "grouped")])
+def test_local_spec_activations_are_what_megatron_saves(big, tp, recompute, attention, experts):
     """``local_spec_activation_parts`` against the bytes Megatron's local spec really saves for the backward, on
-    two layers of Qwen3-30B-A3B's widths (16 experts, a 1024-token vocabulary), sequence parallel at TP 2. Only
-    the token ids (8 B each) are not counted."""
+    two layers of Qwen3-30B-A3B's widths (16 experts, a 1024-token vocabulary), sequence parallel at TP 2, with
+    either core attention (sdpa: torch's CPU flash kernel). Only the token ids (8 B each) are not counted."""
     import dataclasses
 
     from megatron_qarl.moe.parallelize import run_ranks
@@ -209,9 +220,9 @@ def test_local_spec_activations_are_what_megatron_saves(big, tp, recompute, expe
 
     arch = dataclasses.replace(big, num_hidden_layers=2, num_experts=16, vocab_size=1024)
     batch, seq = 2, 128
-    got = run_ranks(tp, _saved_for_backward, arch, tp, batch, seq, recompute, experts)
+    got = run_ranks(tp, _saved_for_backward, arch, tp, batch, seq, recompute, attention, experts)
     parts = local_spec_activation_parts(arch, LearnerLayout(gpus=tp, tp=tp), batch * seq, seq_len=seq,
-                                        selective=recompute == "selective")
+                                        selective=recompute == "selective", attention=attention)
     want = 2 * (parts["layer"] + parts["scores"]) + parts["mask"] + parts["final"]
     for rank_bytes in got:
         assert rank_bytes - want == pytest.approx(8 * batch * seq / tp, abs=8 * batch * seq), (rank_bytes, want)
@@ -239,16 +250,20 @@ def test_attention_follows_the_model_implementation_and_where_the_learner_runs()
 
     from megatron_qarl.plan.layouts import learner_attention
 
-    def cfg(impl, gpus):
-        return SimpleNamespace(model=SimpleNamespace(impl=impl), learner_on_gpus=gpus)
+    def cfg(impl, gpus, attention="auto"):
+        return SimpleNamespace(model=SimpleNamespace(impl=impl, attention=attention), learner_on_gpus=gpus)
 
     assert learner_attention(cfg("te", False))[0] == "flash"
-    assert learner_attention(cfg("local", True))[0] == "unfused"
-    assert learner_attention(cfg("auto", False))[0] == "unfused"  # TE needs CUDA
+    assert learner_attention(cfg("local", True))[0] == "sdpa"  # issue 55: torch's fused attention on the local spec
+    assert learner_attention(cfg("local", True, "unfused"))[0] == "unfused"
+    assert learner_attention(cfg("auto", False))[0] == "sdpa"  # TE needs CUDA
     assert learner_attention(cfg("auto", True)) == ("flash", "model.impl=auto on GPUs: the TE spec, assuming "
                                                              "transformer_engine is installed there")
-    assert learner_attention(cfg("auto", True), te_available=False)[0] == "unfused"
+    assert learner_attention(cfg("auto", True), te_available=False)[0] == "sdpa"
     assert learner_attention(cfg("auto", True), te_available=True)[0] == "flash"
+    # an explicit local-spec attention makes model.impl=auto build the local spec (moe.te.resolve_impl)
+    assert learner_attention(cfg("auto", True, "unfused"), te_available=True)[0] == "unfused"
+    assert learner_attention(cfg("auto", True, "sdpa"), te_available=True)[0] == "sdpa"
 
 
 def test_rollout_kv_cache_and_pool(big):

@@ -99,7 +99,8 @@ def te_learners_under_modelopts_te_plugin() -> dict:
     out["train_step"] = {k: float(metrics[k]) for k in ("loss", "grad_norm", "skipped")}
     del te
 
-    local = _learner(arch, "w8a8_fp8", "local", torch.bfloat16)
+    # the TE stand-ins attend as Megatron's DotProductAttention (te_standins.py): the local spec's unfused one alike
+    local = _learner(arch, "w8a8_fp8", "local", torch.bfloat16, attention="unfused")
     logp_local = local.forward_logprobs(tokens)
     out["logp_max_diff"] = float((logp_te - logp_local).abs().max())
     out["logp_mean"] = float(logp_local.mean())

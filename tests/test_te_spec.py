@@ -113,7 +113,8 @@ def test_te_spec_model_loaded_from_hf_computes_the_local_logits(tiny_model_dir, 
     model exports back every HF tensor exactly (an expert or a gate/up half in the wrong slot fails here)."""
     arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
     hf = SafetensorsDir(tiny_model_dir)
-    te_model, local = _te_model_from_megatrons_spec(arch), build_model(arch)
+    # the TE stand-ins' attention is Megatron's DotProductAttention (tests/te_standins.py): the same kernels locally
+    te_model, local = _te_model_from_megatrons_spec(arch), build_model(arch, attention="unfused")
     load_hf_into_model(te_model, arch, hf)
     load_hf_into_model(local, arch, hf)
     tokens = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -135,7 +136,7 @@ def _te_rank(model_dir: str, tp: int, ep: int) -> dict:
     lay = Layout.current()
     te_model = _te_model_from_megatrons_spec(arch, tp, ep)
     declared, table = _declared_vs_table(te_model, arch, "te", lay, hf)
-    local = build_model(arch, tp=tp, ep=ep)
+    local = build_model(arch, tp=tp, ep=ep, attention="unfused")  # the stand-ins attend as DotProductAttention
     load_hf_into_model(te_model, arch, hf)
     load_hf_into_model(local, arch, hf)
     tokens = torch.randint(0, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -131,7 +131,7 @@ def test_malformed_dataset_line_is_named_before_anything_starts(tmp_path):
 
 TB_SCALARS = [
     "reward/mean", "reward/accuracy", "reward/timeouts", "eval/greedy_accuracy", "eval/sampled_accuracy",
-    "length/response_mean", "length/response_max", "length/truncated_frac",
+    "length/response_mean", "length/response_max", "length/truncated_frac", "length/padded_frac", "length/loss_frac",
     "loss/loss", "loss/clip_frac", "loss/grad_norm", "loss/skipped",
     "mismatch/mismatch_tok_abs_mean", "mismatch/mismatch_tok_abs_p99", "mismatch/mismatch_tok_kl",
     "mismatch/mismatch_seq_kl", "mismatch/mismatch_seq_weight_mean",

@@ -22,12 +22,16 @@ device arithmetic fails as it does on a GPU.
   ``torch.cuda.FloatTensor`` check, the alltoall dispatcher's device-to-host stream, the checkpoint writer's
   non-blocking copies and synchronize. Fixes keyed on other conditions (no Transformer Engine) stay.
 
+- **Attention**: ``F.scaled_dot_product_attention`` runs the kernel a GPU would pick (shape-only: CUDA's flash
+  kernel through its meta function, ``_flash_attention``) or the CPU run's (real values: torch's CPU flash kernel,
+  ``_cpu_flash_attention``), not the math kernel torch picks for a "meta" tensor.
 - **Shape-only backing** (``simulated_cuda(shapes_only=True)``, for ``plan.simulate``): device tensors hold meta
   tensors (shape, dtype, strides; no memory) instead of CPU ones, except small ones (up to ``SMALL_BYTES``) made
   by factories or copied from the host, which keep real values; ``_run_shapes`` runs each op on meta when any
   operand is meta, on the CPU otherwise, and stands in for the data-dependent steps (balanced top-k routing,
   ``masked_select`` / boolean indexing by a real mask, ``.item()`` of an unknown value, collectives without
-  values; the grouped matmul's meta kernel, bf16 only, runs other dtypes as bf16 stand-ins). A ``tracker`` is told of every tensor the device holds.
+  values; the grouped matmul's meta kernel, bf16 only, runs other dtypes as bf16 stand-ins). A ``tracker`` is told
+  of every tensor the device holds.
 
 Why this way and not another (each was tried on torch 2.13 CPU): the meta device runs backward but holds no values,
 so every data-dependent step (``.item()``, ``nonzero``, Megatron's MoE dispatch: ``masked_select``,
@@ -183,6 +187,10 @@ class _CudaArguments(TorchFunctionMode):
             return _backward(*args, **kwargs)
         if func is torch.autograd.backward:
             return _backward(*args, **{"gradient" if k == "grad_tensors" else k: v for k, v in kwargs.items()})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            answer = (_flash_attention if _STATE.shapes_only else _cpu_flash_attention)(*args, **kwargs)
+            if answer is not _NOT_HANDLED:
+                return answer
         if func is torch.Tensor.pin_memory:
             return args[0]  # host memory is host memory: there is no page-locking to do without a driver
         if func is torch.Tensor.cuda:
@@ -211,6 +219,39 @@ class _CudaArguments(TorchFunctionMode):
         if kwargs.get("pin_memory"):  # page-locked host memory needs a driver: host memory is host memory here
             kwargs["pin_memory"] = False
         return func(*args, **kwargs)
+
+
+_FLASH_OPS = {_aten._scaled_dot_product_flash_attention.default,
+              _aten._scaled_dot_product_flash_attention_backward.default}
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False):
+    """``F.scaled_dot_product_attention`` on the shape-only device as on a GPU: CUDA's flash kernel where a GPU's
+    SDPA picks it (fp16 / bf16, no mask, no dropout, head dim <= 256 and a multiple of 8, grouped query heads
+    native), through its meta kernel (``torch._meta_registrations``: the output and an fp32 log-sum-exp per head
+    and query, which its backward reads with q, k, v; no s x s tensor). Elsewhere ``_NOT_HANDLED``: SDPA runs as
+    torch dispatches it for a "meta" tensor, the math kernel, which is also what CUDA runs for those (a mask or fp32
+    with grouped query heads rules out its flash and memory-efficient kernels)."""
+    d = query.shape[-1]
+    if (attn_mask is not None or dropout_p or query.dtype not in _FLASH_DTYPES or d > 256 or d % 8
+            or (query.shape[-3] != key.shape[-3] and not enable_gqa)):
+        return _NOT_HANDLED
+    return _aten._scaled_dot_product_flash_attention(query, key, value, 0.0, is_causal, False, scale=scale)[0]
+
+
+def _cpu_flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    """``F.scaled_dot_product_attention`` on the real-valued simulated device: the kernel the same call runs on CPU
+    tensors (torch's CPU flash attention, ``_scaled_dot_product_flash_attention_for_cpu``, for float operands without
+    dropout), so that the simulated run computes what the CPU run does bit for bit; torch would otherwise pick the
+    math kernel for the "meta" tensor a SimTensor is to C++. ``_NOT_HANDLED`` elsewhere."""
+    if dropout_p or query.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (
+            query.shape[-3] != key.shape[-3] and not enable_gqa):
+        return _NOT_HANDLED
+    return _aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, attn_mask=attn_mask,
+                                                             scale=scale)[0]
 
 
 def _backward(tensors, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
@@ -353,7 +394,7 @@ def _run_shapes(func, args, kwargs):
     choice); ``.item()`` returns ``_scalar_stand_in``; a copy to the host, zeros. c10d collectives run on the
     stand-in process group of the other ranks (plan.simulate): a collective with real inputs gets real outputs."""
     leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, SimTensor)]
-    meta = any(a._data.is_meta for a in leaves)
+    meta = any(a._data.is_meta for a in leaves) or func in _FLASH_OPS  # CUDA's flash kernel: no CPU one to run
     answer = _data_dependent(func, args, kwargs, meta)
     if answer is not _NOT_HANDLED:
         return answer

@@ -22,8 +22,10 @@ import torch
 
 from megatron_qarl.algo.policy_loss import PolicyLossConfig, loss_normalizer, policy_loss
 from megatron_qarl.config import OptimConfig, ParallelConfig
+from megatron_qarl.learner.packing import loss_lengths, packed_logprobs
+from megatron_qarl.moe.attention import resolve_attention
 from megatron_qarl.moe.exact import exact_forward
-from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask, expert_tp
+from megatron_qarl.moe.model import Qwen3MoeArch, attention_mask, build_model, expert_tp
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
 from megatron_qarl.moe.te import check_te_fp8, resolve_impl
 from megatron_qarl.qat.config import QuantConfig
@@ -95,7 +97,8 @@ class Learner:
                  impl: str = "local", compile_quantizer: bool = False, distributed_optimizer: bool = True,
                  optimizer_cpu_offload: bool = False, optimizer_offload_fraction: float = 1.0, recompute: str = "none",
                  recompute_num_layers: int = 1, te_fp8: bool = False, numerics: str = "default",
-                 act_dtype: torch.dtype = torch.bfloat16, refresh_kernel: str = "auto", experts: str = "auto"):
+                 act_dtype: torch.dtype = torch.bfloat16, refresh_kernel: str = "auto", attention: str = "auto",
+                 experts: str = "auto"):
         """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
         Transformer Engine layers, in BF16 GEMMs on ModelOpt's fake-quant operands for the quantized schemes
         (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (impl te, schemes bf16 and w4a16,
@@ -104,7 +107,9 @@ class Learner:
         learner.refresh_kernel (``qat.modules.resolve_refresh_kernel``). ``experts``: ``model.experts`` (auto |
         sequential | grouped: the local spec's experts, ``moe.grouped.resolve_experts``).
         The memory options: see the class docstring. ``numerics`` "exact": log-probs from moe/exact.py (the rollout
-        engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype)."""
+        engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype).
+        ``attention``: ``model.attention`` (auto | sdpa | unfused), the local spec's core attention
+        (``moe.attention``); ``self.attention`` is what was built: "sdpa", "unfused" or "te"."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -122,7 +127,8 @@ class Learner:
                              "GPU to the CPU and needs CUDA (streams, pinned memory); this torch has no CUDA device")
         from megatron_qarl.moe.grouped import resolve_experts
 
-        self.impl = resolve_impl(impl)
+        self.impl = resolve_impl(impl, attention, experts)
+        self.attention = resolve_attention(attention, self.impl)
         check_te_fp8(te_fp8, self.impl, (quant or QuantConfig()).scheme)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.experts = resolve_experts(experts, impl=self.impl, device=device, dtype=dtype, hidden=arch.hidden_size,
@@ -131,6 +137,7 @@ class Learner:
                                   dispatcher=parallel.dispatcher, routing_replay=routing_replay,
                                   te=self.impl == "te", te_fp8=te_fp8, recompute=recompute,
                                   recompute_num_layers=recompute_num_layers,
+                                  attention="unfused" if self.attention == "te" else self.attention,
                                   experts="sequential" if self.experts == "te" else self.experts)
         self.routing_replay = routing_replay  # R3: routes given to logprobs() are replayed by Megatron's routers
         # rollout-aligned QAT: the forward computes with the rollout engine's low-bit weights; unaligned,
@@ -139,6 +146,8 @@ class Learner:
                                             refresh_kernel=refresh_kernel)
                            if quant and quant.enabled else None)
         self.exact = exact_forward(numerics, self, act_dtype, quant, aligned)  # None unless numerics: exact
+        # packed sequences (learner/packing.py) where the core attention takes them and R3 does not replay [B, S] routes
+        self.packs = self.attention == "sdpa" and self.exact is None and not routing_replay
         self.model = DistributedDataParallel(
             self.module.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -171,21 +180,30 @@ class Learner:
         pad = (-tokens_BS.shape[1]) % self.tp
         return torch.nn.functional.pad(tokens_BS, (0, pad)) if pad else tokens_BS
 
-    def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None) -> torch.Tensor:
+    def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
+                 lengths: list[int] | None = None) -> torch.Tensor:
         """log softmax(z / T)[tokens[:, t+1]] given tokens[:, :t+1], for t < S-1: [B, S-1], fp32, with
         autograd (T = ``temperature``; the vocabulary stays split over tensor-parallel ranks).
 
         ``routes_BSLK`` (R3; needs ``routing_replay``): every MoE layer routes position s of row b to the
         experts ``routes_BSLK[b, s, layer]`` (the rollout server's) instead of its own top-k; the gate
-        weights are the softmax of the router's logits over those experts."""
-        return self._logprobs(tokens_BS, routes_BSLK, record=False)[0]
+        weights are the softmax of the router's logits over those experts.
+        ``lengths`` (host ints, ``packing.loss_lengths``): row b needs only its first lengths[b] tokens; where the
+        learner packs (``self.packs``) they are computed end to end without padding (``learner/packing.py``) and
+        logp[b, t] for t >= lengths[b] - 1 is 0."""
+        return self._logprobs(tokens_BS, routes_BSLK, record=False, lengths=lengths)[0]
 
     def _logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool,
-                  temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  temperature: float | None = None,
+                  lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logp [B, S-1] at ``temperature`` or the learner's, and with ``record`` the experts this rank's routers
-        chose: [B, S_local, L, K])."""
+        chose: [B, S_local, L, K]); ``lengths``: see ``logprobs``."""
         from megatron.core import tensor_parallel
 
+        if lengths is not None and self.packs:
+            temperature = self.temperature if temperature is None else temperature
+            return packed_logprobs(self.model, tokens_BS, lengths, tp=self.tp, device=self.device,
+                                   temperature=temperature), None
         seq = tokens_BS.shape[1]
         padded = self._pad_seq(tokens_BS.to(self.device))
         labels_BS = torch.roll(padded, -1, dims=1)
@@ -206,7 +224,7 @@ class Learner:
             return self.exact.logprobs(padded, labels_BS, temperature)[:, : seq - 1], None
         replay = _Replay(self, padded.shape, routes_BSLK, record) if self.routing_replay else None
         try:
-            logits_BSV = self.model(padded, position_ids, causal_mask(s).to(self.device))  # this rank's vocab shard
+            logits_BSV = self.model(padded, position_ids, attention_mask(self.attention, s, self.device))  # vocab shard
             routes = replay.recorded() if replay is not None and record else None
         finally:
             if replay is not None:
@@ -218,12 +236,13 @@ class Learner:
 
     @torch.no_grad()
     def forward_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
-                         temperature: float | None = None) -> torch.Tensor:
+                         temperature: float | None = None, lengths: list[int] | None = None) -> torch.Tensor:
         """The aligned forward (fake quant on when configured): logp [B, S-1] of the whole batch on
         every rank; each data-parallel rank computes its slice (rows padded to a multiple of the
         data-parallel size by repeating the last one), then they are all-gathered. ``routes_BSLK``: R3.
-        ``temperature``: instead of the learner's (1.0: the unscaled ones, train/pipeline.py's mismatch split)."""
-        return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature)[0]
+        ``temperature``: instead of the learner's (1.0: the unscaled ones, train/pipeline.py's mismatch split).
+        ``lengths``: the rows' needed lengths (``logprobs``; packed where the learner packs)."""
+        return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature, lengths=lengths)[0]
 
     @torch.no_grad()
     def forward_routes(self, tokens_BS: torch.Tensor,
@@ -236,12 +255,14 @@ class Learner:
         return self._dp_forward(tokens_BS, routes_BSLK, record=True)
 
     def _dp_forward(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None, record: bool,
-                    temperature: float | None = None):
+                    temperature: float | None = None, lengths: list[int] | None = None):
         from megatron.core import parallel_state as ps
 
         self.model.eval()
         rows = tokens_BS.shape[0]
         pad = (-rows) % self.dp_size
+        if lengths is not None:
+            lengths = list(lengths) + lengths[-1:] * pad
         if pad:
             tokens_BS = torch.cat([tokens_BS, tokens_BS[-1:].expand(pad, -1)])
             if routes_BSLK is not None:
@@ -250,8 +271,10 @@ class Learner:
         rows_BS = tokens_BS[mine]
         routes_mine = routes_BSLK[mine] if routes_BSLK is not None else None
         size = self.micro_batch_size or rows_BS.shape[0]
+        lengths_mine = lengths[mine] if lengths is not None else None
         parts = [self._logprobs(rows_BS[i:i + size], None if routes_mine is None else routes_mine[i:i + size],
-                                record, temperature) for i in range(0, rows_BS.shape[0], size)]
+                                record, temperature, None if lengths_mine is None else lengths_mine[i:i + size])
+                 for i in range(0, rows_BS.shape[0], size)]
         local = {"log-probs": torch.cat([p[0] for p in parts])}
         if record:
             local["routes"] = self._gather_seq(torch.cat([p[1] for p in parts]))[:, : tokens_BS.shape[1]]
@@ -296,15 +319,17 @@ class Learner:
         loss = torch.zeros((), device=self.device)
         parts: list[dict] = []
         for micro in local.micro_batches(self.micro_batch_size):  # gradients accumulate in DDP's buffers
+            lengths = loss_lengths(micro.loss_mask_BT) if self.packs else None  # read on the host, before the move
             micro = micro.to(self.device)
-            micro_loss, micro_metrics = loss_fn(self.logprobs(micro.tokens_BS, micro.extra.get("routes_BSLK")), micro)
+            micro_loss, micro_metrics = loss_fn(self.logprobs(micro.tokens_BS, micro.extra.get("routes_BSLK"),
+                                                              lengths), micro)
             (micro_loss * self.dp_size).backward()
             loss = loss + micro_loss.detach()
             parts.append(micro_metrics)
         metrics = {k: (sum(float(p[k]) for p in parts) if k in SUMMED_METRICS else
                        sum(float(p[k]) for p in parts) / len(parts)) for k in parts[0]}
         finalize_model_grads([self.model])
-        global_loss = self._dp_sum(loss)
+        global_loss = dp_sum(loss, self.dp_size)
         found_inf = self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())  # over every model-parallel rank and expert group
         finite = not found_inf and math.isfinite(grad_norm) and math.isfinite(global_loss)
@@ -316,16 +341,18 @@ class Learner:
         metrics.update(loss=global_loss, grad_norm=grad_norm, skipped=0.0 if finite else 1.0)
         return metrics
 
-    def _dp_sum(self, value: torch.Tensor) -> float:
-        """Sum of the per-rank loss shares = the global loss."""
-        from megatron.core import parallel_state as ps
 
-        if self.dp_size == 1:
-            return float(value)
-        group = ps.get_data_parallel_group()
-        v = to_group_device(value.detach().clone().float().reshape(1), group)
-        all_reduce(v, group, name="loss")
-        return v.item()
+
+def dp_sum(value: torch.Tensor, dp_size: int) -> float:
+    """Sum of the per-rank loss shares over data parallelism = the global loss."""
+    from megatron.core import parallel_state as ps
+
+    if dp_size == 1:
+        return float(value)
+    group = ps.get_data_parallel_group()
+    v = to_group_device(value.detach().clone().float().reshape(1), group)
+    all_reduce(v, group, name="loss")
+    return v.item()
 
 
 class _Replay:

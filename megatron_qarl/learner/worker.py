@@ -92,7 +92,7 @@ class LearnerWorker:
                                aligned=cfg.learner.aligned, micro_batch_size=cfg.learner.micro_batch_size,
                                temperature=cfg.rollout.sampling.temperature,
                                routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl, te_fp8=cfg.model.te_fp8,
-                               compile_quantizer=cfg.learner.compile_quantizer,
+                               attention=cfg.model.attention, compile_quantizer=cfg.learner.compile_quantizer,
                                refresh_kernel=cfg.learner.refresh_kernel,
                                distributed_optimizer=cfg.learner.distributed_optimizer,
                                optimizer_cpu_offload=cfg.learner.optimizer_cpu_offload,
@@ -104,10 +104,11 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------------------- compute
     def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
-                 temperature: float | None = None) -> torch.Tensor | None:
+                 temperature: float | None = None, lengths: list[int] | None = None) -> torch.Tensor | None:
         """The aligned forward log-probs [B, S-1] (the fake-quant weights when quantization is aligned);
-        ``routes_BSLK`` replayed (R3), ``temperature`` instead of the sampling one (``Learner.forward_logprobs``)."""
-        out = self.learner.forward_logprobs(tokens_BS, routes_BSLK, temperature)
+        ``routes_BSLK`` replayed (R3), ``temperature`` instead of the sampling one, ``lengths`` the rows' needed
+        lengths (packed sequences; ``Learner.forward_logprobs``)."""
+        out = self.learner.forward_logprobs(tokens_BS, routes_BSLK, temperature, lengths)
         return out if self.rank == 0 else None
 
     def routing_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None) -> dict | None:

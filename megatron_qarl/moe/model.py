@@ -187,11 +187,13 @@ def transformer_config(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool
     )
 
 
-def layer_spec(arch: Qwen3MoeArch, experts: str = "sequential"):
-    """Megatron-Core local layer spec (no TE) with RMSNorm, qk-norm and the experts: Megatron's SequentialMLP
-    (``experts`` "sequential") or moe/grouped.py's GroupedExperts ("grouped"). Not Megatron's moe_grouped_gemm, which
-    on this spec builds its legacy GroupedMLP (the grouped_gemm package: CUDA, bf16). ``build_model`` then gives its
-    MoE layers the token dispatchers of moe/dispatch.py (Megatron's, the tokens permuted by a sort)."""
+def layer_spec(arch: Qwen3MoeArch, attention: str = "sdpa", experts: str = "sequential"):
+    """Megatron-Core local layer spec (no TE) with RMSNorm, qk-norm, the core attention ``attention``: "sdpa" torch's
+    fused attention (``moe.attention.SDPAttention``), "unfused" Megatron's DotProductAttention (``model.attention``);
+    and the experts: Megatron's SequentialMLP (``experts`` "sequential") or moe/grouped.py's GroupedExperts
+    ("grouped"). Not Megatron's moe_grouped_gemm, which on this spec builds its legacy GroupedMLP (the grouped_gemm
+    package: CUDA, bf16). ``build_model`` then gives its MoE layers the token dispatchers of moe/dispatch.py
+    (Megatron's, the tokens permuted by a sort)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -211,13 +213,19 @@ def layer_spec(arch: Qwen3MoeArch, experts: str = "sequential"):
     sub.pre_mlp_layernorm = RMSNorm
     sub.self_attention.submodules.q_layernorm = RMSNorm
     sub.self_attention.submodules.k_layernorm = RMSNorm
+    if attention == "sdpa":
+        from megatron_qarl.moe.attention import SDPAttention
+
+        sub.self_attention.submodules.core_attention = SDPAttention
+    elif attention != "unfused":
+        raise ValueError(f"attention: {attention!r} is not 'sdpa' or 'unfused' (the local spec's core attention)")
     return TransformerBlockSubmodules(layer_specs=[spec] * arch.num_hidden_layers, layer_norm=RMSNorm)
 
 
 def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None = None,
                 dtype: torch.dtype = torch.float32, dispatcher: str = "alltoall", te: bool = False,
                 te_fp8: bool = False, routing_replay: bool = False, recompute: str = "none",
-                recompute_num_layers: int = 1, experts: str = "sequential"):
+                recompute_num_layers: int = 1, attention: str = "sdpa", experts: str = "sequential"):
     """This rank's shard of the Qwen3-MoE GPTModel. Parallel state must be initialised first.
 
     ``te`` False: Megatron's local layers (``layer_spec``, CPU-safe). True: Transformer Engine layers
@@ -225,7 +233,8 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
     autocast when ``te_fp8`` (``model.te_fp8``; ``moe.te.check_te_fp8`` says when it is allowed).
     ``routing_replay``: every router gets a Megatron ``RouterReplay``; they register in a process-global list
     in layer order, which is cleared first so that it holds this model's routers only.
-    ``recompute``, ``recompute_num_layers``: activation recompute (``recompute_kwargs``).
+    ``recompute``, ``recompute_num_layers``: activation recompute (``recompute_kwargs``). ``attention``: the local
+    spec's core attention (``layer_spec``; ``moe.attention.resolve_attention``); the TE spec has its own.
     ``experts``: the local spec's experts, "sequential" or "grouped" (``moe.grouped.resolve_experts`` resolves
     model.experts); the TE spec has TE's grouped experts.
     """
@@ -240,7 +249,7 @@ def build_model(arch: Qwen3MoeArch, *, tp: int = 1, ep: int = 1, sp: bool | None
                                 routing_replay=routing_replay, recompute=recompute,
                                 recompute_num_layers=recompute_num_layers)
     if not te:
-        spec = layer_spec(arch, experts)
+        spec = layer_spec(arch, attention, experts)
     else:
         from megatron_qarl.moe.te import te_layer_spec, te_transformer_config
 
@@ -282,6 +291,12 @@ def _gpt_model(arch: Qwen3MoeArch, config, spec):
 def causal_mask(seq_len: int) -> torch.Tensor:
     """Megatron's attention mask: True where attention is NOT allowed, shape [1, 1, s, s]."""
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def attention_mask(attention: str, seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The attention mask the model is called with: None for the sdpa core attention (its causal kernel reads no
+    mask, so no s x s tensor is made), ``causal_mask`` for the unfused one and the TE spec."""
+    return None if attention == "sdpa" else causal_mask(seq_len).to(device)
 
 
 def forward_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:

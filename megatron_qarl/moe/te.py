@@ -2,7 +2,8 @@
 imports on CPU machines; ``moe.model.build_model(..., te=True)`` builds the model with it.
 
 - ``resolve_impl``: the config key ``model.impl`` (auto | local | te) to the layer spec a learner builds: auto is
-  "te" where transformer_engine imports, else "local"; "te" where it does not is a ConfigError naming the key.
+  "te" where transformer_engine imports (and ``model.attention`` is auto), else "local"; "te" where it does not is a
+  ConfigError naming the key.
 
 - ``te_layer_spec``: Megatron's TE layer spec for Qwen3-MoE (fused TE linears with the RMSNorm folded into
   linear_qkv / linear_fc1, qk-norm, TE grouped-GEMM experts).
@@ -113,13 +114,16 @@ def te_fp8_block_scales() -> str:
     return "power-of-two" if Float8BlockScaling().fp8_quant_fwd_weight.power_2_scale else "fp32"
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, attention: str = "auto", experts: str = "auto") -> str:
     """``model.impl`` -> the layer spec to build: "te" or "local". auto: "te" where Transformer Engine imports,
-    else "local". "te" where TE does not import: ConfigError naming the key and the package."""
+    else "local", and "local" when ``model.attention`` (``attention``) names a local-spec core attention (sdpa,
+    unfused; ``moe.attention``) or ``model.experts`` (``experts``) local-spec experts (sequential, grouped;
+    ``moe.grouped``). "te" where TE does not import: ConfigError naming the key and the package."""
     if impl == "local":
         return "local"
     if impl == "auto":
-        return "te" if transformer_engine_available() else "local"
+        local = attention != "auto" or experts != "auto"
+        return "te" if not local and transformer_engine_available() else "local"
     if impl != "te":
         raise ConfigError(f"model.impl: {impl!r} is not one of 'auto', 'local', 'te'")
     try:

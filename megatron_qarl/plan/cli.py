@@ -109,8 +109,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--optimizer-cpu-offload", action=argparse.BooleanOptionalAction, default=None,
                         help=f"{what_if}: optimizer states on the host (learner.optimizer_offload_fraction)")
     parser.add_argument("--attention", choices=ATTENTIONS, default=None,
-                        help=f"{what_if}: flash (TE spec) or unfused (local spec; default: from model.impl and "
-                             "where the learner runs)")
+                        help=f"{what_if}: flash (TE spec), sdpa (local spec, torch's fused attention) or unfused "
+                             "(local spec, Megatron's DotProductAttention); default: from model.impl, model.attention "
+                             "and where the learner runs")
     parser.add_argument("--simulate", action="store_true",
                         help="--config: also simulate one learner rank at full width on a shape-only simulated CUDA "
                              "device (megatron_qarl.plan.simulate; minutes) and set its figures beside the plan's")

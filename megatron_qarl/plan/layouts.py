@@ -90,22 +90,33 @@ class PlanOptions:
 
 def learner_attention(cfg: QarlConfig, te_available: bool | None = None) -> tuple[str, str]:
     """(the learner's attention as the planner counts it, why): ``flash`` for Transformer Engine's fused
-    attention (the TE spec), ``unfused`` for Megatron's local spec (DotProductAttention materialises the s^2
-    scores). model.impl te / local decide; auto is the TE spec where transformer_engine imports
-    (``moe.te.resolve_impl``), which needs CUDA: the local spec for a CPU run (``QarlConfig.gpu_run_keys`` empty)
-    or where ``te_available`` is False; flash on GPUs otherwise (``te_available`` None: TE assumed installed on the
-    GPU nodes)."""
-    impl = cfg.model.impl
+    attention (the TE spec); on Megatron's local spec, ``sdpa`` for torch's fused attention (moe/attention.py, no
+    s^2 scores) or ``unfused`` for Megatron's DotProductAttention (the s^2 scores in memory), as model.attention
+    says (``local_spec_attention``). model.impl te / local decide the spec; auto is the TE spec where
+    transformer_engine imports (``moe.te.resolve_impl``), which needs CUDA: the local spec for a CPU run
+    (``QarlConfig.gpu_run_keys`` empty), where ``te_available`` is False, or where model.attention names a local-spec
+    attention; the TE spec on GPUs otherwise (``te_available`` None: TE assumed installed on the GPU nodes)."""
+    impl, local = cfg.model.impl, local_spec_attention(cfg)
+    what = (f"model.attention={cfg.model.attention}: torch's fused attention, no s^2 scores" if local == "sdpa" else
+            "model.attention=unfused: Megatron's DotProductAttention, s^2 scores in memory")
     if impl == "te":
         return "flash", "model.impl=te: Transformer Engine's fused attention"
     if impl == "local":
-        return "unfused", "model.impl=local: Megatron's local spec, s^2 scores in memory"
+        return local, f"model.impl=local: Megatron's local spec, {what}"
+    if cfg.model.attention != "auto":
+        return local, f"model.impl=auto with {what}: Megatron's local spec"
     if not cfg.learner_on_gpus:
-        return "unfused", "model.impl=auto in a CPU run: the local spec, s^2 scores in memory"
+        return local, f"model.impl=auto in a CPU run: the local spec, {what}"
     if te_available is False:
-        return "unfused", "model.impl=auto without transformer_engine: the local spec, s^2 scores in memory"
+        return local, f"model.impl=auto without transformer_engine: the local spec, {what}"
     return "flash", ("model.impl=auto on GPUs with transformer_engine: the TE spec" if te_available else
                      "model.impl=auto on GPUs: the TE spec, assuming transformer_engine is installed there")
+
+
+def local_spec_attention(cfg: QarlConfig) -> str:
+    """The core attention the learner builds on Megatron's local spec (``moe.attention.resolve_attention``): "sdpa"
+    or "unfused"; what ``plan.simulate`` runs (the local spec, whatever model.impl says)."""
+    return "unfused" if cfg.model.attention == "unfused" else "sdpa"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -344,7 +355,7 @@ def simulation_check(cfg: QarlConfig, opts: PlanOptions, layers: Sequence[int] =
     """``qarl plan --simulate``: ``plan.simulate``'s simulation of one learner rank (every phase, at ``layers`` layers,
     extrapolated to the model's) beside the planner's figures, term by term (``plan.sim_check.compare``). The
     simulation runs Megatron's local spec (Transformer Engine is not installed where it runs), so the planner is
-    asked for that attention (``unfused``)."""
+    asked for that spec's attention (``local_spec_attention``: sdpa or unfused, as model.attention says)."""
     from megatron_qarl.plan.simulate import simulate_config
 
     sim = simulate_config(cfg, layers=tuple(layers))
@@ -353,12 +364,13 @@ def simulation_check(cfg: QarlConfig, opts: PlanOptions, layers: Sequence[int] =
 
 
 def check_against_plan(cfg: QarlConfig, opts: PlanOptions, sim: dict) -> dict:
-    """``plan.sim_check.compare`` of a saved or fresh simulation of ``cfg`` with this checkout's planner."""
+    """``plan.sim_check.compare`` of a saved or fresh simulation of ``cfg`` with this checkout's planner, asked for
+    the attention the simulation ran (``local_spec_attention``)."""
     from megatron_qarl.plan.sim_check import compare
 
     arch = Qwen3MoeArch.from_model_dir(cfg.model.path)
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
     st = learner_settings(cfg, opts)
     shape = step_shape_of(cfg, micro_batch_tokens(cfg, lay.dp, opts), step_shape(cfg)[1], st)
-    return compare(arch, cfg.quant, lay, shape, sim)
+    return compare(arch, cfg.quant, lay, dataclasses.replace(shape, attention=local_spec_attention(cfg)), sim)
 

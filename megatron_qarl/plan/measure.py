@@ -8,8 +8,8 @@ phase of ``plan.phases`` the config runs, with ``torch.cuda.reset_peak_memory_st
 ``max_memory_allocated`` / ``max_memory_reserved`` after each (the allocator's peak over the phase: what lives
 through it, the persistent state included, as the simulation's ``total``). ``compare`` sets beside them the
 simulation's total (``simulate_learner`` at the same L, run where the GPUs are hidden: it needs the simulated
-device) and the planner's (``plan.step.step_memory`` of the model cut to L layers, unfused attention as the local
-spec runs).
+device) and the planner's (``plan.step.step_memory`` of the model cut to L layers, with the local spec's attention
+that runs: ``plan.layouts.local_spec_attention``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def measure_phases(cfg: QarlConfig, *, layers: int, phases: tuple[str, ...] | No
 def planned_phases(cfg: QarlConfig, layers: int, phases: tuple[str, ...]) -> dict[str, int]:
     """The planner's total bytes per phase for ``cfg`` (its layout) with the model cut to ``layers`` layers."""
     from megatron_qarl.moe.model import Qwen3MoeArch
-    from megatron_qarl.plan.layouts import PlanOptions, learner_settings, micro_batch_tokens
+    from megatron_qarl.plan.layouts import PlanOptions, learner_settings, local_spec_attention, micro_batch_tokens
     from megatron_qarl.plan.memory import LearnerLayout, step_shape
     from megatron_qarl.plan.step import step_memory
     from megatron_qarl.plan.verdict import step_shape_of
@@ -83,7 +83,7 @@ def planned_phases(cfg: QarlConfig, layers: int, phases: tuple[str, ...]) -> dic
     lay = LearnerLayout(gpus=cfg.world_size, tp=cfg.parallel.tp, ep=cfg.parallel.ep)
     opts = PlanOptions()
     shape = step_shape_of(cfg, micro_batch_tokens(cfg, lay.dp, opts), step_shape(cfg)[1], learner_settings(cfg, opts))
-    shape = dataclasses.replace(shape, attention="unfused")
+    shape = dataclasses.replace(shape, attention=local_spec_attention(cfg))
     planned = step_memory(arch, cfg.quant, lay, shape, phases)
     return {p: int(planned[p]["total"]) for p in phases}
 

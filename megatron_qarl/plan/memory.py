@@ -206,7 +206,11 @@ def learner_local_params(arch: Qwen3MoeArch, lay: LearnerLayout) -> tuple[float,
     return dense, s["expert"].numel / (lay.ep * lay.etp)
 
 
-ATTENTIONS = ("flash", "unfused")
+# the learner's attention as the planner counts it: "flash" the Transformer Engine spec (its fused attention), "sdpa"
+# Megatron's local spec with torch's fused attention (moe/attention.py), "unfused" the local spec with Megatron's
+# DotProductAttention
+ATTENTIONS = ("flash", "sdpa", "unfused")
+LOCAL_SPEC_ATTENTIONS = ("sdpa", "unfused")
 RECOMPUTES = ("none", "selective", "full")
 
 
@@ -217,20 +221,26 @@ def attention_score_elements(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int
 
 
 def local_spec_activation_parts(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, *, seq_len: int,
-                                selective: bool = False, expert_imbalance: float = 1.0) -> dict[str, float]:
-    """Bytes Megatron's local spec (the learner's ``moe.model.layer_spec``: our fp32 RMSNorm, DotProductAttention,
-    the MoE tokens permuted by moe/dispatch.py's sort, SequentialMLP or moe/grouped.py's GroupedExperts, which save
-    the same per (token, expert) pair) saves for the backward of ``tokens`` tokens in sequences of ``seq_len``, BF16,
-    by part; what
-    tests/test_plan.py measures with torch's saved-tensor hooks on the same code. Per token, with t = T/tp the
-    rank's tokens under sequence parallelism and heads split over TP:
+                                selective: bool = False, expert_imbalance: float = 1.0,
+                                attention: str = "unfused") -> dict[str, float]:
+    """Bytes Megatron's local spec (the learner's ``moe.model.layer_spec``: our fp32 RMSNorm, the core attention
+    ``attention``, the MoE tokens permuted by moe/dispatch.py's sort, SequentialMLP or moe/grouped.py's GroupedExperts,
+    which save the same per (token, expert) pair) saves for the backward of ``tokens`` tokens in sequences of
+    ``seq_len``, BF16, by part; what tests/test_plan.py measures with torch's saved-tensor hooks on the same code. Per
+    token, with t = T/tp the rank's tokens under sequence parallelism and heads split over TP:
       layer    t * (2 * (6h + 4) + 2h + 2h)  input / pre-MLP norms (fp32 copy, bf16 output, fp32 1/rms), qkv and
                                              router inputs
                + T/tp * ((a + g)(6d + 4)     q / k norms, per head
-                         + 6ad               core attention: q, and k, v repeated to every query head (GQA)
-                                             (selective recompute: 2(2a+3g)d, its checkpointed inputs q, k, v
-                                             and the roped q, k)
-                         + 2ad)              output projection input
+                         + core              the core attention's inputs as it keeps them:
+                                             unfused (DotProductAttention) 6ad: q, and k, v repeated to every query
+                                             head (GQA); sdpa (torch's fused attention, moe/attention.py)
+                                             2(a + 2g)d + 4a: q, k, v per group (v its own copy) and the fp32
+                                             log-sum-exp per head; selective recompute, either: 2(2a+3g)d, its
+                                             checkpointed inputs q, k, v (v a view of the fused qkv output,
+                                             2(a+2g)d) and the roped q, k
+                         + 2ad)              output projection input (sdpa: also the kernel's saved output, one
+                                             storage: the flash kernels, CPU and CUDA, write it in the query's
+                                             layout, [s, b, np, hn], so [s, b, np * hn] is a view of it)
                + seq_len * 8d                rotary cos / sin of q and k (per position, whole sequence on every rank)
                + t * 28k                     top-k ids and probabilities (12k), the sort's token order and its index
                                              into the probabilities (int64 each: 16k)
@@ -238,18 +248,22 @@ def local_spec_activation_parts(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: 
                                              from several ranks (etp * ep > 1) for several local experts
                + 4 * E / ep                  the grouped experts' offsets (int32; model.experts grouped)
                + pairs * (2h + 12F/etp + 4)  per (token, expert) pair: expert input, fc1 / SwiGLU outputs, weight
-    "scores": 6 B per score element (fp32 softmax + bf16 probabilities; 0 under selective recompute); "mask":
-    the boolean causal mask, seq_len^2 B once; "final": t * (6h + 4 + 2h) (final norm, output layer input)."""
+    "scores": 6 B per score element (unfused: fp32 softmax + bf16 probabilities; 0 under selective recompute, 0 for
+    sdpa); "mask": the boolean causal mask, seq_len^2 B once (unfused; the sdpa learner passes none); "final":
+    t * (6h + 4 + 2h) (final norm, output layer input)."""
+    if attention not in LOCAL_SPEC_ATTENTIONS:
+        raise ValueError(f"attention: {attention!r} is not one of the local spec's {', '.join(LOCAL_SPEC_ATTENTIONS)}")
     h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     e, k, f = arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size
     t = tokens / lay.tp
     pairs = tokens * k * lay.etp / lay.tp * expert_imbalance
-    core = 2 * (2 * a + 3 * g) * d if selective else 6 * a * d
+    unfused = attention == "unfused"
+    core = 2 * (2 * a + 3 * g) * d if selective else 6 * a * d if unfused else 2 * (a + 2 * g) * d + 4 * a
     resort = 16 * pairs if lay.etp * lay.ep > 1 and e // lay.ep > 1 else 0
     layer = (t * (2 * (6 * h + 4) + 4 * h) + tokens / lay.tp * ((a + g) * (6 * d + 4) + core + 2 * a * d)
              + seq_len * 8 * d + t * 28 * k + resort + 4 * e / lay.ep + pairs * (2 * h + 12 * f / lay.etp + 4))
-    scores = 0 if selective else 6 * attention_score_elements(arch, lay, tokens, seq_len)
-    return {"layer": layer, "scores": scores, "mask": seq_len**2, "final": t * (8 * h + 4)}
+    scores = 6 * attention_score_elements(arch, lay, tokens, seq_len) if unfused and not selective else 0
+    return {"layer": layer, "scores": scores, "mask": seq_len**2 if unfused else 0, "final": t * (8 * h + 4)}
 
 
 def flash_layer_bytes(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, expert_imbalance: float = 1.0) -> float:
@@ -283,7 +297,8 @@ def activation_bytes(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, *, seq
     ``unfused``: the local spec (DotProductAttention: baddbmm + softmax in fp32 + bmm), counted as that code saves
     it (``local_spec_activation_parts``, measured in tests/test_plan.py): "layer", "scores" (6 B per score
     element), the mask and the final norm; while a layer runs, its bf16 raw scores and their fp32 copy add 6 B
-    per score element more ("work", transient, one layer at a time).
+    per score element more ("work", transient, one layer at a time). ``sdpa``: the local spec with torch's fused
+    attention (moe/attention.py): the same parts with the flash attention's core (no scores, no mask, no work).
 
     Both: logits T*V_pad/tp * (2 + 4) (bf16 logits + the fp32 softmax the vocab-parallel cross entropy keeps).
     ``recompute`` (Megatron's activation recompute):
@@ -306,10 +321,11 @@ def activation_bytes(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int, *, seq
         layer = flash_layer_bytes(arch, lay, tokens, expert_imbalance)
         layer_selective, scores, once = layer, 0.0, 0.0
     else:
-        parts = local_spec_activation_parts(arch, lay, tokens, seq_len=seq_len, expert_imbalance=expert_imbalance)
+        parts = local_spec_activation_parts(arch, lay, tokens, seq_len=seq_len, expert_imbalance=expert_imbalance,
+                                            attention=attention)
         layer, scores, once = parts["layer"], parts["scores"], parts["mask"] + parts["final"]
         layer_selective = local_spec_activation_parts(arch, lay, tokens, seq_len=seq_len, selective=True,
-                                                      expert_imbalance=expert_imbalance)["layer"]
+                                                      expert_imbalance=expert_imbalance, attention=attention)["layer"]
     work = scores
     n_layers = arch.num_hidden_layers
     if recompute == "full":

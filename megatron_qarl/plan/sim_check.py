@@ -3,7 +3,8 @@ benchmarks/memory_sim.py).
 
 Terms of a phase: the persistent ones (weights, gradients, optimizer, qat_cache), ``transient`` (everything else the
 phase holds at its peak: the simulation's activation kinds, the planner's activations, comm buffers and attention
-buffer) and ``total``. The simulation runs Megatron's local spec, so the planner is asked for the unfused attention.
+buffer) and ``total``. The simulation runs Megatron's local spec, so the planner is asked for its attention (the
+caller's ``shape.attention``: sdpa or unfused, ``plan.layouts.local_spec_attention``).
 Phases linear in the layer count are compared at the model's layers (the simulation extrapolated from two layer
 counts); the sync phases are not (the bucket bounds them), so they are compared at each simulated layer count with
 the planner evaluated at that count. A term is non-trivial when the simulation holds at least ``TRIVIAL_BYTES`` of
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_qarl.moe.model import Qwen3MoeArch
-from megatron_qarl.plan.memory import GIB, LearnerLayout
+from megatron_qarl.plan.memory import GIB, LOCAL_SPEC_ATTENTIONS, LearnerLayout
 from megatron_qarl.plan.step import PERSISTENT, StepShape, step_memory
 from megatron_qarl.plan.tracker import ACTIVATION_KINDS
 
@@ -54,8 +55,10 @@ def _rows(phase: str, layers: int, plan: dict[str, int], sim: dict[str, int]) ->
 
 def compare(arch: Qwen3MoeArch, quant, lay: LearnerLayout, shape: StepShape, sim: dict) -> dict:
     """Rows (phase, layers, term, plan, simulated, diff) for ``sim`` (``plan.simulate.simulate_config``'s dict) and
-    the largest relative error over the non-trivial terms."""
-    shape = dataclasses.replace(shape, attention="unfused")
+    the largest relative error over the non-trivial terms. ``shape.attention``: the local spec's attention the
+    simulation ran (sdpa or unfused)."""
+    if shape.attention not in LOCAL_SPEC_ATTENTIONS:
+        raise ValueError(f"attention: {shape.attention!r}: the simulation runs the local spec (sdpa or unfused)")
     rows = []
     full = sim["extrapolated"]["phases"]
     linear = tuple(p for p in LINEAR_IN_LAYERS if p in full)

@@ -311,6 +311,7 @@ def _build_learner(cfg: QarlConfig, arch: Qwen3MoeArch, micro: int, real_device:
     return Learner(arch, cfg.parallel, cfg.optim, dtype=parse_dtype(cfg.model.dtype), quant=cfg.quant,
                    aligned=le.aligned, micro_batch_size=micro, temperature=cfg.rollout.sampling.temperature,
                    routing_replay=cfg.algo.wants_routes, impl=cfg.model.impl if cfg.model.impl != "auto" else "local",
+                   attention=cfg.model.attention,
                    distributed_optimizer=le.distributed_optimizer, optimizer_cpu_offload=le.optimizer_cpu_offload,
                    optimizer_offload_fraction=le.optimizer_offload_fraction, recompute=le.recompute,
                    recompute_num_layers=le.recompute_num_layers, experts=cfg.model.experts, **kernels)

@@ -12,6 +12,10 @@ rank (``attention_score_elements``: T*s*a/tp). What each term is was traced on t
   While a layer's core attention runs forward (a no-grad forward, or its recompute in the backward) it holds
   14 B per score element at once: the buffer, their fp32 copy, the fp32 softmax, the bf16 probabilities and the
   masked scores (``attention_forward_ws``).
+- sdpa attention (the local spec with torch's fused attention, moe/attention.py): no score buffer, no s^2 term;
+  the core attention keeps q, k, v per group, its output and an fp32 log-sum-exp per head and query; its forward
+  under selective recompute (in the backward) holds its output, the log-sum-exp and V's copy:
+  T/tp * (2ad + 4a + 2gd) B (``sdpa_forward_ws``). Its no-grad working set is the flash one's.
 - every forward keeps, per MoE layer, the router's fp32 logits, its boolean routing map and the int64 top-k
   indices: t * (5E + 8k) B (``router_residue``), until the step's backward ends.
 - a no-grad forward (log-prob, R3, evaluation) holds one layer's working set at a time: the core attention's
@@ -78,8 +82,16 @@ def router_residue(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int) -> float
 
 
 def attention_buffer(arch: Qwen3MoeArch, lay: LearnerLayout, sh: StepShape) -> float:
-    """The unfused attention's global bf16 score buffer (2e B), allocated from the first forward on; 0 for flash."""
-    return 0.0 if sh.attention == "flash" else 2 * attention_score_elements(arch, lay, sh.tokens, sh.seq_len)
+    """The unfused attention's global bf16 score buffer (2e B), allocated from the first forward on; 0 for flash and
+    sdpa."""
+    return 2 * attention_score_elements(arch, lay, sh.tokens, sh.seq_len) if sh.attention == "unfused" else 0.0
+
+
+def sdpa_forward_ws(arch: Qwen3MoeArch, lay: LearnerLayout, tokens: int) -> float:
+    """What the sdpa core attention's forward allocates beyond its inputs: T/tp * (2ad + 4a + 2gd) (its output, the
+    fp32 log-sum-exp, V's contiguous copy)."""
+    a, g, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    return tokens / lay.tp * (2 * a * d + 4 * a + 2 * g * d)
 
 
 def nograd_layer_ws(arch: Qwen3MoeArch, lay: LearnerLayout, sh: StepShape) -> float:
@@ -87,7 +99,7 @@ def nograd_layer_ws(arch: Qwen3MoeArch, lay: LearnerLayout, sh: StepShape) -> fl
     h, a, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     t_all = sh.tokens
     inputs = t_all * (2 * h + 2 * (a + 2 * g) * d / lay.tp + 4 * a * d / lay.tp)
-    if sh.attention == "flash":
+    if sh.attention in ("flash", "sdpa"):
         pairs = t_all * arch.num_experts_per_tok * lay.etp / lay.tp * sh.expert_imbalance
         experts = pairs * (2 * h + 3 * 2 * arch.moe_intermediate_size / lay.etp)
         return max(inputs, experts)
@@ -120,26 +132,27 @@ def train_activations(arch: Qwen3MoeArch, lay: LearnerLayout, sh: StepShape) -> 
     if sh.recompute == "full":
         chunks, n = math.ceil(n_layers / sh.recompute_num_layers), sh.recompute_num_layers
         layer = n * (flash_layer_bytes(arch, lay, sh.tokens, sh.expert_imbalance) if sh.attention == "flash" else
-                     local_spec_activation_parts(arch, lay, sh.tokens, seq_len=sh.seq_len,
+                     local_spec_activation_parts(arch, lay, sh.tokens, seq_len=sh.seq_len, attention=sh.attention,
                                                  expert_imbalance=sh.expert_imbalance)["layer"])
-        attn_ws = 0.0 if sh.attention == "flash" else ATTENTION_FORWARD_B * e
+        attn_ws = ATTENTION_FORWARD_B * e if sh.attention == "unfused" else 0.0
         forward_end = chunks * kept + residue + buffer + logits
         backward = 2 * chunks * kept + residue + layer + attn_ws
         return {"activations": max(forward_end, backward) + _once(arch, lay, sh)}
-    parts = local_spec_activation_parts(arch, lay, sh.tokens, seq_len=sh.seq_len,
+    parts = local_spec_activation_parts(arch, lay, sh.tokens, seq_len=sh.seq_len, attention=sh.attention,
                                         selective=sh.recompute == "selective", expert_imbalance=sh.expert_imbalance)
     if sh.recompute == "selective":
         saved = n_layers * parts["layer"]
-        backward = saved + ATTENTION_FORWARD_B * e
+        backward = saved + (ATTENTION_FORWARD_B * e if sh.attention == "unfused" else
+                            sdpa_forward_ws(arch, lay, sh.tokens))
     else:
         saved = n_layers * (parts["layer"] + parts["scores"])
-        backward = saved + 6 * e
+        backward = saved + (6 * e if sh.attention == "unfused" else 0.0)
     forward_end = saved + buffer + logits
     return {"activations": max(forward_end, backward) + _once(arch, lay, sh)}
 
 
 def _once(arch: Qwen3MoeArch, lay: LearnerLayout, sh: StepShape) -> float:
-    """The causal mask (s^2 bool, unfused) and the final norm / output layer input: t * (8h + 4)."""
+    """The causal mask (s^2 bool, unfused only) and the final norm / output layer input: t * (8h + 4)."""
     mask = sh.seq_len ** 2 if sh.attention == "unfused" else 0
     return mask + sh.tokens / lay.tp * (8 * arch.hidden_size + 4)
 

@@ -16,6 +16,17 @@ def scalar(v: Any) -> float:
     return float(v.item() if torch.is_tensor(v) else v)
 
 
+def padding_metrics(lengths: list[int], loss_tokens: float) -> dict[str, float]:
+    """What the learner's right-padded batch computes for nothing (trainer.build_batch pads every row to the longest,
+    and its micro-batches keep that width): with B rows of lengths n_i and S = max n_i,
+
+        computed = B * S,   padded_frac = 1 - sum(n_i) / computed,   loss_frac = loss_tokens / computed
+
+    (loss tokens: the response tokens whose log-probs enter the loss; the prompts are computed as context)."""
+    computed = len(lengths) * max(lengths)
+    return {"length/padded_frac": 1.0 - sum(lengths) / computed, "length/loss_frac": loss_tokens / computed}
+
+
 def step_metrics(groups: list[list[Sample]], texts: list[str], rewards: list[float], reward_stats: dict,
                  mask_BT: torch.Tensor, logp_old_BT: torch.Tensor, logp_sampler_BT: torch.Tensor,
                  loss_metrics: dict[str, float], times: dict[str, float], sync_report: dict,
@@ -37,6 +48,7 @@ def step_metrics(groups: list[list[Sample]], texts: list[str], rewards: list[flo
     m["length/response_mean"] = float(lengths.mean())
     m["length/response_max"] = float(lengths.max())
     m["length/truncated_frac"] = sum(s.finish_reason == "length" for s in samples) / len(lengths)
+    m.update(padding_metrics([len(s.prompt_ids) + len(s.response_ids) for s in samples], n_tokens))
     for phase, seconds in times.items():
         m[f"time/{phase}_s"] = seconds
     total = sum(times.values())

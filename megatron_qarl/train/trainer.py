@@ -35,6 +35,7 @@ from megatron_qarl.data.reward import RewardScorer, shuffle_rewards_in_groups
 from megatron_qarl.errors import UserError
 from megatron_qarl.launch.fleet import LearnerRanks, ServerFleet
 from megatron_qarl.learner import checkpoint as ckpt
+from megatron_qarl.learner.packing import loss_lengths
 from megatron_qarl.learner.rank import Batch
 from megatron_qarl.rollout.manager import RoutesSpec, Sample
 from megatron_qarl.train.evaluation import Evaluation, response_texts
@@ -159,7 +160,7 @@ class Trainer:
 
         batch, logp_sampler_BT = build_batch(groups, self.pad_id)
         if self.routes is None:
-            logp_old_BT = self.learners.logprobs(batch.tokens_BS)
+            logp_old_BT = self.learners.logprobs(batch.tokens_BS, lengths=loss_lengths(batch.loss_mask_BT))
         else:
             logp_old_BT = self._routing(groups, batch, logp_sampler_BT, m)
         if rescored is not None:
@@ -205,7 +206,7 @@ class Trainer:
         (SGLang's input log-probs), so the learner's side of it is too: logp_old itself at temperature 1, else one
         more aligned forward at temperature 1 (with the same replayed routes under R3)."""
         unscaled_BT = logp_old_BT if self.cfg.rollout.sampling.temperature == 1.0 else self.learners.logprobs(
-            batch.tokens_BS, batch.extra.get("routes_BSLK"), temperature=1.0)
+            batch.tokens_BS, batch.extra.get("routes_BSLK"), temperature=1.0, lengths=loss_lengths(batch.loss_mask_BT))
         return mismatch_split(logp_old_BT, unscaled_BT, rescored_BT(groups, rescored, tuple(logp_sampler_BT.shape)),
                               logp_sampler_BT, batch.loss_mask_BT)
 
