@@ -119,20 +119,9 @@ class Learner:
         self.arch = arch
         self.parallel = parallel
         self.temperature = float(temperature)
-        if routing_replay and recompute == "full":
-            raise ValueError("recompute: 'full' reruns the routers in the backward, where they would route on their "
-                             "own instead of replaying (routing_replay); use 'selective' or 'none'")
-        if optimizer_cpu_offload and not torch.cuda.is_available():
-            raise ValueError("optimizer_cpu_offload: Megatron's HybridDeviceOptimizer moves optimizer states from the "
-                             "GPU to the CPU and needs CUDA (streams, pinned memory); this torch has no CUDA device")
-        from megatron_qarl.moe.grouped import resolve_experts
-
-        self.impl = resolve_impl(impl, attention, experts)
-        self.attention = resolve_attention(attention, self.impl)
-        check_te_fp8(te_fp8, self.impl, (quant or QuantConfig()).scheme)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.experts = resolve_experts(experts, impl=self.impl, device=device, dtype=dtype, hidden=arch.hidden_size,
-                                       ffn_per_rank=arch.moe_intermediate_size // expert_tp(parallel.tp, parallel.ep))
+        check_options(routing_replay, recompute, optimizer_cpu_offload)
+        self.impl, self.attention, self.experts = resolve_spec(impl, attention, experts, te_fp8,
+                                                              (quant or QuantConfig()).scheme, arch, parallel, dtype)
         self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
                                   dispatcher=parallel.dispatcher, routing_replay=routing_replay,
                                   te=self.impl == "te", te_fp8=te_fp8, recompute=recompute,
@@ -341,6 +330,32 @@ class Learner:
         metrics.update(loss=global_loss, grad_norm=grad_norm, skipped=0.0 if finite else 1.0)
         return metrics
 
+
+
+def check_options(routing_replay: bool, recompute: str, optimizer_cpu_offload: bool) -> None:
+    """ValueError naming the option a learner cannot take here."""
+    if routing_replay and recompute == "full":
+        raise ValueError("recompute: 'full' reruns the routers in the backward, where they would route on their "
+                         "own instead of replaying (routing_replay); use 'selective' or 'none'")
+    if optimizer_cpu_offload and not torch.cuda.is_available():
+        raise ValueError("optimizer_cpu_offload: Megatron's HybridDeviceOptimizer moves optimizer states from the "
+                         "GPU to the CPU and needs CUDA (streams, pinned memory); this torch has no CUDA device")
+
+
+def resolve_spec(impl: str, attention: str, experts: str, te_fp8: bool, scheme: str, arch: Qwen3MoeArch,
+                 parallel: ParallelConfig, dtype: torch.dtype) -> tuple[str, str, str]:
+    """(layer spec, core attention, experts) a learner builds from model.impl, model.attention, model.experts
+    (``moe.te.resolve_impl``, ``moe.attention.resolve_attention``, ``moe.grouped.resolve_experts``; the experts' choice
+    depends on this rank's device and the parameters' dtype); model.te_fp8 checked against them."""
+    from megatron_qarl.moe.grouped import resolve_experts
+
+    impl = resolve_impl(impl, attention, experts)
+    attention = resolve_attention(attention, impl)
+    check_te_fp8(te_fp8, impl, scheme)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    experts = resolve_experts(experts, impl=impl, device=device, dtype=dtype, hidden=arch.hidden_size,
+                              ffn_per_rank=arch.moe_intermediate_size // expert_tp(parallel.tp, parallel.ep))
+    return impl, attention, experts
 
 
 def dp_sum(value: torch.Tensor, dp_size: int) -> float:
