@@ -17,6 +17,12 @@ kernel on CUDA, qat/triton_refresh.py; ``torch`` the reference ops). ``--small``
 experts, vocab 4096, 2 x 128 tokens) so a CPU runs the whole table in a few minutes: it checks the script, its figures
 mean nothing for a GPU.
 
+The expert rows (``EXPERT_ROWS``, ``model.experts``): bf16, w4a16 and w8a8_fp8 with Megatron's SequentialMLP, beside
+the scheme rows above, which run the default (``auto``: the grouped experts of moe/grouped.py on sm90 / sm100 with
+bf16 parameters; the "experts" column says what each learner built). Every row gives the step's wall time against its
+GPU-busy time (the profiled step's CUDA kernel times, summed: where the wall time is far above it, the step is
+launch-bound) and its tokens/s.
+
 The attention rows (``ATTENTION_ROWS``, ``model.attention``): bf16, 2 layers, one sequence of 4096 tokens, the sdpa
 and the unfused core attention (the scheme rows above run the default, sdpa). Every row gives the train step's
 model FLOPs utilisation: MFU = F / (train_step s x the GPU's peak), F = 6 N T + 6 L a d s^2 per sequence (N the
@@ -45,22 +51,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero")
-# (scheme, learner.compile_quantizer, layers, learner.refresh_kernel, model.attention, (sequences, tokens each))
-ROWS = [("bf16", False, 2, "auto", "sdpa", (4, 1024)), ("w4a16", False, 2, "auto", "sdpa", (4, 1024)),
-        ("w4a16", False, 2, "torch", "sdpa", (4, 1024)), ("w4a16", True, 2, "auto", "sdpa", (4, 1024)),
-        ("w8a8_fp8", False, 2, "auto", "sdpa", (4, 1024)), ("w8a8_int8", False, 2, "auto", "sdpa", (4, 1024)),
-        ("w4a16", False, 8, "auto", "sdpa", (4, 1024))]
-ATTENTION_ROWS = [("bf16", False, 2, "auto", attention, (1, 4096)) for attention in ("sdpa", "unfused")]
+# (scheme, learner.compile_quantizer, layers, learner.refresh_kernel, model.attention, (sequences, tokens each),
+#  model.experts)
+ROWS = [("bf16", False, 2, "auto", "sdpa", (4, 1024), "auto"), ("w4a16", False, 2, "auto", "sdpa", (4, 1024), "auto"),
+        ("w4a16", False, 2, "torch", "sdpa", (4, 1024), "auto"), ("w4a16", True, 2, "auto", "sdpa", (4, 1024), "auto"),
+        ("w8a8_fp8", False, 2, "auto", "sdpa", (4, 1024), "auto"),
+        ("w8a8_int8", False, 2, "auto", "sdpa", (4, 1024), "auto"),
+        ("w4a16", False, 8, "auto", "sdpa", (4, 1024), "auto")]
+EXPERT_ROWS = [(scheme, False, 2, "auto", "sdpa", (4, 1024), "sequential") for scheme in ("bf16", "w4a16", "w8a8_fp8")]
+ATTENTION_ROWS = [("bf16", False, 2, "auto", attention, (1, 4096), "auto") for attention in ("sdpa", "unfused")]
 SMALL_SHAPE = {(4, 1024): (2, 128), (1, 4096): (1, 512)}  # --small: the shapes a CPU runs in seconds
 # dense BF16 tensor-core FLOP/s (no sparsity), NVIDIA's H100 / H200 datasheets; matched in the device's name in order
 PEAK_BF16 = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12))
 SCHEMES = ("w4a16", "w8a8_fp8", "w8a8_int8")
 
 
-def row_name(scheme: str, compiled: bool, kernel: str, attention: str = "sdpa") -> str:
+def row_name(scheme: str, compiled: bool, kernel: str, attention: str = "sdpa", experts: str = "auto") -> str:
     return scheme + (" (compile_quantizer)" if compiled else "") + (f" (refresh_kernel={kernel})"
                                                                     if kernel != "auto" else "") + \
-        (f" (attention={attention})" if attention != "sdpa" else "")
+        (f" (attention={attention})" if attention != "sdpa" else "") + \
+        (f" (experts={experts})" if experts != "auto" else "")
 
 
 def train_flops(a, sequences: int, seq: int) -> float:
@@ -106,7 +116,8 @@ def _sync(device: str) -> None:
 
 
 def _profiled(fn, device: str) -> dict:
-    """Launches (CUDA kernels, or aten ops on a CPU) and host syncs of one call of ``fn``."""
+    """Launches (CUDA kernels, or aten ops on a CPU), host syncs and GPU-busy seconds (the kernels' times, summed; None
+    on a CPU) of one call of ``fn``."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -114,12 +125,14 @@ def _profiled(fn, device: str) -> dict:
         fn()
         _sync(device)
     events = prof.events()
+    busy = None
     if device == "cuda":
-        launches = sum(1 for e in events if e.device_type.name == "CUDA")
+        kernels = [e for e in events if e.device_type.name == "CUDA"]
+        launches, busy = len(kernels), sum(e.device_time for e in kernels) / 1e6
     else:
         launches = sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
     syncs = sum(1 for e in events if e.name in SYNC_OPS)
-    return {"launches": launches, "syncs": syncs}
+    return {"launches": launches, "syncs": syncs, "busy_s": busy}
 
 
 def _timed(fn, device: str, repeats: int) -> float:
@@ -134,7 +147,7 @@ def _timed(fn, device: str, repeats: int) -> float:
 
 
 def row(scheme: str, compiled: bool, layers: int, kernel: str, attention: str, shape: tuple[int, int], device: str,
-        small: bool, repeats: int) -> dict:
+        small: bool, repeats: int, experts: str = "auto") -> dict:
     """One row, in this process."""
     import torch
 
@@ -148,7 +161,7 @@ def row(scheme: str, compiled: bool, layers: int, kernel: str, attention: str, s
     a = arch(layers, small)
     learner = Learner(a, ParallelConfig(), OptimConfig(lr=1e-5), dtype=torch.bfloat16,
                       quant=QuantConfig(scheme=scheme), compile_quantizer=compiled, refresh_kernel=kernel,
-                      attention=attention)
+                      attention=attention, experts=experts)
     rows, seq = SMALL_SHAPE[tuple(shape)] if small else tuple(shape)
     tokens = torch.randint(0, a.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
     batch = Batch(tokens, torch.ones(rows, seq - 1))
@@ -173,7 +186,8 @@ def row(scheme: str, compiled: bool, layers: int, kernel: str, attention: str, s
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     used = learner.fake_quant.kernel if learner.fake_quant else "-"
     step_s, gpu_peak = statistics.median(t_step), peak_flops(device)
-    return {"scheme": row_name(scheme, compiled, kernel, attention), "layers": layers, "kernel": used,
+    return {"scheme": row_name(scheme, compiled, kernel, attention, experts), "layers": layers, "kernel": used,
+            "experts": learner.experts, "tokens_per_s": rows * seq / step_s,
             "tokens": f"{rows} x {seq}", "forward_s": statistics.median(t_fwd), "step_s": step_s, "peak_gib": peak,
             "mfu": train_flops(a, rows, seq) / step_s / gpu_peak if gpu_peak else None,
             "forward": fwd_prof, "step": step_prof}
@@ -275,7 +289,7 @@ def _child(args, q) -> None:
     try:
         q.put(row(*args))
     except Exception as err:  # noqa: BLE001 - a row that fails is reported in the table, the others still run
-        q.put({"scheme": row_name(args[0], args[1], args[3], args[4]), "layers": args[2],
+        q.put({"scheme": row_name(args[0], args[1], args[3], args[4], args[9]), "layers": args[2],
                "error": f"{type(err).__name__}: {str(err)[:300]}"})
 
 
@@ -311,20 +325,23 @@ def render(rows: list[dict], alone: list[dict], device: str, small: bool) -> str
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({'--small' if small else 'full size'})"
     base = {(r["layers"], r["tokens"]): r for r in rows if r["scheme"] == "bf16" and "error" not in r}
     out = [f"Device: {where}; torch {torch.__version__}; median of the timed calls after a warm-up step.", "",
-           "| scheme | refresh | layers | tokens | log-prob forward s | train_step s | forward + step | vs bf16 | "
-           "peak GiB | train-step MFU | forward launches / syncs | step launches / syncs |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| scheme | experts | refresh | layers | tokens | log-prob forward s | train_step s (GPU-busy) | tokens/s | "
+           "forward + step | vs bf16 | peak GiB | train-step MFU | forward launches / syncs | step launches / syncs |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['scheme']} | - | {r['layers']} | - | failed: {r['error']} ||||||||")
+            out.append(f"| {r['scheme']} | - | - | {r['layers']} | - | failed: {r['error']} ||||||||||")
             continue
         total = r["forward_s"] + r["step_s"]
         ref = base.get((r["layers"], r["tokens"]))
         ratio = f"{total / (ref['forward_s'] + ref['step_s']):.2f}x" if ref else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        out.append(f"| {r['scheme']} | {r['kernel']} | {r['layers']} | {r['tokens']} | {r['forward_s']:.3f} | "
-                   f"{r['step_s']:.3f} | {total:.3f} | {ratio} | {peak} | {mfu} | {r['forward']['launches']} / "
+        busy = r["step"].get("busy_s")
+        step = f"{r['step_s']:.3f}" + (f" ({busy:.3f})" if busy is not None else "")
+        out.append(f"| {r['scheme']} | {r['experts']} | {r['kernel']} | {r['layers']} | {r['tokens']} | "
+                   f"{r['forward_s']:.3f} | {step} | {r['tokens_per_s']:.0f} | {total:.3f} | {ratio} | {peak} | "
+                   f"{mfu} | {r['forward']['launches']} / "
                    f"{r['forward']['syncs']} | {r['step']['launches']} / {r['step']['syncs']} |")
     if not alone:
         return "\n".join(out) + "\n"
@@ -342,8 +359,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a small model: checks the script on a CPU")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", default="all", help=f"comma-separated row indices (0-{len(ROWS) - 1}), 'all' "
-                                                      "(the scheme rows, the quantizer table and the attention rows), "
-                                                      "'schemes' (the first two), 'attention' (the last) or 'none'")
+                                                      "(the scheme rows, the quantizer table, the expert rows and the "
+                                                      "attention rows), 'schemes', 'experts', 'attention' or 'none'")
     parser.add_argument("--plan", default=None, metavar="CONFIG", help="the planner on the device (one GPU)")
     parser.add_argument("--plan-layers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--plan-sim", type=Path, default=None,
@@ -355,7 +372,8 @@ def main() -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_learner: no CUDA device here (--device cpu --small checks the script on a CPU)")
-    named = {"all": ROWS + ATTENTION_ROWS, "schemes": ROWS, "attention": ATTENTION_ROWS, "none": []}
+    named = {"all": ROWS + EXPERT_ROWS + ATTENTION_ROWS, "schemes": ROWS, "experts": EXPERT_ROWS,
+             "attention": ATTENTION_ROWS, "none": []}
     if args.rows in named:
         chosen = named[args.rows]
     else:
@@ -369,18 +387,19 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text("\n".join(parts))
 
-    for scheme, compiled, layers, kernel, attention, shape in chosen:
+    for scheme, compiled, layers, kernel, attention, shape, experts in chosen:
         q = ctx.SimpleQueue()
         p = ctx.Process(target=_child, args=((scheme, compiled, layers, kernel, attention, shape, args.device,
-                                              args.small, args.repeats), q))
+                                              args.small, args.repeats, experts), q))
         p.start()
         p.join()
-        results.append(q.get() if not q.empty() else {"scheme": row_name(scheme, compiled, kernel, attention),
+        results.append(q.get() if not q.empty() else {"scheme": row_name(scheme, compiled, kernel, attention, experts),
                                                       "layers": layers,
                                                       "error": f"the row's process exited with {p.exitcode}"})
         print(json.dumps(results[-1]), flush=True)
     if chosen:
-        alone = quantizer_alone(args.device, args.small, args.repeats) if args.rows != "attention" else []
+        alone = quantizer_alone(args.device, args.small, args.repeats) if args.rows not in ("attention", "experts") \
+            else []
         write(render(results, alone, args.device, args.small))
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -18,7 +18,9 @@
 #      peak memory, kernel launches and host syncs per call, the quantizer's GB/s per scheme and refresh kernel; the
 #      planner's phases on the device beside the simulation and the plan, a 30B config cut to one GPU), into
 #      benchmarks/results/gpu_learner.md; the local spec's core attention, torch's fused SDPA against Megatron's
-#      unfused one (bf16, one 4096-token sequence: step time, peak memory, MFU) into benchmarks/results/gpu_attention.md:
+#      unfused one (bf16, one 4096-token sequence: step time, peak memory, MFU) into benchmarks/results/gpu_attention.md;
+#      Megatron's SequentialMLP (bf16, w4a16, w8a8_fp8) beside the scheme rows' grouped experts (launches, step wall vs
+#      GPU-busy time, tokens/s, MFU) into benchmarks/results/gpu_experts.md:
 #      one device call does smoke and bench (a few minutes on an H200)
 # Exits non-zero when a check that could run failed. On a machine without CUDA it says so and exits 0.
 #   bash scripts/gpu_smoke.sh [--no-simulate] [--bench]     (PY=/path/to/python to choose the interpreter)
@@ -85,6 +87,8 @@ if [ "$BENCH" -eq 1 ]; then
   echo "== bench: benchmarks/gpu_learner.py -> benchmarks/results/gpu_learner.md"
   if [ "$CUDA" -eq 1 ]; then
     timeout 420 "$PY" benchmarks/gpu_learner.py --rows schemes --out benchmarks/results/gpu_learner.md || RC=1
+    echo "== bench: Megatron's SequentialMLP beside the grouped experts -> benchmarks/results/gpu_experts.md"
+    timeout 240 "$PY" benchmarks/gpu_learner.py --rows experts --out benchmarks/results/gpu_experts.md || RC=1
     echo "== bench: the core attention, sdpa and unfused -> benchmarks/results/gpu_attention.md"
     timeout 180 "$PY" benchmarks/gpu_learner.py --rows attention --out benchmarks/results/gpu_attention.md || RC=1
     echo "== bench: the planner on the device -> benchmarks/results/gpu_plan.md"

@@ -135,14 +135,30 @@ def test_the_gpu_learner_bench_runs_its_rows_on_a_cpu(tmp_path):
     rows = [line for line in learner_table.splitlines() if line.startswith(("| bf16 |", "| w4a16 |"))]
     assert len(rows) == 2 and "failed" not in table, table
     bf16, w4a16 = (r.split("|") for r in rows)
-    assert w4a16[2].strip() == "torch" and w4a16[8].strip().endswith("x"), rows[1]  # auto on a CPU: torch's ops
-    assert bf16[4].strip() == "2 x 128" and bf16[10].strip() == "-", rows[0]  # no MFU without a GPU's peak
-    syncs = [int(cells[col].split("/")[1]) for cells in (bf16, w4a16) for col in (11, 12)]
+    assert w4a16[3].strip() == "torch" and w4a16[10].strip().endswith("x"), rows[1]  # auto on a CPU: torch's ops
+    assert bf16[5].strip() == "2 x 128" and bf16[12].strip() == "-", rows[0]  # no MFU without a GPU's peak
+    assert bf16[2].strip() == w4a16[2].strip() == "grouped", rows  # model.experts auto on a CPU
+    assert float(bf16[8]) > 0 and "(" not in bf16[7], rows[0]  # tokens/s; no GPU-busy time on a CPU
+    syncs = [int(cells[col].split("/")[1]) for cells in (bf16, w4a16) for col in (13, 14)]
     assert syncs[:2] == syncs[2:], rows  # fake quant adds no host sync to the forward or the step
     assert "The quantizer alone" in table and "GB/s" in table
     alone = [line.split("|")[1:3] for line in table.split("The quantizer alone")[1].splitlines()
              if line.startswith("| w")]
     assert [(a.strip(), b.strip()) for a, b in alone] == [(s, "torch") for s in ("w4a16", "w8a8_fp8", "w8a8_int8")]
+
+
+def test_the_gpu_learner_bench_runs_the_sequential_experts_rows_on_a_cpu(tmp_path):
+    """Issue 52: --rows experts runs bf16, w4a16 and w8a8_fp8 with Megatron's SequentialMLP, beside the scheme rows'
+    default (grouped where it is fast): the experts column says what each learner built."""
+    out = tmp_path / "gpu_experts.md"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_learner.py"), "--device", "cpu", "--small",
+                           "--rows", "experts", "--repeats", "1", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = out.read_text()
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| ") and "experts=" in line]
+    assert [r[1].strip() for r in rows] == [f"{s} (experts=sequential)" for s in ("bf16", "w4a16", "w8a8_fp8")], table
+    assert all(r[2].strip() == "sequential" for r in rows) and "failed" not in table and "quantizer alone" not in table
 
 
 def test_the_gpu_learner_bench_runs_both_attention_rows_on_a_cpu(tmp_path, monkeypatch):
@@ -160,8 +176,8 @@ def test_the_gpu_learner_bench_runs_both_attention_rows_on_a_cpu(tmp_path, monke
     table = out.read_text()
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| bf16")]
     assert [r[1].strip() for r in rows] == ["bf16", "bf16 (attention=unfused)"] and "failed" not in table, table
-    assert all(r[4].strip() == "1 x 512" for r in rows) and "quantizer alone" not in table
-    sdpa_ops, unfused_ops = (int(r[11].split("/")[0]) for r in rows)
+    assert all(r[5].strip() == "1 x 512" for r in rows) and "quantizer alone" not in table
+    sdpa_ops, unfused_ops = (int(r[13].split("/")[0]) for r in rows)
     assert sdpa_ops < unfused_ops, rows  # the fused kernel: fewer ops per log-prob forward (the step packs its row)
     spec = importlib.util.spec_from_file_location("gpu_learner", REPO / "benchmarks" / "gpu_learner.py")
     bench = importlib.util.module_from_spec(spec)
