@@ -260,11 +260,11 @@ def _nonfinite(scheme: str) -> dict:
 
     init_parallel()
     arch = arch_with(8)
-    model = build_model(arch)
+    model = build_model(arch, experts="grouped")  # the learner's (SequentialMLP reads its token counts to the host)
     fq = apply_fake_quant(model, arch, QuantConfig(scheme=scheme))
     expert = next(t for t in fq.targets if t.stack is not None and t.index == 3)
     with torch.no_grad():
-        expert.param[5, 7] = math.nan
+        expert.master[5, 7] = math.nan  # its own weight: a row of the layer's stacked parameter
     tokens = torch.randint(0, arch.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     from megatron_qarl.moe.model import forward_logits
 

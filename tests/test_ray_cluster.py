@@ -166,6 +166,7 @@ def test_a_close_after_a_stuck_rank_takes_one_bound_not_one_per_wait(ray_two_cpu
     cluster = RayCluster.__new__(RayCluster)  # the cluster around them, as __init__ leaves it
     cluster.pg, cluster.actors, cluster.server_actors = None, [rank], servers
     cluster._stop_timeout_s = cfg.rollout.timeout_s  # what main before issue 53 read
+    cluster._stop_stacks = lambda: None  # the stack-dump forwarding __init__ sets up (utils/stacks.py)
     t0 = time.monotonic()
     learners.close()
     cluster.close()

@@ -397,7 +397,7 @@ def test_cli_refuses_open_host_without_key(model_dir):
     with pytest.raises(UserError, match="api-key"):
         args.func(args)
     args = _serve_parser().parse_args(["serve", "--model", "/nonexistent"])
-    with pytest.raises(UserError, match="config.json"):
+    with pytest.raises(UserError, match="/nonexistent: not a directory"):
         args.func(args)
 
 

@@ -408,7 +408,9 @@ def measure(model_dir: str, served_dir: str, scheme: str, seeds: list[int], n_pr
     arch = Qwen3MoeArch.from_model_dir(model_dir)
     init_parallel(seed=7)
     quant = QuantConfig(scheme=scheme)
-    learner = Learner(arch, ParallelConfig(), OptimConfig(), quant=quant, routing_replay=True)
+    # Megatron's SequentialMLP: the hooks above feed each expert's own input quantizer (the grouped experts, bit for bit
+    # the same learner, quantize a layer's routed tokens in one call: tests/test_grouped_experts.py)
+    learner = Learner(arch, ParallelConfig(), OptimConfig(), quant=quant, routing_replay=True, experts="sequential")
     learner.load_hf(model_dir)
     model = Qwen3MoeEngineModel.from_model_dir(served_dir, torch.float32, 1, None)
     if defect is not None:
