@@ -136,12 +136,13 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
     *prefix, python = server_interpreter(cfg)
     if r.backend == "vllm":
         spec = VLLMServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, dtype=r.dtype,
-                              max_num_seqs=r.max_batch_size, seed=cfg.seed, api_key=r.api_key)
+                              max_num_seqs=r.max_batch_size, seed=cfg.seed, api_key=r.api_key,
+                              kv_cache_dtype=r.kv_cache_dtype)
         return [*prefix, *vllm_command(spec, python=python)]
     if r.backend == "embedded":
         return [*prefix, *embedded_command(model_dir, port, host=host, dtype=r.dtype, max_batch_size=r.max_batch_size,
                                            return_routed_experts=cfg.algo.wants_routes, python=python,
-                                           numerics=cfg.numerics)]
+                                           numerics=cfg.numerics, kv_cache_dtype=r.kv_cache_dtype)]
     # the rollout manager seeds every sample (rollout/manager.py), which SGLang honours only in
     # deterministic inference
     spec = SGLangServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, ep=r.ep_size,
@@ -149,7 +150,7 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
                             api_key_file=r.api_key and str(sglang_key_file(
                                 r.api_key, log_dir(cfg), f"sglang-{socket.gethostname()}-{port}.key.yaml")),
                             random_seed=cfg.seed, deterministic_inference=True,
-                            return_routed_experts=cfg.algo.wants_routes,
+                            return_routed_experts=cfg.algo.wants_routes, kv_cache_dtype=r.kv_cache_dtype,
                             extra_args=("--max-running-requests", str(r.max_batch_size)))
     return [*prefix, *launch_command(spec, python=python)]
 

@@ -27,6 +27,7 @@ from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask, expe
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
 from megatron_qarl.moe.te import check_te_fp8, resolve_impl
 from megatron_qarl.qat.config import QuantConfig
+from megatron_qarl.qat.kv_cache import KVCacheSpec, KVFakeQuant
 from megatron_qarl.qat.modules import apply_fake_quant
 
 
@@ -95,7 +96,8 @@ class Learner:
                  impl: str = "local", compile_quantizer: bool = False, distributed_optimizer: bool = True,
                  optimizer_cpu_offload: bool = False, optimizer_offload_fraction: float = 1.0, recompute: str = "none",
                  recompute_num_layers: int = 1, te_fp8: bool = False, numerics: str = "default",
-                 act_dtype: torch.dtype = torch.bfloat16, refresh_kernel: str = "auto", experts: str = "auto"):
+                 act_dtype: torch.dtype = torch.bfloat16, refresh_kernel: str = "auto", experts: str = "auto",
+                 kv_cache: KVCacheSpec | None = None):
         """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
         Transformer Engine layers, in BF16 GEMMs on ModelOpt's fake-quant operands for the quantized schemes
         (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (impl te, schemes bf16 and w4a16,
@@ -104,7 +106,9 @@ class Learner:
         learner.refresh_kernel (``qat.modules.resolve_refresh_kernel``). ``experts``: ``model.experts`` (auto |
         sequential | grouped: the local spec's experts, ``moe.grouped.resolve_experts``).
         The memory options: see the class docstring. ``numerics`` "exact": log-probs from moe/exact.py (the rollout
-        engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype)."""
+        engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype).
+        ``kv_cache``: the servers' FP8 KV cache (rollout.kv_cache_dtype); the aligned learner's attention computes
+        on the keys and values it reads back (qat/kv_cache.py ``KVFakeQuant``), an unaligned one on its own."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -138,6 +142,8 @@ class Learner:
         self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned, compiled=compile_quantizer,
                                             refresh_kernel=refresh_kernel)
                            if quant and quant.enabled else None)
+        self.kv_cache = kv_cache if aligned else None
+        self.kv_fake_quant = KVFakeQuant(self.module, self.kv_cache) if self.kv_cache is not None else None
         self.exact = exact_forward(numerics, self, act_dtype, quant, aligned)  # None unless numerics: exact
         self.model = DistributedDataParallel(
             self.module.config,

@@ -65,6 +65,7 @@ class LearnerWorker:
         from megatron_qarl.learner.rank import Learner
         from megatron_qarl.moe.model import Qwen3MoeArch
         from megatron_qarl.moe.parallelize import init_parallel
+        from megatron_qarl.qat.kv_cache import run_spec
 
         cfg = self.cfg
         require_gpu(cfg, self.rank)
@@ -86,7 +87,7 @@ class LearnerWorker:
                                optimizer_offload_fraction=cfg.learner.optimizer_offload_fraction,
                                recompute=cfg.learner.recompute, recompute_num_layers=cfg.learner.recompute_num_layers,
                                numerics=cfg.numerics, act_dtype=parse_dtype(cfg.rollout.dtype),
-                               experts=cfg.model.experts)
+                               experts=cfg.model.experts, kv_cache=run_spec(cfg, arch.num_hidden_layers))
         self.learner.load_hf(cfg.model.path)
 
     # ------------------------------------------------------------------------------- compute

@@ -155,6 +155,39 @@ def check_numerics(cfg: QarlConfig) -> None:
                               f"split into whole chunks of {CHUNK} per rank (the fixed reduction order)")
 
 
+def check_kv_cache(cfg: QarlConfig) -> None:
+    """``rollout.kv_cache_dtype`` / ``kv_cache_scales`` (qat/kv_cache.py) against the backend, the scheme and the
+    learner: what the servers can hold and what the learner can reproduce."""
+    r = cfg.rollout
+    fp8 = r.kv_cache_dtype != "auto"
+    if r.kv_cache_scales == "checkpoint":
+        if not fp8:
+            raise ConfigError("rollout.kv_cache_scales: checkpoint with rollout.kv_cache_dtype=auto: the scales are an "
+                              "FP8 cache's, and this cache holds the compute dtype; set rollout.kv_cache_dtype to "
+                              "fp8_e4m3 or fp8_e5m2, or kv_cache_scales=unit")
+        if cfg.quant.scheme not in ("w4a16", "w8a8_fp8"):
+            raise ConfigError(f"rollout.kv_cache_scales: checkpoint with quant.scheme={cfg.quant.scheme!r}: SGLang "
+                              "0.5.23 reads a checkpoint's KV-cache scales only where its quantization method gives "
+                              "attention a KV-cache method (fp8; compressed-tensors with a kv_cache_scheme, which the "
+                              "w4a16 export writes); this scheme's servers would use 1.0. Use w4a16 or w8a8_fp8, or "
+                              "kv_cache_scales=unit")
+        if r.backend == "vllm":
+            raise ConfigError("rollout.kv_cache_scales: checkpoint with rollout.backend=vllm: the scales are written "
+                              "under SGLang's names (self_attn.attn.k_scale), which this project has not checked "
+                              "vLLM 0.32 reads; use kv_cache_scales=unit with vLLM")
+    if fp8 and r.backend == "vllm" and r.gpus_per_server == 0:
+        d = _arch(cfg.model.path).head_dim
+        if d % 32:
+            raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} on CPU vLLM servers (rollout.backend=vllm, "
+                              f"rollout.gpus_per_server=0): vLLM 0.32's CPU attention stores FP8 keys and values for "
+                              f"head sizes divisible by 32 only (cpu_attn.py _get_attn_isa), and this model's head_dim "
+                              f"is {d}")
+    if fp8 and cfg.numerics == "exact" and not cfg.learner.aligned:
+        raise ConfigError(f"learner.aligned: false with rollout.kv_cache_dtype={r.kv_cache_dtype} and numerics=exact: "
+                          "the learner's attention would read other keys and values than the servers' FP8 cache; "
+                          "set it true")
+
+
 BACKEND_RULES = {"embedded": None, "sglang": check_sglang, "vllm": check_vllm}
 
 
@@ -196,6 +229,7 @@ def check_run(cfg: QarlConfig) -> QarlConfig:
     """Every rule between components on a schema-valid config; ConfigError naming the key, else ``cfg``."""
     check_loss(cfg)
     check_numerics(cfg)
+    check_kv_cache(cfg)
     rule = BACKEND_RULES[cfg.rollout.backend]
     if rule is not None:
         rule(cfg)

@@ -29,6 +29,8 @@ from torch import Tensor
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.export import iter_safetensors, scheme_of
+from megatron_qarl.qat.kv_cache import FP8, KV_CACHE_DTYPES, SCALE_NAMES, kv_load, kv_store
+from megatron_qarl.qat.kv_cache import bytes_per_element as kv_bytes_per_element
 from megatron_qarl.serve.kernels.linear import DenseLinear, Linear, Store, make_linear
 from megatron_qarl.sync import delta
 
@@ -44,6 +46,41 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """HF's ``x * cos + rotate_half(x) * sin`` in 4 ops instead of 7, with the same result: rotate_half(x) * sin
     = cat(-x2, x1) * sin = roll(x, D/2) * cat(-sin1, sin2) (a sign flip is exact)."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def kv_scales(raw: dict[str, Tensor], quant_cfg: dict | None, layers: int) -> list[tuple[float, float]]:
+    """Each layer's (k_scale, v_scale), popped from the checkpoint's tensors, as SGLang 0.5.23 takes them: a
+    checkpoint's ``model.layers.N.self_attn.attn.k_scale`` / ``v_scale`` reach the attention only where its
+    quantization method gives attention a KV-cache method (``fp8``; ``compressed-tensors`` with a static per-tensor
+    FP8 ``kv_cache_scheme``), and a layer without them (or with non-positive ones) uses 1.0
+    (sglang/srt/layers/quantization/kv_cache.py ``process_weights_after_loading``)."""
+    found = [[raw.pop(SCALE_NAMES[w].format(i=i), None) for w in (0, 1)] for i in range(layers)]
+    q = quant_cfg or {}
+    kv = q.get("kv_cache_scheme") or {}
+    reads = q.get("quant_method") == "fp8" or (
+        q.get("quant_method") == "compressed-tensors" and kv.get("type") == "float" and kv.get("num_bits") == 8
+        and kv.get("strategy") == "tensor" and kv.get("symmetric", True) and not kv.get("dynamic", False))
+    out = []
+    for k, v in found:
+        ks, vs = (-1.0 if t is None else float(t.float().reshape(-1)[0]) for t in (k, v))
+        if not reads or (ks <= 0 and vs <= 0):
+            ks = vs = 1.0
+        elif ks <= 0 or vs <= 0:  # one of them: SGLang duplicates the larger (a checkpoint's single kv_scale)
+            ks = vs = max(ks, vs)
+        out.append((ks, vs))
+    return out
+
+
+def kv_slots(arch: Qwen3MoeArch, slots: int, length: int, cache_bytes: int, mib: float | None) -> int:
+    """The KV slots: ``slots`` (--max-batch-size), at most what ``mib`` holds of sequences of ``length`` tokens at
+    2 x layers x KV heads x head_dim x ``cache_bytes`` bytes per token (None: no memory bound)."""
+    if mib is None:
+        return slots
+    per_seq = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * cache_bytes * length
+    fits = int(mib * 2**20 // per_seq)
+    if fits < 1:
+        raise ConfigError(f"--kv-cache-mib: {mib:g} MiB holds no sequence of {length} tokens ({per_seq} bytes each)")
+    return min(slots, fits)
 
 
 class Layer:
@@ -84,15 +121,24 @@ class Qwen3MoeEngineModel:
     """The network, its store of checkpoint-format tensors and a KV cache of ``slots`` sequences."""
 
     def __init__(self, arch: Qwen3MoeArch, tensors: dict[str, Tensor], quant_cfg: dict | None,
-                 dtype: torch.dtype, slots: int, max_seq_len: int, numerics: str = "default"):
+                 dtype: torch.dtype, slots: int, max_seq_len: int, numerics: str = "default",
+                 kv_cache_dtype: str = "auto"):
         """``numerics`` "exact": every forward runs serve/exact_forward.py (numerics/ kernels, a float32 KV
-        cache holding values rounded to ``dtype``), bit for bit what the learner's exact forward computes."""
+        cache holding values rounded to ``dtype``), bit for bit what the learner's exact forward computes.
+        ``kv_cache_dtype`` (SGLang's --kv-cache-dtype): ``auto`` a cache in ``dtype``; ``fp8_e4m3`` / ``fp8_e5m2``
+        one byte per element, written and read as SGLang does (qat/kv_cache.py), with the checkpoint's scales where
+        SGLang reads them (``kv_scales``), else 1.0; under exact numerics the float32 cache holds the values read
+        back."""
         if arch.attention_bias:
             raise ConfigError("config.json: attention_bias=true is not supported by the embedded engine")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype: {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         self.arch, self.dtype = arch, dtype
         self.scheme, group = scheme_of(quant_cfg) if quant_cfg else ("bf16", None)
         fp8_block = group if self.scheme == "w8a8_fp8" else None
         raw = dict(tensors)
+        self.kv_dtype = kv_cache_dtype
+        self.kv_scales = kv_scales(raw, quant_cfg, arch.num_hidden_layers)  # popped from raw: not a linear's
         self.store: dict[str, Tensor] = {}
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             if name not in raw:
@@ -110,7 +156,7 @@ class Qwen3MoeEngineModel:
         self.capture: list[Tensor] | None = None  # forward appends each layer's top-k expert ids here when a list
         self.slots, self.max_seq_len = slots, max_seq_len
         kv_shape = (arch.num_hidden_layers, slots, arch.num_key_value_heads, max_seq_len, arch.head_dim)
-        cache_dtype = torch.float32 if numerics == "exact" else dtype
+        cache_dtype = torch.float32 if numerics == "exact" else torch.uint8 if kv_cache_dtype in FP8 else dtype
         self.k_cache = torch.zeros(kv_shape, dtype=cache_dtype)
         self.v_cache = torch.zeros(kv_shape, dtype=cache_dtype)
         self.exact = None
@@ -129,12 +175,21 @@ class Qwen3MoeEngineModel:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype, slots: int, max_seq_len: int | None,
-                       numerics: str = "default"):
+                       numerics: str = "default", kv_cache_dtype: str = "auto", kv_cache_mib: float | None = None):
+        """``kv_cache_mib``: the KV cache's memory; the slots are then at most what it holds at full length
+        (``kv_slots``: twice as many with an FP8 cache as with a bf16 one)."""
         arch = Qwen3MoeArch.from_model_dir(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         length = min(max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        cache_bytes = 4 if numerics == "exact" else kv_bytes_per_element(kv_cache_dtype, dtype.itemsize)
+        slots = kv_slots(arch, slots, length, cache_bytes, kv_cache_mib)
         return cls(arch, dict(iter_safetensors(model_dir)), config.get("quantization_config"), dtype, slots, length,
-                   numerics)
+                   numerics, kv_cache_dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes the cache holds per token (every layer's keys and values)."""
+        return self.k_cache[:, 0, :, 0].numel() * 2 * self.k_cache.element_size()
 
     # -------------------------------------------------------------------------------- weight updates
     def update_tensors(self, tensors: dict[str, Tensor]) -> None:
@@ -209,6 +264,7 @@ class Qwen3MoeEngineModel:
         q_BHTD, k_BHTD = qk_BHTD[:, :hq], qk_BHTD[:, hq:]
         v_BHTD = qkv[:, (hq + hkv) * d :].view(b, t, hkv, d).transpose(1, 2)
         kc, vc = self.k_cache[layer.index], self.v_cache[layer.index]  # [slots, Hkv, S, D]
+        k_BHTD, v_BHTD = self._to_cache(k_BHTD, layer.index, 0), self._to_cache(v_BHTD, layer.index, 1)
         if b == 1 and (t == 1 or t == kv_len):
             # one sequence (batch-1 decode, or a prefill from position 0): the cache rows are a view
             # and need no mask (decode: every cached position is visible; prefill: plain causal)
@@ -223,8 +279,23 @@ class Qwen3MoeEngineModel:
             vc[bidx, :, pos_BT] = v_BHTD.transpose(1, 2)
             keys, values = kc[slots_B, :, :kv_len], vc[slots_B, :, :kv_len]  # [B, Hkv, L, D]
             mask = (torch.arange(kv_len)[None, None, :] <= pos_BT[:, :, None])[:, None]  # [B, 1, T, L]
+        # every key and value attended to is read from the cache, the new tokens' too (SGLang's paged attention,
+        # which its FlashInfer backend runs under deterministic inference: docs/quantization.md "The KV cache")
+        keys, values = self._from_cache(keys, layer.index, 0), self._from_cache(values, layer.index, 1)
         o_BHTD = self._sdpa(q_BHTD, keys, values, mask)
         return layer.o(o_BHTD.transpose(1, 2).reshape(b * t, -1)).view(b, t, -1)
+
+    def _to_cache(self, x: Tensor, layer: int, which: int) -> Tensor:
+        """What the cache stores of keys (``which`` 0) or values (1): ``x`` itself, or its FP8 codes as bytes."""
+        if self.kv_dtype not in FP8:
+            return x
+        return kv_store(x, self.kv_scales[layer][which], FP8[self.kv_dtype], self.dtype).view(torch.uint8)
+
+    def _from_cache(self, held: Tensor, layer: int, which: int) -> Tensor:
+        """What the attention reads of cached keys or values: as held, or the FP8 codes times the scale."""
+        if self.kv_dtype not in FP8:
+            return held
+        return kv_load(held.view(FP8[self.kv_dtype]), self.kv_scales[layer][which], self.dtype)
 
     def _sdpa(self, q_BHTD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, mask_B1TL: Tensor | None) -> Tensor:
         """Attention with grouped KV heads (query head h reads KV head h // rep, as HF's ``repeat_kv``).
