@@ -121,7 +121,10 @@ def expected_server_args(cfg, model_dir: str, host: str, port: int, scheme: str)
             # the rollout manager seeds every request, which SGLang honours in deterministic inference only
             "enable_deterministic_inference": True,
             # W4A16 MoE on Marlin (megatron_qarl/rollout/sglang_launcher.py says why); the others: SGLang's choice
-            "moe_runner_backend": "marlin" if scheme == "w4a16" else DEFAULT}
+            "moe_runner_backend": "marlin" if scheme == "w4a16" else DEFAULT,
+            # the KV cache's dtype; an FP8 one on FlashInfer (sglang_launcher.py says why), else SGLang's choice
+            "kv_cache_dtype": r.kv_cache_dtype,
+            "attention_backend": "flashinfer" if r.kv_cache_dtype != "auto" else DEFAULT}
 
 
 def serving_dir(cfg, out: Path) -> str:
@@ -143,7 +146,10 @@ COMMAND_CASES = [pytest.param(p, [], id=p.stem) for p in QWEN3_CONFIGS] + \
     [pytest.param(p, CPU_AS_SGLANG.get(p.stem, AS_SGLANG), id=p.stem) for p in CPU_CONFIGS] + \
     [pytest.param(REPO / "configs" / "cpu_w8a8_int8.yaml",
                   ["rollout.backend=sglang", "rollout.gpus_per_server=2", "rollout.ep_size=2", "rollout.api_key=k3y",
-                   "rollout.mem_fraction_static=0.55", "rollout.max_batch_size=7", "seed=99"], id="tp2_ep2_api_key")]
+                   "rollout.mem_fraction_static=0.55", "rollout.max_batch_size=7", "seed=99"], id="tp2_ep2_api_key")] + \
+    [pytest.param(REPO / "configs" / "cpu_default.yaml", [*AS_SGLANG, "rollout.kv_cache_dtype=fp8_e4m3"],
+                  id="fp8_e4m3_kv"),
+     pytest.param(QWEN3_CONFIGS[0], ["rollout.kv_cache_dtype=fp8_e5m2"], id="fp8_e5m2_kv_30b")]
 
 
 @pytest.mark.parametrize(("path", "overrides"), COMMAND_CASES)
