@@ -214,10 +214,8 @@ class RolloutConfig(_Section):
         ``auto`` the compute dtype; ``fp8_e4m3`` / ``fp8_e5m2`` one byte per element, each key and value divided by
         its layer's scale and cast on write, times the scale on read (qat/kv_cache.py). With learner.aligned the
         learner's attention computes on the same rounded keys and values (docs/quantization.md "The KV cache").
-    kv_cache_scales: the FP8 cache's per-layer scales: ``unit`` 1.0 (SGLang's default when a checkpoint holds
-        none); ``checkpoint`` the policy checkpoint's ``model.layers.N.self_attn.attn.k_scale`` / ``v_scale``
-        (SGLang's names), written into the servers' export, where SGLang reads them for the w4a16 and w8a8_fp8
-        schemes only (preflight/rules.py ``check_kv_cache``).
+        Its scales are 1.0: SGLang 0.5.23's Qwen3-MoE reads none (its attention has no KV-cache quant method, and it
+        has no load_kv_cache_scales for --quantization-param-path; qat/kv_cache.py).
 
     server_python, launch_prefix: the environment the servers run in. Every launcher (launch/local.py, the Ray
     fleet's server actors, and so slurm/qarl.sbatch) starts a server as
@@ -241,7 +239,6 @@ class RolloutConfig(_Section):
     dp_size: int = Field(default=1, ge=1)  # SGLang's --dp-size; must stay 1 (see _check_layout)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    kv_cache_scales: Literal["unit", "checkpoint"] = "unit"
     max_batch_size: int = Field(default=128, ge=1)  # concurrent sequences per server (SGLang: --max-running-requests)
     threads: int | None = Field(default=None, ge=1)  # torch threads of an embedded server (None: all cores)
     mem_fraction_static: float = Field(default=0.8, gt=0, le=1)  # SGLang only

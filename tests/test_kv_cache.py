@@ -115,7 +115,10 @@ def _exact_learner(model_dir: str, kv: str, tokens: torch.Tensor) -> tuple[torch
     learner = Learner(arch, ParallelConfig(), OptimConfig(lr=1e-3), numerics="exact", act_dtype=torch.bfloat16,
                       kv_cache=spec)
     learner.load_hf(model_dir)
-    return learner.forward_logprobs(tokens), (spec.record if spec is not None else [])
+    logp = learner.forward_logprobs(tokens)
+    if spec is not None:  # the split's unaware forward: the auto learner's bits
+        return logp, list(spec.record), learner.forward_logprobs(tokens, kv_cache=False)
+    return logp, [], logp
 
 
 def _engine_logprobs(model: Qwen3MoeEngineModel, tokens: torch.Tensor) -> torch.Tensor:
@@ -135,7 +138,7 @@ def test_the_learners_keys_and_values_are_the_engines_cache_bit_for_bit(kv, tiny
     engine = Qwen3MoeEngineModel.from_model_dir(tiny_model_dir, torch.bfloat16, b, 32, numerics="exact",
                                                 kv_cache_dtype=kv)
     want = _engine_logprobs(engine, tokens)
-    got, record = run_ranks(1, _exact_learner, tiny_model_dir, kv, tokens)[0]
+    got, record, unaware_forward = run_ranks(1, _exact_learner, tiny_model_dir, kv, tokens)[0]
     arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
     assert len(record) == 2 * arch.num_hidden_layers
     for layer, which, t in record:
@@ -147,8 +150,9 @@ def test_the_learners_keys_and_values_are_the_engines_cache_bit_for_bit(kv, tiny
     assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} log-probs differ"
 
     plain = Qwen3MoeEngineModel.from_model_dir(tiny_model_dir, torch.bfloat16, b, 32, numerics="exact")
-    unaware, _ = run_ranks(1, _exact_learner, tiny_model_dir, "auto", tokens)[0]
+    unaware, *_ = run_ranks(1, _exact_learner, tiny_model_dir, "auto", tokens)[0]
     assert torch.equal(unaware, _engine_logprobs(plain, tokens))  # its keys are the auto cache's
+    assert torch.equal(unaware_forward, unaware)  # forward_logprobs(kv_cache=False), the mismatch split's KV part
     assert not torch.equal(plain.k_cache[:, :, :, :s], engine.k_cache[:, :, :, :s])
     assert not torch.equal(plain.v_cache[:, :, :, :s], engine.v_cache[:, :, :, :s])
     assert int((unaware != want).sum()) > got.numel() // 2
@@ -166,7 +170,8 @@ def _hooked_learner(model_dir: str, tp: int, kv: str | None, tokens: torch.Tenso
     learner = Learner(arch, ParallelConfig(tp=tp), OptimConfig(lr=1e-3), kv_cache=spec)
     learner.load_hf(model_dir)
     return {"rank": dist.get_rank(), "logp": learner.forward_logprobs(tokens),
-            "record": spec.record if spec is not None else []}
+            "record": list(spec.record) if spec is not None else [],
+            "unaware": learner.forward_logprobs(tokens, kv_cache=False)}
 
 
 @pytest.mark.multiproc
@@ -182,8 +187,10 @@ def test_megatrons_core_attention_takes_the_engines_keys_and_values_at_tp1_and_t
     engine = Qwen3MoeEngineModel.from_model_dir(tiny_model_dir, torch.float32, b, 32, kv_cache_dtype="fp8_e4m3")
     want = _engine_logprobs(engine, tokens)
     hkv, d = arch.num_key_value_heads, arch.head_dim
+    first = {}
     for tp in (1, 2):
         for out in run_ranks(tp, _hooked_learner, tiny_model_dir, tp, "fp8_e4m3", tokens):
+            first.setdefault(tp, out)
             assert len(out["record"]) == 2 * arch.num_hidden_layers
             heads = slice(out["rank"] * hkv // tp, (out["rank"] + 1) * hkv // tp)
             for layer, which, t in out["record"]:
@@ -198,3 +205,9 @@ def test_megatrons_core_attention_takes_the_engines_keys_and_values_at_tp1_and_t
             assert (out["logp"] - want).abs().mean() <= 1e-5 and (out["logp"] - want).abs().max() <= 1e-2
     unaware = run_ranks(1, _hooked_learner, tiny_model_dir, 1, None, tokens)[0]["logp"]
     assert (unaware - want).abs().mean() > 1e-2
+    out = first[1]
+    assert torch.equal(out["unaware"], unaware)  # forward_logprobs(kv_cache=False): the hook off, the same bits
+    from megatron_qarl.train.pipeline import kv_cache_split
+
+    split = kv_cache_split(out["logp"], out["unaware"], torch.ones(b, s - 1))
+    assert split["mismatch_kv/mismatch_tok_abs_mean"] == pytest.approx(float((unaware - out["logp"]).abs().mean()))

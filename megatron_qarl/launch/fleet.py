@@ -56,8 +56,8 @@ class LearnerRanks(abc.ABC):
         return self.on_every_rank(LearnerWorker.sync)[0]
 
     def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
-                 temperature: float | None = None) -> torch.Tensor:
-        return self.on_every_rank(LearnerWorker.logprobs, tokens_BS, routes_BSLK, temperature)[0]
+                 temperature: float | None = None, kv_cache: bool = True) -> torch.Tensor:
+        return self.on_every_rank(LearnerWorker.logprobs, tokens_BS, routes_BSLK, temperature, kv_cache)[0]
 
     def routing_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None) -> dict:
         return self.on_every_rank(LearnerWorker.routing_logprobs, tokens_BS, routes_BSLK)[0]

@@ -14,6 +14,8 @@ and every ratio and mismatch compares like with like.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import math
 from collections.abc import Callable
@@ -224,12 +226,31 @@ class Learner:
 
     @torch.no_grad()
     def forward_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
-                         temperature: float | None = None) -> torch.Tensor:
+                         temperature: float | None = None, kv_cache: bool = True) -> torch.Tensor:
         """The aligned forward (fake quant on when configured): logp [B, S-1] of the whole batch on
         every rank; each data-parallel rank computes its slice (rows padded to a multiple of the
         data-parallel size by repeating the last one), then they are all-gathered. ``routes_BSLK``: R3.
-        ``temperature``: instead of the learner's (1.0: the unscaled ones, train/pipeline.py's mismatch split)."""
-        return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature)[0]
+        ``temperature``: instead of the learner's (1.0: the unscaled ones, train/pipeline.py's mismatch split).
+        ``kv_cache`` False: the attention on its own keys and values, not the servers' FP8 cache's (the KV part of
+        the mismatch split)."""
+        with contextlib.nullcontext() if kv_cache else self._kv_unaware():
+            return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature)[0]
+
+    @contextlib.contextmanager
+    def _kv_unaware(self):
+        """The learner as if built without the servers' FP8 KV cache (``kv_cache`` None), for the duration."""
+        hook, exact_kv = self.kv_fake_quant, self.exact.kv if self.exact is not None else None
+        if hook is not None:
+            hook.enabled = False
+        if self.exact is not None:
+            self.exact.kv = None
+        try:
+            yield
+        finally:
+            if hook is not None:
+                hook.enabled = True
+            if self.exact is not None:
+                self.exact.kv = exact_kv
 
     @torch.no_grad()
     def forward_routes(self, tokens_BS: torch.Tensor,

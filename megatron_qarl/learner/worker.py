@@ -92,10 +92,11 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------------------- compute
     def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
-                 temperature: float | None = None) -> torch.Tensor | None:
+                 temperature: float | None = None, kv_cache: bool = True) -> torch.Tensor | None:
         """The aligned forward log-probs [B, S-1] (the fake-quant weights when quantization is aligned);
-        ``routes_BSLK`` replayed (R3), ``temperature`` instead of the sampling one (``Learner.forward_logprobs``)."""
-        out = self.learner.forward_logprobs(tokens_BS, routes_BSLK, temperature)
+        ``routes_BSLK`` replayed (R3), ``temperature`` instead of the sampling one, ``kv_cache`` False without the
+        servers' FP8 KV rounding (``Learner.forward_logprobs``)."""
+        out = self.learner.forward_logprobs(tokens_BS, routes_BSLK, temperature, kv_cache)
         return out if self.rank == 0 else None
 
     def routing_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None) -> dict | None:

@@ -156,25 +156,10 @@ def check_numerics(cfg: QarlConfig) -> None:
 
 
 def check_kv_cache(cfg: QarlConfig) -> None:
-    """``rollout.kv_cache_dtype`` / ``kv_cache_scales`` (qat/kv_cache.py) against the backend, the scheme and the
-    learner: what the servers can hold and what the learner can reproduce."""
+    """``rollout.kv_cache_dtype`` (qat/kv_cache.py) against the backend and the learner: what the servers can hold
+    and what the learner can reproduce."""
     r = cfg.rollout
     fp8 = r.kv_cache_dtype != "auto"
-    if r.kv_cache_scales == "checkpoint":
-        if not fp8:
-            raise ConfigError("rollout.kv_cache_scales: checkpoint with rollout.kv_cache_dtype=auto: the scales are an "
-                              "FP8 cache's, and this cache holds the compute dtype; set rollout.kv_cache_dtype to "
-                              "fp8_e4m3 or fp8_e5m2, or kv_cache_scales=unit")
-        if cfg.quant.scheme not in ("w4a16", "w8a8_fp8"):
-            raise ConfigError(f"rollout.kv_cache_scales: checkpoint with quant.scheme={cfg.quant.scheme!r}: SGLang "
-                              "0.5.23 reads a checkpoint's KV-cache scales only where its quantization method gives "
-                              "attention a KV-cache method (fp8; compressed-tensors with a kv_cache_scheme, which the "
-                              "w4a16 export writes); this scheme's servers would use 1.0. Use w4a16 or w8a8_fp8, or "
-                              "kv_cache_scales=unit")
-        if r.backend == "vllm":
-            raise ConfigError("rollout.kv_cache_scales: checkpoint with rollout.backend=vllm: the scales are written "
-                              "under SGLang's names (self_attn.attn.k_scale), which this project has not checked "
-                              "vLLM 0.32 reads; use kv_cache_scales=unit with vLLM")
     if fp8 and r.backend == "vllm" and r.gpus_per_server == 0:
         d = _arch(cfg.model.path).head_dim
         if d % 32:

@@ -17,9 +17,15 @@ and v_scale into the output, the same numbers where the products are exact: scal
     load(c)   = act(float32(c) * s)                                  ``kv_load``
     x_kv      = load(store(x))                                       ``kv_round_trip``
 
-with ``act`` the servers' compute dtype (rollout.dtype) and ``s`` the layer's scale (1.0 unless the checkpoint
-carries ``self_attn.attn.k_scale`` / ``v_scale``, which SGLang reads only where the checkpoint's quantization
-method gives attention a KV-cache method: ``KVCacheSpec.scales_of``). The embedded engine (serve/model.py) keeps
+with ``act`` the servers' compute dtype (rollout.dtype) and ``s`` the layer's scale. For Qwen3-MoE, SGLang 0.5.23's
+scales are 1.0 whatever the checkpoint holds: its ``Qwen3MoeAttention`` builds its ``RadixAttention`` without the
+quant config (sglang/srt/models/qwen3_moe.py), so attention gets no KV-cache method (layers/quantization/kv_cache.py
+``BaseKVCacheMethod``, which would load ``self_attn.attn.k_scale`` / ``v_scale``), ``layer.k_scale`` stays None and
+neither the write divides nor the read multiplies; checkpoint scale tensors are skipped by its ``load_weights`` (no
+such parameter), and ``--quantization-param-path`` fails at load (``Qwen3MoeForCausalLM`` has no
+``load_kv_cache_scales``: model_runner_components/load_model_utils.py). tests/test_sglang_contract.py builds SGLang's
+model to show it. So there is no scale to calibrate or write where SGLang would read it; the functions here take a
+scale all the same (exact.c too), and the runs' specs hold 1.0. The embedded engine (serve/model.py) keeps
 ``store(x)`` as one byte per element and attends over ``load``; the learner's attention (``KVFakeQuant``) computes
 on ``x_kv`` in its own dtype with a straight-through backward: every key and value after the k-norm and rotary
 embedding, on any core attention (Megatron's unfused DotProductAttention, Transformer Engine's, or a replacement),
@@ -31,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,8 +49,8 @@ if TYPE_CHECKING:
 
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3", "fp8_e5m2")
 FP8: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-# the scale tensors' names in a checkpoint, as SGLang's RadixAttention parameters (``BaseKVCacheMethod
-# .create_weights``) under Qwen3-MoE's ``load_weights``, which takes a checkpoint name as the parameter's name
+# the names KV-cache scales would have in a checkpoint: SGLang's RadixAttention parameters (``BaseKVCacheMethod
+# .create_weights``); Qwen3-MoE's attention has none, and its load_weights skips such tensors (module docstring)
 SCALE_NAMES = ("model.layers.{i}.self_attn.attn.k_scale", "model.layers.{i}.self_attn.attn.v_scale")
 
 
@@ -95,34 +100,12 @@ class KVCacheSpec:
         return straight_through(x, y) if x.requires_grad else y
 
     @classmethod
-    def build(cls, dtype: str, act: torch.dtype, num_layers: int, model_dir: str | Path | None = None,
-              source: str = "unit") -> KVCacheSpec | None:
-        """The spec of a run (None for ``auto``: the cache in the compute dtype, nothing rounded). ``source``
-        ``unit``: every scale 1.0 (SGLang's default when the checkpoint holds none); ``checkpoint``: the scales of
-        ``model_dir`` (``scales_of``)."""
+    def build(cls, dtype: str, act: torch.dtype, num_layers: int) -> KVCacheSpec | None:
+        """The spec of a run's servers (None for ``auto``: the cache in the compute dtype, nothing rounded), every
+        scale 1.0 (SGLang 0.5.23's for Qwen3-MoE: the module docstring)."""
         if dtype == "auto":
             return None
-        if source == "unit":
-            return cls(dtype, act, ((1.0, 1.0),) * num_layers)
-        if source == "checkpoint":
-            return cls(dtype, act, scales_of(model_dir, num_layers))
-        raise ValueError(f"rollout.kv_cache_scales: {source!r} is not one of unit, checkpoint")
-
-
-def scales_of(model_dir: str | Path | None, num_layers: int) -> tuple[tuple[float, float], ...]:
-    """Each layer's (k_scale, v_scale) from a checkpoint's safetensors (``SCALE_NAMES``, float32 scalars); a
-    ValueError naming the file and the first tensor missing."""
-    from megatron_qarl.qat.export import iter_safetensors
-
-    if model_dir is None:
-        raise ValueError("rollout.kv_cache_scales: checkpoint needs a model directory")
-    wanted = {SCALE_NAMES[w].format(i=i) for i in range(num_layers) for w in (0, 1)}
-    found = {name: float(t.float().reshape(-1)[0]) for name, t in iter_safetensors(model_dir) if name in wanted}
-    missing = sorted(wanted - set(found))
-    if missing:
-        raise ValueError(f"rollout.kv_cache_scales: checkpoint, but {model_dir} has no tensor {missing[0]} "
-                         f"({len(missing)} of the {len(wanted)} KV-cache scales missing)")
-    return tuple((found[SCALE_NAMES[0].format(i=i)], found[SCALE_NAMES[1].format(i=i)]) for i in range(num_layers))
+        return cls(dtype, act, ((1.0, 1.0),) * num_layers)
 
 
 def bytes_per_element(dtype: str, act_bytes: int) -> int:
@@ -138,6 +121,7 @@ class KVFakeQuant:
 
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec):
         self.spec = spec
+        self.enabled = True  # False: the keys and values pass as computed (the learner's unaware forward)
         self._handles = []
         layers = list(model.decoder.layers)
         if len(layers) != len(spec.scales):
@@ -148,6 +132,8 @@ class KVFakeQuant:
 
     def _hook(self, layer: int) -> Callable:
         def hook(module, args, kwargs):
+            if not self.enabled:
+                return None
             if len(args) < 3:  # Megatron passes query, key, value positionally
                 raise TypeError(f"{type(module).__name__} called with {len(args)} positional arguments; the KV "
                                 "cache's fake quant expects (query, key, value, ...)")
@@ -162,9 +148,7 @@ class KVFakeQuant:
 
 
 def run_spec(cfg: QarlConfig, layers: int) -> KVCacheSpec | None:
-    """A run's spec: rollout.kv_cache_dtype in rollout.dtype, the scales rollout.kv_cache_scales names (checkpoint:
-    model.path's, which the servers' export carries; ``qat.export.quantize_checkpoint``)."""
+    """A run's spec: its servers' rollout.kv_cache_dtype in rollout.dtype."""
     from megatron_qarl.wire import parse_dtype
 
-    r = cfg.rollout
-    return KVCacheSpec.build(r.kv_cache_dtype, parse_dtype(r.dtype), layers, cfg.model.path, r.kv_cache_scales)
+    return KVCacheSpec.build(cfg.rollout.kv_cache_dtype, parse_dtype(cfg.rollout.dtype), layers)

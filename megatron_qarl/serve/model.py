@@ -48,27 +48,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
-def kv_scales(raw: dict[str, Tensor], quant_cfg: dict | None, layers: int) -> list[tuple[float, float]]:
-    """Each layer's (k_scale, v_scale), popped from the checkpoint's tensors, as SGLang 0.5.23 takes them: a
-    checkpoint's ``model.layers.N.self_attn.attn.k_scale`` / ``v_scale`` reach the attention only where its
-    quantization method gives attention a KV-cache method (``fp8``; ``compressed-tensors`` with a static per-tensor
-    FP8 ``kv_cache_scheme``), and a layer without them (or with non-positive ones) uses 1.0
-    (sglang/srt/layers/quantization/kv_cache.py ``process_weights_after_loading``)."""
-    found = [[raw.pop(SCALE_NAMES[w].format(i=i), None) for w in (0, 1)] for i in range(layers)]
-    q = quant_cfg or {}
-    kv = q.get("kv_cache_scheme") or {}
-    reads = q.get("quant_method") == "fp8" or (
-        q.get("quant_method") == "compressed-tensors" and kv.get("type") == "float" and kv.get("num_bits") == 8
-        and kv.get("strategy") == "tensor" and kv.get("symmetric", True) and not kv.get("dynamic", False))
-    out = []
-    for k, v in found:
-        ks, vs = (-1.0 if t is None else float(t.float().reshape(-1)[0]) for t in (k, v))
-        if not reads or (ks <= 0 and vs <= 0):
-            ks = vs = 1.0
-        elif ks <= 0 or vs <= 0:  # one of them: SGLang duplicates the larger (a checkpoint's single kv_scale)
-            ks = vs = max(ks, vs)
-        out.append((ks, vs))
-    return out
+def kv_scales(raw: dict[str, Tensor], layers: int) -> list[tuple[float, float]]:
+    """Each layer's (k_scale, v_scale) as SGLang 0.5.23 serves Qwen3-MoE: 1.0 (qat/kv_cache.py says why); a
+    checkpoint's scale tensors (``SCALE_NAMES``) are dropped from ``raw``, as its load_weights skips them."""
+    for i in range(layers):
+        for name in SCALE_NAMES:
+            raw.pop(name.format(i=i), None)
+    return [(1.0, 1.0)] * layers
 
 
 def kv_slots(arch: Qwen3MoeArch, slots: int, length: int, cache_bytes: int, mib: float | None) -> int:
@@ -126,9 +112,8 @@ class Qwen3MoeEngineModel:
         """``numerics`` "exact": every forward runs serve/exact_forward.py (numerics/ kernels, a float32 KV
         cache holding values rounded to ``dtype``), bit for bit what the learner's exact forward computes.
         ``kv_cache_dtype`` (SGLang's --kv-cache-dtype): ``auto`` a cache in ``dtype``; ``fp8_e4m3`` / ``fp8_e5m2``
-        one byte per element, written and read as SGLang does (qat/kv_cache.py), with the checkpoint's scales where
-        SGLang reads them (``kv_scales``), else 1.0; under exact numerics the float32 cache holds the values read
-        back."""
+        one byte per element, written and read as SGLang does (qat/kv_cache.py; scales ``kv_scales``); under exact
+        numerics the float32 cache holds the values read back."""
         if arch.attention_bias:
             raise ConfigError("config.json: attention_bias=true is not supported by the embedded engine")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -138,7 +123,7 @@ class Qwen3MoeEngineModel:
         fp8_block = group if self.scheme == "w8a8_fp8" else None
         raw = dict(tensors)
         self.kv_dtype = kv_cache_dtype
-        self.kv_scales = kv_scales(raw, quant_cfg, arch.num_hidden_layers)  # popped from raw: not a linear's
+        self.kv_scales = kv_scales(raw, arch.num_hidden_layers)
         self.store: dict[str, Tensor] = {}
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             if name not in raw:
