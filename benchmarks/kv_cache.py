@@ -20,7 +20,7 @@ for e4m3 and e5m2, with the servers in bfloat16 (the main job's servers: the res
 the float32 learner's too) and in float32 (that difference gone: what is left is the KV cache's part). Decode: the
 engine's forward at batch ``--rows`` over ``--new`` steps after the prefill (the context growing to 520 tokens),
 tokens/s = rows x steps / seconds (best of two), bf16 servers; the KV bytes per token are the engine's cache's
-(serve/model.py ``kv_bytes_per_token``) and Qwen3-30B-A3B's at one GPU (plan/memory.py ``kv_bytes_per_token``).
+(serve/model.py ``cache_bytes_per_token``) and Qwen3-30B-A3B's at one GPU (plan/memory.py ``kv_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -123,20 +123,20 @@ def measure(model_dir: str, served: str, rows: int, new: int) -> dict:
             out["mismatch"][(name, "c", kv)] = buckets(learner_logprobs(model_dir, kv, act, tokens) - logp)
     from megatron_qarl.moe.model import Qwen3MoeArch
     from megatron_qarl.plan.memory import kv_bytes_per_token
-    from megatron_qarl.serve.model import Qwen3MoeEngineModel
+    from megatron_qarl.serve.model import Qwen3MoeEngineModel, cache_bytes_per_token
 
     big = Qwen3MoeArch.from_model_dir(REPO / "configs" / "models" / "qwen3-30b-a3b")
     for kv in ("auto", *FORMATS):
         speed = max(sample_rollouts(served, torch.bfloat16, kv, rows, new, seed=1)[2] for _ in range(2))
         m = Qwen3MoeEngineModel.from_model_dir(served, torch.bfloat16, 1, 8, kv_cache_dtype=kv)
-        out["decode"][kv] = {"tokens_per_s": speed, "bytes_per_token": m.kv_bytes_per_token,
+        out["decode"][kv] = {"tokens_per_s": speed, "bytes_per_token": cache_bytes_per_token(m),
                              "qwen3_30b_bytes_per_token": kv_bytes_per_token(big, 1, 2 if kv == "auto" else 1)}
     return out
 
 
 def render(res: dict, rows: int, new: int) -> str:
     heads = [f"{a}-{b}" for a, b in BUCKETS if a < new]
-    lines = [f"# FP8 KV cache: mismatch by response position, decode speed (benchmarks/kv_cache.py)\n",
+    lines = ["# FP8 KV cache: mismatch by response position, decode speed (benchmarks/kv_cache.py)\n",
              f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
              f"threads; tiny Qwen3-MoE (context 1024), W4A16, {rows} rows x {new} new tokens at temperature 1, "
              "float32 aligned learner (TP 1).\n",
@@ -147,7 +147,8 @@ def render(res: dict, rows: int, new: int) -> str:
         overall = sum(v * (min(b, new) - a) for v, (a, b) in zip(vals, BUCKETS, strict=False)) / new
         lines.append(f"| {act} | {names[arm]} | {kv} | {' | '.join(f'{v:.2e}' for v in vals)} | {overall:.2e} |")
     lines += ["", f"Embedded engine decode, bf16 servers, batch {rows}, context 8 -> {8 + new}:\n",
-              "| KV cache | decode tokens/s | vs bf16 KV | KV bytes / token (tiny) | KV bytes / token (Qwen3-30B-A3B, 1 GPU) |",
+              "| KV cache | decode tokens/s | vs bf16 KV | KV bytes / token (tiny) | KV bytes / token "
+              "(Qwen3-30B-A3B, 1 GPU) |",
               "|---|---|---|---|---|"]
     base = res["decode"]["auto"]["tokens_per_s"]
     for kv, d in res["decode"].items():

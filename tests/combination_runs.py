@@ -49,7 +49,8 @@ SMALL = ["train.steps=2", "train.prompts_per_step=2", "rollout.sampling.n_sample
          "train.checkpoint.every=0", "reward.kind=exact", "rollout.max_batch_size=16", "train.learner_threads=1",
          "rollout.threads=1", "rollout.startup_timeout_s=300", "rollout.timeout_s=300", f"rollout.api_key={KEY}"]
 KEEP = ("staleness/token_frac_0", "staleness/token_frac_1", "async/regenerated", "mismatch/mismatch_tok_abs_mean",
-        "mismatch_quant/mismatch_tok_abs_mean", "mismatch_kv/mismatch_tok_abs_mean", "loss/num_responses", "loss/grad_norm", "sync/weight_version",
+        "mismatch_quant/mismatch_tok_abs_mean", "mismatch_kv/mismatch_tok_abs_mean", "loss/num_responses",
+        "loss/grad_norm", "sync/weight_version",
         "routing/agree_token")
 
 

@@ -4,10 +4,10 @@ and the reason) or accepted, and then it must run (tests/test_combinations.py, t
 
 The dimensions: rollout.backend x train.async x quant.scheme x algo.routing_replay (R3) x rollout.sync.delta x
 train.mismatch_split x algo.loss.mode x algo.loss.mismatch x model.te_fp8 x model.experts x the sampling
-(temperature, top_p, top_k) x launch.backend x numerics x rollout.kv_cache_dtype. Literal and bool fields take every value their type allows
-(``typing.get_args``), so a value added to the config's types joins the space, the refusal census and the pairwise
-run plans by itself; the sampling floats take their default and one other value (a temperature other than 1, a
-top_p below 1, a top_k on).
+(temperature, top_p, top_k) x launch.backend x numerics x rollout.kv_cache_dtype. Literal and bool fields take every
+value their type allows (``typing.get_args``), so a value added to the config's types joins the space, the refusal
+census and the pairwise run plans by itself; the sampling floats take their default and one other value (a temperature
+other than 1, a top_p below 1, a top_k on).
 
 Run plans are pairwise (``cover``): every pair of values that some accepted, runnable combination holds is held by
 at least one run. The full product is millions of combinations (``SIZE``); pairwise needs a few dozen runs per

@@ -7,6 +7,7 @@ and TP 2 with sequence parallel), and a learner without the key computes on othe
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import init_parallel, run_ranks
 from megatron_qarl.numerics import native, ops
 from megatron_qarl.qat.kv_cache import FP8, KVCacheSpec, kv_load, kv_round_trip, kv_store
-from megatron_qarl.serve.model import Qwen3MoeEngineModel
+from megatron_qarl.serve.model import Qwen3MoeEngineModel, cache_bytes_per_token, from_cache
 
 FORMATS = ["fp8_e4m3", "fp8_e5m2"]
 
@@ -51,7 +52,8 @@ def test_the_round_trip_is_sglangs_cast_and_exact_c_computes_it_on_every_bf16_va
     assert kv_store(big, 1.0, e4, torch.float32).float()[:5].tolist() == [448.0, 448.0, -448.0, 448.0, 448.0]
     assert kv_store(big, 1.0, e5, torch.float32).float()[:7].tolist() == [float("inf"), float("inf"), float("-inf"),
                                                                           448.0, 448.0, 57344.0, float("inf")]
-    assert kv_store(big, 1.0, e4, torch.float32).float()[7].isnan() and kv_store(big, 1.0, e5, torch.bfloat16)[7].isnan()
+    assert kv_store(big, 1.0, e4, torch.float32).float()[7].isnan()
+    assert kv_store(big, 1.0, e5, torch.bfloat16)[7].isnan()
     # the division happens in the compute dtype: 0.1 / 3 in bf16 first, then e4m3 (a double rounding)
     x = torch.tensor([0.1], dtype=torch.bfloat16)
     assert torch.equal(kv_store(x, 3.0, e4, torch.bfloat16), (x.float() / 3.0).to(torch.bfloat16).to(e4))
@@ -84,8 +86,8 @@ def test_the_engines_fp8_cache_takes_half_the_bytes_and_holds_twice_the_sequence
                                                    kv_cache_mib=0.125) for kv in ("auto", *FORMATS)}
     arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
     per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
-    assert made["auto"].kv_bytes_per_token == 2 * per_token
-    assert made["fp8_e4m3"].kv_bytes_per_token == made["fp8_e5m2"].kv_bytes_per_token == per_token
+    assert cache_bytes_per_token(made["auto"]) == 2 * per_token
+    assert cache_bytes_per_token(made["fp8_e4m3"]) == cache_bytes_per_token(made["fp8_e5m2"]) == per_token
     assert made["auto"].slots == 2**17 // (2 * per_token * 64) == 2
     assert made["fp8_e4m3"].slots == made["fp8_e5m2"].slots == 4
     assert made["fp8_e4m3"].k_cache.dtype == torch.uint8
@@ -196,8 +198,8 @@ def test_megatrons_core_attention_takes_the_engines_keys_and_values_at_tp1_and_t
             for layer, which, t in out["record"]:
                 assert t.shape[1:] == (b, hkv // tp, d)  # Megatron's [S, B, local KV heads, D]
                 mine = t[:s].permute(1, 2, 0, 3)
-                cache = engine._from_cache((engine.k_cache if which == 0 else engine.v_cache)[layer, :, heads, :s],
-                                           layer, which)
+                cache = from_cache((engine.k_cache if which == 0 else engine.v_cache)[layer, :, heads, :s],
+                                   "fp8_e4m3", 1.0, torch.float32)
                 off = mine != cache
                 assert int(off.sum()) <= mine.numel() // 1000, f"TP{tp} layer {layer}: {int(off.sum())} differ"
                 step = cache.abs().clamp_min(2.0**-6) / 8  # an e4m3 step at that magnitude
@@ -211,3 +213,53 @@ def test_megatrons_core_attention_takes_the_engines_keys_and_values_at_tp1_and_t
 
     split = kv_cache_split(out["logp"], out["unaware"], torch.ones(b, s - 1))
     assert split["mismatch_kv/mismatch_tok_abs_mean"] == pytest.approx(float((unaware - out["logp"]).abs().mean()))
+
+
+# ------------------------------------------------------------------ the weight sync and R3 with an FP8 cache
+def _run(engine, prompts: list[list[int]]) -> list:
+    import threading
+
+    from megatron_qarl.serve.request import SamplingParams
+
+    done = threading.Semaphore(0)
+    reqs = [engine.make_request(p, SamplingParams(temperature=1.0, max_new_tokens=10, sampling_seed=5 + i),
+                                return_logprob=True, return_routed_experts=True, on_done=lambda r: done.release())
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.submit(r)
+    for _ in reqs:
+        assert done.acquire(timeout=120), "engine did not finish"
+    return [(r.output_ids, r.output_logprobs, engine.routed_experts(r)) for r in reqs]
+
+
+def test_a_weight_update_and_r3_routes_work_unchanged_with_an_fp8_cache(tiny_model_dir, tmp_path):
+    """An embedded engine with an FP8 cache and R3 on: its samples, log-probs and routes after a weight update equal
+    those of an engine started from the new weights (the cache is rewritten by every prefill), and differ from
+    the ones before the update."""
+    from safetensors.torch import save_file
+
+    from megatron_qarl.qat.export import iter_safetensors
+    from megatron_qarl.serve.engine import Engine, EngineConfig
+
+    new = tmp_path / "new"
+    new.mkdir()
+    for f in Path(tiny_model_dir).iterdir():
+        if f.suffix != ".safetensors":
+            (new / f.name).symlink_to(f)
+    changed = {n: (t * 0.8 if ".experts." in n or "k_norm" in n else t) for n, t in iter_safetensors(tiny_model_dir)}
+    save_file(changed, str(new / "model.safetensors"))
+    cfg = dict(dtype="float32", max_batch_size=4, enable_return_routed_experts=True, kv_cache_dtype="fp8_e4m3")
+    engine = Engine(EngineConfig(model_path=tiny_model_dir, **cfg))
+    fresh = Engine(EngineConfig(model_path=str(new), **cfg))
+    prompts = [[2, 5, 6, 7, 8], [2, 9, 10], [2, 11, 12, 13, 14, 15, 16]]
+    try:
+        before = _run(engine, prompts)
+        engine.weights.update_tensors(changed, "v2")
+        after, want = _run(engine, prompts), _run(fresh, prompts)
+    finally:
+        engine.shutdown()
+        fresh.shutdown()
+    for (ids, logp, routes), (w_ids, w_logp, w_routes) in zip(after, want, strict=True):
+        assert ids == w_ids and logp == w_logp and torch.equal(routes, w_routes)
+        assert routes.shape[1:] == (4, 2)  # [positions, layers, top-k]
+    assert [a[1] for a in after] != [b[1] for b in before]

@@ -146,7 +146,8 @@ COMMAND_CASES = [pytest.param(p, [], id=p.stem) for p in QWEN3_CONFIGS] + \
     [pytest.param(p, CPU_AS_SGLANG.get(p.stem, AS_SGLANG), id=p.stem) for p in CPU_CONFIGS] + \
     [pytest.param(REPO / "configs" / "cpu_w8a8_int8.yaml",
                   ["rollout.backend=sglang", "rollout.gpus_per_server=2", "rollout.ep_size=2", "rollout.api_key=k3y",
-                   "rollout.mem_fraction_static=0.55", "rollout.max_batch_size=7", "seed=99"], id="tp2_ep2_api_key")] + \
+                   "rollout.mem_fraction_static=0.55", "rollout.max_batch_size=7", "seed=99"],
+                  id="tp2_ep2_api_key")] + \
     [pytest.param(REPO / "configs" / "cpu_default.yaml", [*AS_SGLANG, "rollout.kv_cache_dtype=fp8_e4m3"],
                   id="fp8_e4m3_kv"),
      pytest.param(QWEN3_CONFIGS[0], ["rollout.kv_cache_dtype=fp8_e5m2"], id="fp8_e5m2_kv_30b")]

@@ -15,7 +15,6 @@ and every ratio and mismatch compares like with like.
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import math
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from megatron_qarl.moe.model import Qwen3MoeArch, build_model, causal_mask, expe
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
 from megatron_qarl.moe.te import check_te_fp8, resolve_impl
 from megatron_qarl.qat.config import QuantConfig
-from megatron_qarl.qat.kv_cache import KVCacheSpec, KVFakeQuant
+from megatron_qarl.qat.kv_cache import KVCacheSpec, KVFakeQuant, kv_unaware
 from megatron_qarl.qat.modules import apply_fake_quant
 
 
@@ -233,24 +232,8 @@ class Learner:
         ``temperature``: instead of the learner's (1.0: the unscaled ones, train/pipeline.py's mismatch split).
         ``kv_cache`` False: the attention on its own keys and values, not the servers' FP8 cache's (the KV part of
         the mismatch split)."""
-        with contextlib.nullcontext() if kv_cache else self._kv_unaware():
+        with contextlib.nullcontext() if kv_cache else kv_unaware(self.kv_fake_quant, self.exact):
             return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature)[0]
-
-    @contextlib.contextmanager
-    def _kv_unaware(self):
-        """The learner as if built without the servers' FP8 KV cache (``kv_cache`` None), for the duration."""
-        hook, exact_kv = self.kv_fake_quant, self.exact.kv if self.exact is not None else None
-        if hook is not None:
-            hook.enabled = False
-        if self.exact is not None:
-            self.exact.kv = None
-        try:
-            yield
-        finally:
-            if hook is not None:
-                hook.enabled = True
-            if self.exact is not None:
-                self.exact.kv = exact_kv
 
     @torch.no_grad()
     def forward_routes(self, tokens_BS: torch.Tensor,
@@ -331,39 +314,40 @@ class Learner:
         metrics = {k: (sum(float(p[k]) for p in parts) if k in SUMMED_METRICS else
                        sum(float(p[k]) for p in parts) / len(parts)) for k in parts[0]}
         finalize_model_grads([self.model])
-        global_loss = self._dp_sum(loss)
+        global_loss = dp_sum(loss, self.dp_size)
         found_inf = self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())  # over every model-parallel rank and expert group
         finite = not found_inf and math.isfinite(grad_norm) and math.isfinite(global_loss)
         if finite:
-            self._clip(grad_norm)
+            clip_grads(self.optimizer, self.clip_grad, grad_norm)
             self.optimizer.step_with_ready_grads()
             weights_changed(self)
         metrics = dict(metrics)
         metrics.update(loss=global_loss, grad_norm=grad_norm, skipped=0.0 if finite else 1.0)
         return metrics
 
-    def _clip(self, grad_norm: float) -> None:
-        """Scale every gradient by clip_grad / grad_norm when below 1 (the global norm, dense + experts)."""
-        from megatron.core.optimizer import optimizer as mopt
+def clip_grads(optimizer, clip_grad: float, grad_norm: float) -> None:
+    """Scale every gradient by clip_grad / grad_norm when below 1 (the global norm, dense + experts; 0: off)."""
+    from megatron.core.optimizer import optimizer as mopt
 
-        if self.clip_grad <= 0:
-            return
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            params = opt.get_parameters()
-            if params:
-                mopt.clip_grad_by_total_norm_fp32(params, max_norm=self.clip_grad, total_norm=grad_norm)
+    if clip_grad <= 0:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if params:
+            mopt.clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=grad_norm)
 
-    def _dp_sum(self, value: torch.Tensor) -> float:
-        """Sum of the per-rank loss shares = the global loss."""
-        from megatron.core import parallel_state as ps
 
-        if self.dp_size == 1:
-            return float(value)
-        group = ps.get_data_parallel_group()
-        v = to_group_device(value.detach().clone().float().reshape(1), group)
-        all_reduce(v, group, name="loss")
-        return v.item()
+def dp_sum(value: torch.Tensor, dp_size: int) -> float:
+    """Sum over the data-parallel ranks of their loss shares = the global loss."""
+    from megatron.core import parallel_state as ps
+
+    if dp_size == 1:
+        return float(value)
+    group = ps.get_data_parallel_group()
+    v = to_group_device(value.detach().clone().float().reshape(1), group)
+    all_reduce(v, group, name="loss")
+    return v.item()
 
 
 class _Replay:

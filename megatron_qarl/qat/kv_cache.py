@@ -35,8 +35,9 @@ sequence). Under ``numerics: exact`` the same formula runs in C on both sides (n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -145,6 +146,24 @@ class KVFakeQuant:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+@contextlib.contextmanager
+def kv_unaware(hook: KVFakeQuant | None, exact) -> Iterator[None]:
+    """A learner's forwards, for the duration, as if built without the servers' FP8 cache: its core attention hook
+    off and its exact forward's (moe/exact.py ``ExactForward``, or None) ``kv`` None."""
+    kept = exact.kv if exact is not None else None
+    if hook is not None:
+        hook.enabled = False
+    if exact is not None:
+        exact.kv = None
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook.enabled = True
+        if exact is not None:
+            exact.kv = kept
 
 
 def run_spec(cfg: QarlConfig, layers: int) -> KVCacheSpec | None:

@@ -57,9 +57,25 @@ def kv_scales(raw: dict[str, Tensor], layers: int) -> list[tuple[float, float]]:
     return [(1.0, 1.0)] * layers
 
 
+def to_cache(x: Tensor, kv_dtype: str, scale: float, act: torch.dtype) -> Tensor:
+    """What the cache stores of keys or values: ``x`` itself, or its FP8 codes (qat/kv_cache.py) as bytes."""
+    return kv_store(x, scale, FP8[kv_dtype], act).view(torch.uint8) if kv_dtype in FP8 else x
+
+
+def from_cache(held: Tensor, kv_dtype: str, scale: float, act: torch.dtype) -> Tensor:
+    """What the attention reads of cached keys or values: as held, or the FP8 codes times the scale."""
+    return kv_load(held.view(FP8[kv_dtype]), scale, act) if kv_dtype in FP8 else held
+
+
+def cache_bytes_per_token(model: Qwen3MoeEngineModel) -> int:
+    """Bytes an engine's cache holds per token (every layer's keys and values)."""
+    return model.k_cache[:, 0, :, 0].numel() * 2 * model.k_cache.element_size()
+
+
 def kv_slots(arch: Qwen3MoeArch, slots: int, length: int, cache_bytes: int, mib: float | None) -> int:
-    """The KV slots: ``slots`` (--max-batch-size), at most what ``mib`` holds of sequences of ``length`` tokens at
-    2 x layers x KV heads x head_dim x ``cache_bytes`` bytes per token (None: no memory bound)."""
+    """The KV slots: ``slots`` (--max-batch-size), at most what ``mib`` (--kv-cache-mib) holds of sequences of
+    ``length`` tokens at 2 x layers x KV heads x head_dim x ``cache_bytes`` bytes per token (None: no memory bound):
+    twice as many with an FP8 cache as with a bf16 one."""
     if mib is None:
         return slots
     per_seq = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * cache_bytes * length
@@ -111,9 +127,7 @@ class Qwen3MoeEngineModel:
                  kv_cache_dtype: str = "auto"):
         """``numerics`` "exact": every forward runs serve/exact_forward.py (numerics/ kernels, a float32 KV
         cache holding values rounded to ``dtype``), bit for bit what the learner's exact forward computes.
-        ``kv_cache_dtype`` (SGLang's --kv-cache-dtype): ``auto`` a cache in ``dtype``; ``fp8_e4m3`` / ``fp8_e5m2``
-        one byte per element, written and read as SGLang does (qat/kv_cache.py; scales ``kv_scales``); under exact
-        numerics the float32 cache holds the values read back."""
+        ``kv_cache_dtype``: SGLang's --kv-cache-dtype (``to_cache``; exact: a float32 cache of the values read back)."""
         if arch.attention_bias:
             raise ConfigError("config.json: attention_bias=true is not supported by the embedded engine")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -122,8 +136,7 @@ class Qwen3MoeEngineModel:
         self.scheme, group = scheme_of(quant_cfg) if quant_cfg else ("bf16", None)
         fp8_block = group if self.scheme == "w8a8_fp8" else None
         raw = dict(tensors)
-        self.kv_dtype = kv_cache_dtype
-        self.kv_scales = kv_scales(raw, arch.num_hidden_layers)
+        self.kv_dtype, self.kv_scales = kv_cache_dtype, kv_scales(raw, arch.num_hidden_layers)
         self.store: dict[str, Tensor] = {}
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             if name not in raw:
@@ -161,20 +174,12 @@ class Qwen3MoeEngineModel:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype, slots: int, max_seq_len: int | None,
                        numerics: str = "default", kv_cache_dtype: str = "auto", kv_cache_mib: float | None = None):
-        """``kv_cache_mib``: the KV cache's memory; the slots are then at most what it holds at full length
-        (``kv_slots``: twice as many with an FP8 cache as with a bf16 one)."""
         arch = Qwen3MoeArch.from_model_dir(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         length = min(max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
         cache_bytes = 4 if numerics == "exact" else kv_bytes_per_element(kv_cache_dtype, dtype.itemsize)
-        slots = kv_slots(arch, slots, length, cache_bytes, kv_cache_mib)
-        return cls(arch, dict(iter_safetensors(model_dir)), config.get("quantization_config"), dtype, slots, length,
-                   numerics, kv_cache_dtype)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes the cache holds per token (every layer's keys and values)."""
-        return self.k_cache[:, 0, :, 0].numel() * 2 * self.k_cache.element_size()
+        return cls(arch, dict(iter_safetensors(model_dir)), config.get("quantization_config"), dtype,
+                   kv_slots(arch, slots, length, cache_bytes, kv_cache_mib), length, numerics, kv_cache_dtype)
 
     # -------------------------------------------------------------------------------- weight updates
     def update_tensors(self, tensors: dict[str, Tensor]) -> None:
@@ -249,7 +254,8 @@ class Qwen3MoeEngineModel:
         q_BHTD, k_BHTD = qk_BHTD[:, :hq], qk_BHTD[:, hq:]
         v_BHTD = qkv[:, (hq + hkv) * d :].view(b, t, hkv, d).transpose(1, 2)
         kc, vc = self.k_cache[layer.index], self.v_cache[layer.index]  # [slots, Hkv, S, D]
-        k_BHTD, v_BHTD = self._to_cache(k_BHTD, layer.index, 0), self._to_cache(v_BHTD, layer.index, 1)
+        (ks, vs), kv, act = self.kv_scales[layer.index], self.kv_dtype, self.dtype
+        k_BHTD, v_BHTD = to_cache(k_BHTD, kv, ks, act), to_cache(v_BHTD, kv, vs, act)
         if b == 1 and (t == 1 or t == kv_len):
             # one sequence (batch-1 decode, or a prefill from position 0): the cache rows are a view
             # and need no mask (decode: every cached position is visible; prefill: plain causal)
@@ -264,23 +270,10 @@ class Qwen3MoeEngineModel:
             vc[bidx, :, pos_BT] = v_BHTD.transpose(1, 2)
             keys, values = kc[slots_B, :, :kv_len], vc[slots_B, :, :kv_len]  # [B, Hkv, L, D]
             mask = (torch.arange(kv_len)[None, None, :] <= pos_BT[:, :, None])[:, None]  # [B, 1, T, L]
-        # every key and value attended to is read from the cache, the new tokens' too (SGLang's paged attention,
-        # which its FlashInfer backend runs under deterministic inference: docs/quantization.md "The KV cache")
-        keys, values = self._from_cache(keys, layer.index, 0), self._from_cache(values, layer.index, 1)
+        # every key read comes from the cache, the new tokens' too (SGLang's paged attention: quantization.md)
+        keys, values = from_cache(keys, kv, ks, act), from_cache(values, kv, vs, act)
         o_BHTD = self._sdpa(q_BHTD, keys, values, mask)
         return layer.o(o_BHTD.transpose(1, 2).reshape(b * t, -1)).view(b, t, -1)
-
-    def _to_cache(self, x: Tensor, layer: int, which: int) -> Tensor:
-        """What the cache stores of keys (``which`` 0) or values (1): ``x`` itself, or its FP8 codes as bytes."""
-        if self.kv_dtype not in FP8:
-            return x
-        return kv_store(x, self.kv_scales[layer][which], FP8[self.kv_dtype], self.dtype).view(torch.uint8)
-
-    def _from_cache(self, held: Tensor, layer: int, which: int) -> Tensor:
-        """What the attention reads of cached keys or values: as held, or the FP8 codes times the scale."""
-        if self.kv_dtype not in FP8:
-            return held
-        return kv_load(held.view(FP8[self.kv_dtype]), self.kv_scales[layer][which], self.dtype)
 
     def _sdpa(self, q_BHTD: Tensor, k_BGLD: Tensor, v_BGLD: Tensor, mask_B1TL: Tensor | None) -> Tensor:
         """Attention with grouped KV heads (query head h reads KV head h // rep, as HF's ``repeat_kv``).
