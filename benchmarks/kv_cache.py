@@ -18,9 +18,10 @@ Megatron learner (TP 1, float32 master weights, aligned), scoring the sampled se
 
 for e4m3 and e5m2, with the servers in bfloat16 (the main job's servers: the rest of their arithmetic differs from
 the float32 learner's too) and in float32 (that difference gone: what is left is the KV cache's part). Decode: the
-engine's forward at batch ``--rows`` over ``--new`` steps after the prefill (the context growing to 520 tokens),
-tokens/s = rows x steps / seconds (best of two), bf16 servers; the KV bytes per token are the engine's cache's
-(serve/model.py ``cache_bytes_per_token``) and Qwen3-30B-A3B's at one GPU (plan/memory.py ``kv_bytes_per_token``).
+engine model's forward alone at batch ``--rows`` over ``--new`` steps after an 8-token prefill (the context growing
+to 520 tokens), tokens/s = rows x steps / seconds, the best of ``--repeats`` interleaved runs, bf16 servers; the KV
+bytes per token are the engine's cache's (serve/model.py ``cache_bytes_per_token``) and Qwen3-30B-A3B's at one GPU
+(plan/memory.py ``kv_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def long_context_copy(out: Path, positions: int = 1024) -> str:
 
 
 def sample_rollouts(model_dir: str, dtype: torch.dtype, kv: str, rows: int, new: int,
-                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(tokens [rows, 8 + new], the sampler's log-probs of the new tokens [rows, new], decode tokens/s): the
-    engine's prefill of 8 random prompt tokens, then ``new`` batched decode steps, each row sampled from its own
-    seeded generator as a server samples a request."""
+                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [rows, 8 + new], the sampler's log-probs of the new tokens [rows, new]): the engine's prefill of 8
+    random prompt tokens, then ``new`` batched decode steps, each row sampled from its own seeded generator as a
+    server samples a request."""
     from megatron_qarl.serve.model import Qwen3MoeEngineModel
     from megatron_qarl.serve.request import SamplingParams
     from megatron_qarl.serve.sampling import sample
@@ -69,14 +70,13 @@ def sample_rollouts(model_dir: str, dtype: torch.dtype, kv: str, rows: int, new:
     logp = torch.zeros(rows, new)
     slots = torch.arange(rows)
     logits = model.forward(tokens[:, :8], slots, torch.arange(8)[None].expand(rows, 8))
-    start = time.perf_counter()
     for t in range(new):
         for r in range(rows):
             tok, lp = sample(logits[r], params, gens[r], False)
             tokens[r, 8 + t], logp[r, t] = tok, lp
         if t + 1 < new:
             logits = model.forward(tokens[:, 8 + t : 9 + t], slots, torch.full((rows, 1), 8 + t))
-    return tokens, logp, rows * (new - 1) / (time.perf_counter() - start)
+    return tokens, logp
 
 
 def _learner_logprobs(model_dir: str, kv: str | None, act: torch.dtype, tokens: torch.Tensor) -> torch.Tensor:
@@ -110,15 +110,15 @@ def buckets(d: torch.Tensor) -> list[float]:
     return [float(d[:, a:b].abs().mean()) for a, b in BUCKETS if a < d.shape[1]]
 
 
-def measure(model_dir: str, served: str, rows: int, new: int) -> dict:
+def measure(model_dir: str, served: str, rows: int, new: int, repeats: int) -> dict:
     """Every arm's per-bucket mismatch, both server dtypes; decode tokens/s and KV bytes per token."""
     out: dict = {"mismatch": {}, "decode": {}}
     for act in (torch.bfloat16, torch.float32):
         name = str(act).removeprefix("torch.")
-        tokens, logp, _ = sample_rollouts(served, act, "auto", rows, new)
+        tokens, logp = sample_rollouts(served, act, "auto", rows, new)
         out["mismatch"][(name, "a", "auto")] = buckets(learner_logprobs(model_dir, None, act, tokens) - logp)
         for kv in FORMATS:
-            tokens, logp, _ = sample_rollouts(served, act, kv, rows, new)
+            tokens, logp = sample_rollouts(served, act, kv, rows, new)
             out["mismatch"][(name, "b", kv)] = buckets(learner_logprobs(model_dir, None, act, tokens) - logp)
             out["mismatch"][(name, "c", kv)] = buckets(learner_logprobs(model_dir, kv, act, tokens) - logp)
     from megatron_qarl.moe.model import Qwen3MoeArch
@@ -126,12 +126,29 @@ def measure(model_dir: str, served: str, rows: int, new: int) -> dict:
     from megatron_qarl.serve.model import Qwen3MoeEngineModel, cache_bytes_per_token
 
     big = Qwen3MoeArch.from_model_dir(REPO / "configs" / "models" / "qwen3-30b-a3b")
-    for kv in ("auto", *FORMATS):
-        speed = max(sample_rollouts(served, torch.bfloat16, kv, rows, new, seed=1)[2] for _ in range(2))
+    speeds: dict[str, list[float]] = {kv: [] for kv in ("auto", *FORMATS)}
+    for _ in range(repeats):  # interleaved: a load change on the shared machine hits every cache alike
+        for kv in speeds:
+            speeds[kv].append(decode_tokens_per_s(served, kv, rows, new))
+    for kv in speeds:
         m = Qwen3MoeEngineModel.from_model_dir(served, torch.bfloat16, 1, 8, kv_cache_dtype=kv)
-        out["decode"][kv] = {"tokens_per_s": speed, "bytes_per_token": cache_bytes_per_token(m),
+        out["decode"][kv] = {"tokens_per_s": max(speeds[kv]), "bytes_per_token": cache_bytes_per_token(m),
                              "qwen3_30b_bytes_per_token": kv_bytes_per_token(big, 1, 2 if kv == "auto" else 1)}
     return out
+
+
+def decode_tokens_per_s(served: str, kv: str, rows: int, new: int) -> float:
+    """The engine model's decode alone (no sampling): ``rows`` sequences from an 8-token prefill through ``new``
+    steps, bf16; tokens/s = rows x new / seconds."""
+    from megatron_qarl.serve.model import Qwen3MoeEngineModel
+
+    model = Qwen3MoeEngineModel.from_model_dir(served, torch.bfloat16, rows, 8 + new, kv_cache_dtype=kv)
+    tokens, slots = torch.randint(3, 32, (rows, 8), generator=torch.Generator().manual_seed(1)), torch.arange(rows)
+    model.forward(tokens, slots, torch.arange(8)[None].expand(rows, 8))
+    start = time.perf_counter()
+    for t in range(8, 8 + new):
+        model.forward(tokens[:, :1], slots, torch.full((rows, 1), t))
+    return rows * new / (time.perf_counter() - start)
 
 
 def render(res: dict, rows: int, new: int) -> str:
@@ -142,7 +159,7 @@ def render(res: dict, rows: int, new: int) -> str:
              "float32 aligned learner (TP 1).\n",
              "Mean per-token |logp_learner - logp_sampler| by response position:\n",
              f"| servers | arm | KV cache | {' | '.join(heads)} | all |", "|---|---|---|" + "---|" * (len(heads) + 1)]
-    names = {"a": "(a) bf16 KV" , "b": "(b) FP8 KV, learner unaware", "c": "(c) FP8 KV, learner aligned"}
+    names = {"a": "(a) bf16 KV", "b": "(b) FP8 KV, learner unaware", "c": "(c) FP8 KV, learner aligned"}
     for (act, arm, kv), vals in res["mismatch"].items():
         overall = sum(v * (min(b, new) - a) for v, (a, b) in zip(vals, BUCKETS, strict=False)) / new
         lines.append(f"| {act} | {names[arm]} | {kv} | {' | '.join(f'{v:.2e}' for v in vals)} | {overall:.2e} |")
@@ -161,6 +178,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--new", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from megatron_qarl.qat.config import QuantConfig
@@ -172,7 +190,7 @@ def main() -> None:
         served = tmp / "w4a16"
         q = QuantConfig(scheme="w4a16")
         quantize_checkpoint(model_dir, q.scheme, served, group_size=q.group_size, symmetric=q.symmetric)
-        text = render(measure(model_dir, str(served), args.rows, args.new), args.rows, args.new)
+        text = render(measure(model_dir, str(served), args.rows, args.new, args.repeats), args.rows, args.new)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(text)
