@@ -16,7 +16,7 @@ from megatron_qarl.config import OptimConfig, ParallelConfig
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import init_parallel, run_ranks
 from megatron_qarl.numerics import native, ops
-from megatron_qarl.qat.kv_cache import FP8, KVCacheSpec, kv_load, kv_round_trip, kv_store
+from megatron_qarl.qat.kv_cache import FP8, KVCacheSpec, kv_load, kv_load_table, kv_round_trip, kv_store
 from megatron_qarl.serve.model import Qwen3MoeEngineModel, cache_bytes_per_token, from_cache
 
 FORMATS = ["fp8_e4m3", "fp8_e5m2"]
@@ -59,6 +59,11 @@ def test_the_round_trip_is_sglangs_cast_and_exact_c_computes_it_on_every_bf16_va
     assert torch.equal(kv_store(x, 3.0, e4, torch.bfloat16), (x.float() / 3.0).to(torch.bfloat16).to(e4))
     assert torch.equal(kv_load(kv_store(x, 3.0, e4, torch.bfloat16), 3.0, torch.bfloat16),
                        (kv_store(x, 3.0, e4, torch.bfloat16).float() * 3.0).to(torch.bfloat16))
+    every_code = torch.arange(256, dtype=torch.int32).to(torch.uint8)  # the engine's lookup is kv_load, bit for bit
+    for name in FORMATS:
+        for act in (torch.bfloat16, torch.float32):
+            table, want = kv_load_table(FP8[name], 0.37, act), kv_load(every_code.view(FP8[name]), 0.37, act)
+            assert torch.equal(_bits(table[every_code.long()]), _bits(want))
     every_bf16 = torch.arange(0, 65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     for name in FORMATS:
         for act in (torch.bfloat16, torch.float32):
@@ -199,7 +204,7 @@ def test_megatrons_core_attention_takes_the_engines_keys_and_values_at_tp1_and_t
                 assert t.shape[1:] == (b, hkv // tp, d)  # Megatron's [S, B, local KV heads, D]
                 mine = t[:s].permute(1, 2, 0, 3)
                 cache = from_cache((engine.k_cache if which == 0 else engine.v_cache)[layer, :, heads, :s],
-                                   "fp8_e4m3", 1.0, torch.float32)
+                                   engine.kv_tables[layer][which])
                 off = mine != cache
                 assert int(off.sum()) <= mine.numel() // 1000, f"TP{tp} layer {layer}: {int(off.sum())} differ"
                 step = cache.abs().clamp_min(2.0**-6) / 8  # an e4m3 step at that magnitude

@@ -29,7 +29,7 @@ from torch import Tensor
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.export import iter_safetensors, scheme_of
-from megatron_qarl.qat.kv_cache import FP8, KV_CACHE_DTYPES, SCALE_NAMES, kv_load, kv_store
+from megatron_qarl.qat.kv_cache import FP8, KV_CACHE_DTYPES, SCALE_NAMES, kv_load_table, kv_store
 from megatron_qarl.qat.kv_cache import bytes_per_element as kv_bytes_per_element
 from megatron_qarl.serve.kernels.linear import DenseLinear, Linear, Store, make_linear
 from megatron_qarl.sync import delta
@@ -62,9 +62,21 @@ def to_cache(x: Tensor, kv_dtype: str, scale: float, act: torch.dtype) -> Tensor
     return kv_store(x, scale, FP8[kv_dtype], act).view(torch.uint8) if kv_dtype in FP8 else x
 
 
-def from_cache(held: Tensor, kv_dtype: str, scale: float, act: torch.dtype) -> Tensor:
-    """What the attention reads of cached keys or values: as held, or the FP8 codes times the scale."""
-    return kv_load(held.view(FP8[kv_dtype]), scale, act) if kv_dtype in FP8 else held
+def kv_tables(scales: list[tuple[float, float]], kv_dtype: str,
+              act: torch.dtype) -> list[tuple[Tensor | None, Tensor | None]]:
+    """Each layer's (keys', values') ``kv_load_table`` of an FP8 cache ((None, None) for auto); ConfigError naming
+    --kv-cache-dtype for another name."""
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype: {kv_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_dtype not in FP8:
+        return [(None, None)] * len(scales)
+    return [(kv_load_table(FP8[kv_dtype], ks, act), kv_load_table(FP8[kv_dtype], vs, act)) for ks, vs in scales]
+
+
+def from_cache(held: Tensor, table: Tensor | None) -> Tensor:
+    """What the attention reads of cached keys or values: as held, or the FP8 codes times the scale (``kv_load``,
+    looked up in its table of the 256 codes: qat/kv_cache.py ``kv_load_table``)."""
+    return held if table is None else table[held.long()]
 
 
 def cache_bytes_per_token(model: Qwen3MoeEngineModel) -> int:
@@ -130,13 +142,12 @@ class Qwen3MoeEngineModel:
         ``kv_cache_dtype``: SGLang's --kv-cache-dtype (``to_cache``; exact: a float32 cache of the values read back)."""
         if arch.attention_bias:
             raise ConfigError("config.json: attention_bias=true is not supported by the embedded engine")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype: {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         self.arch, self.dtype = arch, dtype
         self.scheme, group = scheme_of(quant_cfg) if quant_cfg else ("bf16", None)
         fp8_block = group if self.scheme == "w8a8_fp8" else None
         raw = dict(tensors)
         self.kv_dtype, self.kv_scales = kv_cache_dtype, kv_scales(raw, arch.num_hidden_layers)
+        self.kv_tables = kv_tables(self.kv_scales, kv_cache_dtype, dtype)
         self.store: dict[str, Tensor] = {}
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             if name not in raw:
@@ -271,7 +282,8 @@ class Qwen3MoeEngineModel:
             keys, values = kc[slots_B, :, :kv_len], vc[slots_B, :, :kv_len]  # [B, Hkv, L, D]
             mask = (torch.arange(kv_len)[None, None, :] <= pos_BT[:, :, None])[:, None]  # [B, 1, T, L]
         # every key read comes from the cache, the new tokens' too (SGLang's paged attention: quantization.md)
-        keys, values = from_cache(keys, kv, ks, act), from_cache(values, kv, vs, act)
+        kt, vt = self.kv_tables[layer.index]
+        keys, values = from_cache(keys, kt), from_cache(values, vt)
         o_BHTD = self._sdpa(q_BHTD, keys, values, mask)
         return layer.o(o_BHTD.transpose(1, 2).reshape(b * t, -1)).view(b, t, -1)
 
