@@ -210,7 +210,7 @@ class RolloutConfig(_Section):
         ``vllm`` (``python -m vllm.entrypoints.launchers.api_server.entry``: vLLM 0.32 on CPUs or GPUs, in its own
         environment, rollout/vllm_launcher.py; docs/rollout.md "vLLM").
     servers: how many; gpus_per_server is SGLang's --tp-size, vLLM's --tensor-parallel-size (0 on CPU).
-    kv_cache_dtype: the servers' KV cache (SGLang's and vLLM's ``--kv-cache-dtype``, the embedded server's too):
+    kv_cache_dtype: the servers' KV cache (SGLang's ``--kv-cache-dtype``, the embedded server's too; refused with vLLM):
         ``auto`` the compute dtype; ``fp8_e4m3`` / ``fp8_e5m2`` one byte per element, each key and value divided by
         its layer's scale and cast on write, times the scale on read (qat/kv_cache.py). With learner.aligned the
         learner's attention computes on the same rounded keys and values (docs/quantization.md "The KV cache").

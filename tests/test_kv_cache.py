@@ -268,3 +268,29 @@ def test_a_weight_update_and_r3_routes_work_unchanged_with_an_fp8_cache(tiny_mod
         assert ids == w_ids and logp == w_logp and torch.equal(routes, w_routes)
         assert routes.shape[1:] == (4, 2)  # [positions, layers, top-k]
     assert [a[1] for a in after] != [b[1] for b in before]
+
+
+# ------------------------------------------------------------------------------------------- the run key
+def test_the_run_key_loads_with_sglang_and_the_embedded_server_and_is_refused_naming_the_keys_elsewhere():
+    """rollout.kv_cache_dtype: SGLang and the embedded server take it (the learner aligned or not); vLLM's FP8 cache
+    rounds otherwise (measured: docs/rollout.md) and an exact learner must read the servers' keys: refused at load,
+    the message starting with the key at fault."""
+    from megatron_qarl.errors import ConfigError
+    from megatron_qarl.preflight.rules import load_config
+
+    base = Path(__file__).resolve().parents[1] / "configs" / "cpu_default.yaml"
+    for kv in FORMATS:
+        assert load_config(base, [f"rollout.kv_cache_dtype={kv}"]).rollout.kv_cache_dtype == kv
+        load_config(base, [f"rollout.kv_cache_dtype={kv}", "learner.aligned=false"])
+        load_config(base, [f"rollout.kv_cache_dtype={kv}", "rollout.backend=sglang", "rollout.gpus_per_server=1"])
+        load_config(base, [f"rollout.kv_cache_dtype={kv}", "numerics=exact", "launch.backend=local"])
+        with pytest.raises(ConfigError, match=rf"^rollout\.kv_cache_dtype: {kv} with rollout\.backend=vllm: .*worse|"
+                                              rf"^rollout\.kv_cache_dtype: {kv} with rollout\.backend=vllm: .*exceeds"):
+            load_config(base, [f"rollout.kv_cache_dtype={kv}", "rollout.backend=vllm"])
+        with pytest.raises(ConfigError, match=r"^learner\.aligned: false with rollout\.kv_cache_dtype=fp8_e\dm\d and "
+                                              r"numerics=exact"):
+            load_config(base, [f"rollout.kv_cache_dtype={kv}", "numerics=exact", "launch.backend=local",
+                               "learner.aligned=false", "quant.scheme=bf16"])
+    with pytest.raises(ConfigError, match=r"^rollout\.kv_cache_dtype: .*fp8_e4m3"):
+        load_config(base, ["rollout.kv_cache_dtype=fp16"])
+    assert load_config(base, ["rollout.backend=vllm"]).rollout.kv_cache_dtype == "auto"

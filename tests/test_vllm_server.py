@@ -185,26 +185,23 @@ def test_with_an_api_key_every_route_but_health_asks_for_it(vllm_server):
 
 
 def _quantized_servers(runs: list[tuple], root) -> dict[str, LocalServers]:
-    """One vLLM server per quantized scheme (AMX CPUs only: elsewhere ``unrunnable_here`` left them out) and per FP8
-    KV cache among ``runs`` (``cs.server_key``; bf16 with the auto cache is the module's server), started as a run
-    of that scheme would start its own (the combination runs' base config and overrides, serving the run's export,
-    ``rollout_model_dir``), all spawned before any is waited for."""
+    """One vLLM server per quantized scheme among ``runs`` (AMX CPUs only: elsewhere ``unrunnable_here`` left them
+    out), started as a run of that scheme would start its own (the combination runs' base config and overrides,
+    serving the run's export, ``rollout_model_dir``), all spawned before any is waited for."""
     import combination_space as cs
     from combination_runs import BASE_YAML, SMALL
 
     from megatron_qarl.train.cli import rollout_model_dir
 
-    keys = [k for k in cs.shared_server_keys(runs, ("local", "ray")) if k != ("bf16", "default", "auto")]
+    schemes = sorted({dict(zip(cs.KEYS, c, strict=True))["quant.scheme"] for c in runs} - {"bf16"})
     servers: dict[str, LocalServers] = {}
     try:
-        for scheme, numerics, kv in keys:
-            key = cs.server_key(scheme, numerics, kv)
+        for scheme in schemes:
             cfg = load_config(str(BASE_YAML), [
                 *SMALL, f"quant.scheme={scheme}", "rollout.backend=vllm", f"rollout.server_python={VLLM_PYTHON}",
-                f"rollout.api_key={KEY}", f"train.output_dir={root / key.replace('/', '_')}",
-                "rollout.startup_timeout_s=900", "launch.backend=local", f"rollout.kv_cache_dtype={kv}",
-                *(["rollout.dtype=float32"] if scheme == "bf16" else [])])
-            servers[key] = LocalServers(cfg, rollout_model_dir(cfg), wait=False)
+                f"rollout.api_key={KEY}", f"train.output_dir={root / scheme}", "rollout.startup_timeout_s=900",
+                "launch.backend=local"])
+            servers[scheme] = LocalServers(cfg, rollout_model_dir(cfg), wait=False)
         for s in servers.values():
             s.wait_ready()
     except BaseException:
@@ -233,9 +230,9 @@ def test_every_accepted_vllm_combination_runs_two_correct_steps(vllm_server, tmp
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         shared = {"bf16": vllm_server[1].urls}
-        for key, servers in _quantized_servers(runs, tmp_path / "quantized_servers").items():
+        for scheme, servers in _quantized_servers(runs, tmp_path / "quantized_servers").items():
             stack.callback(servers.close)
-            shared[key] = servers.urls
+            shared[scheme] = servers.urls
         print(f"\nshared vLLM servers: {shared}")
         results = run_groups(runs, shared, tmp_path, ray_shared=True, extra=(f"rollout.api_key={KEY}",))
     print(f"\n{len(runs)} vLLM runs of 2 steps in {time.perf_counter() - t0:.0f} s; pairs left to other machines: "

@@ -40,7 +40,7 @@ def parse(argv: list[str]) -> dict:
             "max_num_seqs": ea.max_num_seqs, "seed": ea.seed, "enforce_eager": ea.enforce_eager,
             "logprobs_mode": ea.logprobs_mode, "tensor_parallel_size": ea.tensor_parallel_size,
             "worker_extension_cls": ea.worker_extension_cls, "middleware": args.middleware,
-            "weight_transfer_backend": getattr(wt, "backend", None), "kv_cache_dtype": ea.kv_cache_dtype}
+            "weight_transfer_backend": getattr(wt, "backend", None)}
 
 
 def config(argv: list[str]) -> dict:
@@ -50,7 +50,7 @@ def config(argv: list[str]) -> dict:
     return {"quantization": mc.quantization, "dtype": str(mc.dtype), "max_model_len": mc.max_model_len,
             "logprobs_mode": mc.logprobs_mode, "quant_config": type(vc.quant_config).__name__ if vc.quant_config
             else None, "weight_transfer_backend": vc.weight_transfer_config.backend
-            if vc.weight_transfer_config else None, "cache_dtype": vc.cache_config.cache_dtype}
+            if vc.weight_transfer_config else None}
 
 
 def extension(qualname: str) -> dict:

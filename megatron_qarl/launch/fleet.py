@@ -136,8 +136,7 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
     *prefix, python = server_interpreter(cfg)
     if r.backend == "vllm":
         spec = VLLMServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, dtype=r.dtype,
-                              max_num_seqs=r.max_batch_size, seed=cfg.seed, api_key=r.api_key,
-                              kv_cache_dtype=r.kv_cache_dtype)
+                              max_num_seqs=r.max_batch_size, seed=cfg.seed, api_key=r.api_key)
         return [*prefix, *vllm_command(spec, python=python)]
     if r.backend == "embedded":
         return [*prefix, *embedded_command(model_dir, port, host=host, dtype=r.dtype, max_batch_size=r.max_batch_size,

@@ -160,13 +160,13 @@ def check_kv_cache(cfg: QarlConfig) -> None:
     and what the learner can reproduce."""
     r = cfg.rollout
     fp8 = r.kv_cache_dtype != "auto"
-    if fp8 and r.backend == "vllm" and r.gpus_per_server == 0:
-        d = _arch(cfg.model.path).head_dim
-        if d % 32:
-            raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} on CPU vLLM servers (rollout.backend=vllm, "
-                              f"rollout.gpus_per_server=0): vLLM 0.32's CPU attention stores FP8 keys and values for "
-                              f"head sizes divisible by 32 only (cpu_attn.py _get_attn_isa), and this model's head_dim "
-                              f"is {d}")
+    if fp8 and r.backend == "vllm":
+        raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} with rollout.backend=vllm: vLLM 0.32 takes "
+                          "--kv-cache-dtype (its CPU attention lists fp8_e4m3 / fp8_e5m2 on AVX-512 or AMX CPUs), but "
+                          "its cache's rounding is compiled code that is not SGLang's, which the learner reproduces: "
+                          "measured on the tiny model with a float32 vLLM server, the aligned learner's per-token "
+                          "mismatch (0.076 e4m3, 0.156 e5m2) exceeds an unaware learner's (0.049, 0.127; "
+                          "docs/rollout.md, 'vLLM as a rollout backend'); use auto with vLLM")
     if fp8 and cfg.numerics == "exact" and not cfg.learner.aligned:
         raise ConfigError(f"learner.aligned: false with rollout.kv_cache_dtype={r.kv_cache_dtype} and numerics=exact: "
                           "the learner's attention would read other keys and values than the servers' FP8 cache; "

@@ -24,13 +24,6 @@ Flags (judged by vLLM's own argument parser in tests/test_vllm_contract.py):
 - ``--seed``: the server's default seed; every request carries its own ``seed`` (rollout/vllm_client.py).
 - ``--max-num-seqs`` = rollout.max_batch_size; ``--tensor-parallel-size`` = rollout.gpus_per_server on GPUs.
 - ``--enforce-eager`` on CPU: no torch.compile (start-up about 40 s instead of 100-150 s on the tiny model).
-- ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` (rollout.kv_cache_dtype): vLLM 0.32's CPU attention backend lists
-  both (vllm/v1/attention/backends/cpu_attn.py ``supported_kv_cache_dtypes``) for x86 CPUs with AVX-512 or AMX and
-  head sizes divisible by 32 (``_get_attn_isa``: it raises NotImplementedError elsewhere; the head size is checked
-  at config load, preflight/rules.py ``check_kv_cache``); scales 1.0 (no scales file or checkpoint scales here).
-  Its cast and dequantization are compiled code (cpu_attn_reshape_and_cache, cpu_attention_with_kv_cache) this
-  project does not read: the learner follows SGLang's write and read (qat/kv_cache.py), and the vLLM runs measure
-  the difference (tests/test_vllm_server.py).
 
 What vLLM 0.32 loads (``check_vllm_checkpoint``; docs/rollout.md "vLLM"):
 - BF16: yes.
@@ -73,7 +66,6 @@ class VLLMServerSpec:
     seed: int | None = None
     api_key: str | None = None  # goes into the environment (``vllm_env``), never the argv; needed off loopback
     enforce_eager: bool | None = None  # None: on CPU only
-    kv_cache_dtype: str = "auto"  # --kv-cache-dtype (vLLM's own names: auto, fp8_e4m3, fp8_e5m2)
     extra_args: tuple[str, ...] = ()
 
 
@@ -97,8 +89,6 @@ def vllm_command(spec: VLLMServerSpec, python: str = sys.executable) -> list[str
         cmd += ["--enforce-eager"]
     if spec.seed is not None:
         cmd += ["--seed", str(spec.seed)]
-    if spec.kv_cache_dtype != "auto":
-        cmd += ["--kv-cache-dtype", spec.kv_cache_dtype]
     return cmd + list(spec.extra_args)
 
 
