@@ -7,7 +7,7 @@ SGLang 0.5.23 stores a token's key and value in the cache as (sglang/srt/mem_cac
     cache_k.div_(k_scale)            # in the server's compute dtype: float32(k) / float32(k_scale), rounded to it
     cache_k = cache_k.to(fp8)        # torch's cast, c10's fp8e4m3fn / fp8e5m2 _from_fp32_value: round to nearest
                                      # even; e4m3fn saturates a finite overflow to +-448 (NaN stays NaN), e5m2
-                                     # rounds past 57344 to +-inf
+                                     # rounds 61440 and beyond to +-inf
     k_buffer[loc] = cache_k.view(uint8)
 
 and its attention reads ``fp8 -> compute dtype`` times the scale (the kernels fold k_scale into the softmax scale
