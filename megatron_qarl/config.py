@@ -226,6 +226,12 @@ class RolloutConfig(_Section):
         ``vllm`` (``python -m vllm.entrypoints.launchers.api_server.entry``: vLLM 0.32 on CPUs or GPUs, in its own
         environment, rollout/vllm_launcher.py; docs/rollout.md "vLLM").
     servers: how many; gpus_per_server is SGLang's --tp-size, vLLM's --tensor-parallel-size (0 on CPU).
+    kv_cache_dtype: the servers' KV cache (SGLang's ``--kv-cache-dtype``, the embedded server's too; refused with vLLM):
+        ``auto`` the compute dtype; ``fp8_e4m3`` / ``fp8_e5m2`` one byte per element, each key and value divided by
+        its layer's scale and cast on write, times the scale on read (qat/kv_cache.py). With learner.aligned the
+        learner's attention computes on the same rounded keys and values (docs/quantization.md "The KV cache").
+        Its scales are 1.0: SGLang 0.5.23's Qwen3-MoE reads none (its attention has no KV-cache quant method, and it
+        has no load_kv_cache_scales for --quantization-param-path; qat/kv_cache.py).
 
     server_python, launch_prefix: the environment the servers run in. Every launcher (launch/local.py, the Ray
     fleet's server actors, and so slurm/qarl.sbatch) starts a server as
@@ -248,6 +254,7 @@ class RolloutConfig(_Section):
     ep_size: int = Field(default=1, ge=1)  # SGLang's --ep-size: experts over ep, each split over tp / ep
     dp_size: int = Field(default=1, ge=1)  # SGLang's --dp-size; must stay 1 (see _check_layout)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
     max_batch_size: int = Field(default=128, ge=1)  # concurrent sequences per server (SGLang: --max-running-requests)
     threads: int | None = Field(default=None, ge=1)  # torch threads of an embedded server (None: all cores)
     mem_fraction_static: float = Field(default=0.8, gt=0, le=1)  # SGLang only

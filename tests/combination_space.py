@@ -3,11 +3,11 @@ verdict from the one config loader (``preflight.rules.validate_run``): refused a
 and the reason) or accepted, and then it must run (tests/test_combinations.py, tests/test_vllm_server.py).
 
 The dimensions: rollout.backend x train.async x quant.scheme x algo.routing_replay (R3) x rollout.sync.delta x
-train.mismatch_split x algo.loss.mode x algo.loss.mismatch x model.te_fp8 x model.attention x the sampling
-(temperature, top_p, top_k) x launch.backend x numerics. Literal and bool fields take every value their type allows
-(``typing.get_args``), so a value added to the config's types joins the space, the refusal census and the pairwise
-run plans by itself; the sampling floats take their default and one other value (a temperature other than 1, a
-top_p below 1, a top_k on).
+train.mismatch_split x algo.loss.mode x algo.loss.mismatch x model.te_fp8 x model.experts x model.attention x the
+sampling (temperature, top_p, top_k) x launch.backend x numerics x rollout.kv_cache_dtype. Literal and bool fields
+take every value their type allows (``typing.get_args``), so a value added to the config's types joins the space,
+the refusal census and the pairwise run plans by itself; the sampling floats take their default and one other value
+(a temperature other than 1, a top_p below 1, a top_k on).
 
 Run plans are pairwise (``cover``): every pair of values that some accepted, runnable combination holds is held by
 at least one run. The full product is millions of combinations (``SIZE``); pairwise needs a few dozen runs per
@@ -103,6 +103,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
     _chosen("rollout.sampling.top_k", SamplingConfig, "top_k", 20),
     _typed("launch.backend", LaunchConfig, "backend"),
     _typed("numerics", QarlConfig, "numerics"),
+    _typed("rollout.kv_cache_dtype", RolloutConfig, "kv_cache_dtype"),
 )
 KEYS = tuple(d.key for d in DIMENSIONS)
 SIZE = int(np.prod([len(d.values) for d in DIMENSIONS]))
@@ -141,9 +142,18 @@ def _nested(base: dict, overrides: dict) -> dict:
     return out
 
 
-def server_key(scheme: str, numerics: str) -> str:
-    """The key of the test's shared servers for a run: its scheme, and /exact for ``numerics: exact`` servers."""
-    return scheme if numerics == "default" else f"{scheme}/{numerics}"
+def server_key(scheme: str, numerics: str = "default", kv_cache_dtype: str = "auto") -> str:
+    """The key of the test's shared servers for a run: its scheme, /exact for ``numerics: exact`` servers, /<kv>
+    for an FP8 KV cache."""
+    return "/".join([scheme, *([numerics] if numerics != "default" else []),
+                     *([kv_cache_dtype] if kv_cache_dtype != "auto" else [])])
+
+
+def shared_server_keys(runs: list[tuple], backends: tuple[str, ...] = ("local",)) -> list[tuple[str, str, str]]:
+    """(scheme, numerics, kv_cache_dtype) of the shared servers the runs of ``runs`` launched by ``backends`` use."""
+    rows = [dict(zip(KEYS, c, strict=True)) for c in runs]
+    return sorted({(d["quant.scheme"], d["numerics"], d["rollout.kv_cache_dtype"]) for d in rows
+                   if d["launch.backend"] in backends})
 
 
 def verdict(combo: tuple) -> str | None:

@@ -17,6 +17,8 @@ __wrapped__  # megatron_cpu.py: the functools convention (inspect.unwrap) for th
 tie_word_embeddings  # moe/model.py Qwen3MoeArch: read from config.json and refused when true (from_hf_config)
 prompt_text  # data/prompts.py PromptSample: the rendered prompt beside its ids (tests check the rendering)
 int8_plain  # serve/kernels/native.py Kernels: binding of the C library's plain loop, the SIMD GEMV's reference in tests
+kv_round  # numerics/native.py: binding of exact.c's qx_kv_round (the exact engine's attention block runs its row
+# function), checked against torch's cast on every bf16 value in tests/test_kv_cache.py
 selector  # serve/weight_receiver.py: a field of SGLang's weight-update request bodies, accepted so they validate
 torch_empty_cache  # serve/weight_receiver.py: a field of SGLang's UpdateWeightsFromDistributedReqInput
 allow_quant_error  # serve/weight_receiver.py: a field of SGLang's CheckWeightsReqInput

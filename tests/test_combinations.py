@@ -1,7 +1,8 @@
 """Every combination of a run's keys is refused at config load, naming the keys and the reason, or it runs
 (issue 29). The space (tests/combination_space.py) comes from the config's own types: backend x train.async x
 quant.scheme x R3 x delta sync x mismatch split x loss mode x mismatch correction x model.te_fp8 x model.experts x
-sampling (temperature, top_p, top_k) x model.attention x launch x numerics, 2,488,320 combinations.
+sampling (temperature, top_p, top_k) x model.attention x launch x numerics x rollout.kv_cache_dtype, 7,464,960
+combinations.
 
 - the census (issue 52: not the product, which grows with every key): for every pair of values an accepted holder
   searched through the one loader (``preflight.rules.validate_run``), and a random sample of the product; a refusal
@@ -44,6 +45,7 @@ def test_the_space_is_the_product_of_the_config_types():
     assert dims["numerics"] == ("default", "exact")
     assert dims["model.experts"] == ("auto", "sequential", "grouped")
     assert dims["model.attention"] == ("auto", "sdpa", "unfused")
+    assert dims["rollout.kv_cache_dtype"] == ("auto", "fp8_e4m3", "fp8_e5m2")
     assert cs.SIZE == 2_488_320
 
 
@@ -116,9 +118,14 @@ def test_the_pairwise_plans_hold_every_pair_that_can_run_here(census):
 
 # ---------------------------------------------------------------------------------------- embedded: 2 steps
 @pytest.fixture(scope="module")
-def scheme_servers(tmp_path_factory):
-    """One float32 embedded server per scheme and numerics, with routes on, shared by the local runs
-    (``cs.server_key`` -> URLs)."""
+def embedded_plan(census) -> list[tuple]:
+    return cs.plan("embedded", census, unrunnable_here)[0]
+
+
+@pytest.fixture(scope="module")
+def scheme_servers(embedded_plan, tmp_path_factory):
+    """One float32 embedded server per scheme, numerics and KV-cache dtype the plan's local runs use, with routes
+    on, shared by them (``cs.server_key`` -> URLs)."""
     from combination_runs import BASE_YAML, KEY
 
     from megatron_qarl.moe.parallelize import free_port
@@ -128,16 +135,15 @@ def scheme_servers(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("scheme_servers")
     procs = {}
-    for scheme in cs.DIMENSIONS[2].values:
+    for scheme, numerics, kv in cs.shared_server_keys(embedded_plan):
         cfg = load_config(BASE_YAML, [f"quant.scheme={scheme}", f"train.output_dir={root}"])
-        for numerics in ("default", "exact"):
-            port, key = free_port(), cs.server_key(scheme, numerics)
-            procs[key] = ServerProcess(
-                embedded_command(rollout_model_dir(cfg), port, dtype="float32", max_batch_size=16,
-                                 return_routed_experts=numerics == "default", numerics=numerics),
-                f"http://127.0.0.1:{port}", root / f"{key.replace('/', '_')}.log",
-                env={"OMP_NUM_THREADS": "1", "QARL_API_KEY": KEY}, startup_timeout_s=600, secret=KEY)
-            procs[key].spawn()
+        port, key = free_port(), cs.server_key(scheme, numerics, kv)
+        procs[key] = ServerProcess(
+            embedded_command(rollout_model_dir(cfg), port, dtype="float32", max_batch_size=16,
+                             return_routed_experts=numerics == "default", numerics=numerics, kv_cache_dtype=kv),
+            f"http://127.0.0.1:{port}", root / f"{key.replace('/', '_')}.log",
+            env={"OMP_NUM_THREADS": "1", "QARL_API_KEY": KEY}, startup_timeout_s=600, secret=KEY)
+        procs[key].spawn()
     try:
         for p in procs.values():
             p.wait_ready()
@@ -148,7 +154,7 @@ def scheme_servers(tmp_path_factory):
 
 
 @pytest.mark.e2e
-def test_every_accepted_embedded_combination_runs_two_correct_steps(census, scheme_servers, tmp_path):
+def test_every_accepted_embedded_combination_runs_two_correct_steps(embedded_plan, scheme_servers, tmp_path):
     """The pairwise plan of the accepted embedded combinations, two steps each against the float32 servers, every
     run's per-token agreement within combination_runs.within. W8A8 (issue 47): on an AMX / AVX-512 Xeon run06
     (w8a8_fp8, R3, delta sync, gspo, mis_seq) reached a fresh-rollout max of 0.0698. The cause is the learner's
@@ -160,7 +166,7 @@ def test_every_accepted_embedded_combination_runs_two_correct_steps(census, sche
     attention: tests/w8a8_flips.py finds the first flip of each sequence (a layer's qkv, o, gate_up or down input)
     and shows the codes explain every token; W8A8_FLIP is that model's measured bound (docs/numerics.md, "W8A8:
     activation-code flips")."""
-    runs, _ = cs.plan("embedded", census, unrunnable_here)
+    runs = embedded_plan
     t0 = time.perf_counter()
     results = run_groups(runs, scheme_servers, tmp_path)
     print(f"\n{len(runs)} embedded runs of 2 steps in {time.perf_counter() - t0:.0f} s")

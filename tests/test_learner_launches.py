@@ -171,7 +171,7 @@ def test_fake_quant_adds_no_host_sync_and_no_op_per_expert_weight(counts, scheme
 
 
 # what a train step still reads to the host, at any number of experts and layers: the global loss
-# (``Learner._dp_sum``'s float) and the grad norm (Megatron's get_grad_norm_fp32: ``total_norm.item()``, which
+# (``learner.rank.dp_sum``'s float) and the grad norm (Megatron's get_grad_norm_fp32: ``total_norm.item()``, which
 # clipping and the finite check need). A log-prob forward reads nothing at EP 1 (moe/dispatch.py: the tokens are
 # permuted by a sort, their counts per expert stay on the device as the grouped matmul's offsets).
 STEP_SYNCS = 2

@@ -281,6 +281,27 @@ def test_rollout_kv_cache_and_pool(big):
     assert not bf16.fits  # 56.9 GiB of BF16 weights leave no KV room in 70% of 80 GiB
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_kv_cache_holds_twice_the_tokens_of_the_same_pool(big, kv):
+    """rollout.kv_cache_dtype: one byte per element (SGLang's uint8 pool) instead of bf16's two; the 30B W4A16
+    layout's 46.93 GiB pool holds 512,551 bf16 tokens (55 full-length sequences), twice that in FP8."""
+    from megatron_qarl.plan.layouts import PlanOptions, config_plan
+    from megatron_qarl.preflight.rules import load_config
+
+    gpu = int(80 * GIB)
+    args = dict(gpu_bytes=gpu, mem_fraction_static=0.8, concurrent_seqs=16, seq_len=9216)
+    bf16 = rollout_memory(big, W4A16, ServerLayout(tp=1), **args)
+    fp8 = rollout_memory(big, W4A16, ServerLayout(tp=1), kv_cache_dtype=kv, **args)
+    assert fp8.kv_pool == bf16.kv_pool and fp8.kv_tokens == fp8.kv_pool // (kv_bytes_per_token(big, 1) // 2)
+    assert fp8.kv_needed * 2 == bf16.kv_needed
+    path = REPO / "configs" / "qwen3-30b-a3b" / "w4a16_tbpo_2x8.yaml"
+    plans = {d: config_plan(load_config(path, [f"rollout.kv_cache_dtype={d}"]), PlanOptions(), alternatives=False)
+             for d in ("auto", kv)}
+    assert (plans["auto"]["rollout"]["kv_tokens"], plans["auto"]["rollout"]["seqs_at_full_length"]) == (512551, 55)
+    assert (plans[kv]["rollout"]["kv_tokens"], plans[kv]["rollout"]["seqs_at_full_length"]) == (1025102, 111)
+    assert plans[kv]["rollout"]["kv_pool_gib"] == plans["auto"]["rollout"]["kv_pool_gib"] == 46.93
+
+
 def _run_plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="qarl")
     plan_cli.register(parser.add_subparsers(dest="command", required=True))

@@ -121,7 +121,10 @@ def expected_server_args(cfg, model_dir: str, host: str, port: int, scheme: str)
             # the rollout manager seeds every request, which SGLang honours in deterministic inference only
             "enable_deterministic_inference": True,
             # W4A16 MoE on Marlin (megatron_qarl/rollout/sglang_launcher.py says why); the others: SGLang's choice
-            "moe_runner_backend": "marlin" if scheme == "w4a16" else DEFAULT}
+            "moe_runner_backend": "marlin" if scheme == "w4a16" else DEFAULT,
+            # the KV cache's dtype; an FP8 one on FlashInfer (sglang_launcher.py says why), else SGLang's choice
+            "kv_cache_dtype": r.kv_cache_dtype,
+            "attention_backend": "flashinfer" if r.kv_cache_dtype != "auto" else DEFAULT}
 
 
 def serving_dir(cfg, out: Path) -> str:
@@ -143,7 +146,11 @@ COMMAND_CASES = [pytest.param(p, [], id=p.stem) for p in QWEN3_CONFIGS] + \
     [pytest.param(p, CPU_AS_SGLANG.get(p.stem, AS_SGLANG), id=p.stem) for p in CPU_CONFIGS] + \
     [pytest.param(REPO / "configs" / "cpu_w8a8_int8.yaml",
                   ["rollout.backend=sglang", "rollout.gpus_per_server=2", "rollout.ep_size=2", "rollout.api_key=k3y",
-                   "rollout.mem_fraction_static=0.55", "rollout.max_batch_size=7", "seed=99"], id="tp2_ep2_api_key")]
+                   "rollout.mem_fraction_static=0.55", "rollout.max_batch_size=7", "seed=99"],
+                  id="tp2_ep2_api_key")] + \
+    [pytest.param(REPO / "configs" / "cpu_default.yaml", [*AS_SGLANG, "rollout.kv_cache_dtype=fp8_e4m3"],
+                  id="fp8_e4m3_kv"),
+     pytest.param(QWEN3_CONFIGS[0], ["rollout.kv_cache_dtype=fp8_e5m2"], id="fp8_e5m2_kv_30b")]
 
 
 @pytest.mark.parametrize(("path", "overrides"), COMMAND_CASES)
@@ -721,6 +728,71 @@ def test_fp8_blocks_too_wide_for_the_attention_are_refused_by_sglang_and_by_our_
 
 def sg_build(model_dir: str) -> str:
     return type(stubs.build_model(model_dir)[1]).__name__
+
+
+def sg_kv_scales(model_dir: str) -> dict:
+    """SGLang's KV-cache scales for a checkpoint: its Qwen3MoeForCausalLM.load_weights of the checkpoint's tensors
+    named like scales (the loader hands it every tensor), then each RadixAttention's quant method's
+    process_weights_after_loading (the loader's postprocessing, model_loader/loader.py), and what each layer then
+    holds: layer id -> (its quant method, k_scale_float, v_scale_float)."""
+    from safetensors.torch import load_file
+
+    _, quant_config, model = stubs.build_model(model_dir)
+    tensors = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    model.load_weights([(n, t) for n, t in tensors.items() if n.endswith(("k_scale", "v_scale"))])
+    radix = stubs.module("sglang.srt.layers.radix_attention").RadixAttention
+    out = {}
+    for m in model.modules():
+        if isinstance(m, radix):
+            if m.quant_method is not None:
+                m.quant_method.process_weights_after_loading(m)
+            out[m.layer_id] = (m.quant_method and type(m.quant_method).__name__, m.k_scale_float, m.v_scale_float)
+    # what the checkpoint's config would give an attention built with it (the model's is built without)
+    probe = radix(2, 32, 32**-0.5, num_kv_heads=2, layer_id=0, quant_config=quant_config, prefix="probe.attn")
+    out["config_offers"] = probe.quant_method and type(probe.quant_method).__name__
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["bf16", *QUANTIZED])
+def test_sglangs_qwen3_moe_reads_no_kv_cache_scales_so_every_side_uses_1(scheme, sglang, tmp_path):
+    """rollout.kv_cache_dtype's scales (qat/kv_cache.py): SGLang 0.5.23's Qwen3MoeAttention builds its
+    RadixAttention without the quant config, so whatever the checkpoint holds (here scale tensors under
+    RadixAttention's names, and for W4A16 a compressed-tensors kv_cache_scheme that would give attention
+    CompressedTensorsKVCacheMethod) its attention has no KV-cache method and no scale: the FP8 cache is written and
+    read with none, 1.0, as the embedded engine (which drops such tensors as SGLang's load_weights skips them) and
+    the learner's spec do. Were SGLang to read them, this fails."""
+    from safetensors.torch import save_file
+
+    from megatron_qarl.qat.export import iter_safetensors, quantize_checkpoint
+    from megatron_qarl.qat.kv_cache import SCALE_NAMES, KVCacheSpec
+    from megatron_qarl.serve.model import kv_scales
+
+    layers = _model_json(str(TINY))["num_hidden_layers"]
+    scales = {SCALE_NAMES[w].format(i=i): torch.tensor(0.5 + i + w, dtype=torch.float32)
+              for i in range(layers) for w in (0, 1)}
+    if scheme == "bf16":
+        model_dir = tmp_path / "bf16"
+        model_dir.mkdir()
+        for f in TINY.iterdir():
+            (model_dir / f.name).symlink_to(f)
+    else:
+        model_dir = quantize_checkpoint(str(TINY), scheme, tmp_path / scheme,
+                                        group_size=64 if scheme == "w8a8_fp8" else 128)
+    save_file(scales, str(model_dir / "kv_scales.safetensors"))
+    if scheme == "w4a16":  # llm-compressor's static per-tensor FP8 KV scheme, which SGLang's config accepts
+        config = json.loads((model_dir / "config.json").read_text())
+        config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                            "dynamic": False, "symmetric": True}
+        (model_dir / "config.json").write_text(json.dumps(config))
+    got = sglang.run(sg_kv_scales, str(model_dir))
+    offers = {"w4a16": "CompressedTensorsKVCacheMethod", "w8a8_fp8": "Fp8KVCacheMethod"}.get(scheme)
+    assert got.pop("config_offers") == offers  # the checkpoint's config has a KV-cache method to give ...
+    assert got == dict.fromkeys(range(layers), (None, None, None)), got  # ... which Qwen3-MoE's attention never takes
+    raw = dict(iter_safetensors(model_dir))
+    assert kv_scales(raw, layers) == [(1.0, 1.0)] * layers and not set(scales) & set(raw)
+    assert KVCacheSpec.build("fp8_e4m3", torch.bfloat16, layers).scales == ((1.0, 1.0),) * layers
 
 
 # ------------------------------------------------------------------------------------ (d) tensor names

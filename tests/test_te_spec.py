@@ -126,6 +126,30 @@ def test_te_spec_model_loaded_from_hf_computes_the_local_logits(tiny_model_dir, 
     assert all(torch.equal(exported[k], hf[k]) for k in hf.keys())
 
 
+def test_the_te_specs_core_attention_takes_the_fp8_kv_caches_keys_and_values(tiny_model_dir, one_rank):
+    """rollout.kv_cache_dtype on the TE spec: qat/kv_cache.py's hook sits on whatever module is the core attention
+    (TE's DotProductAttention here, its stand-in), so the TE model with the hook computes the local model with the
+    hook, and neither what they compute without it."""
+    from megatron_qarl.qat.kv_cache import KVCacheSpec, KVFakeQuant
+
+    arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
+    hf = SafetensorsDir(tiny_model_dir)
+    te_model, local = _te_model_from_megatrons_spec(arch), build_model(arch)
+    assert type(te_model.decoder.layers[0].self_attention.core_attention).__name__ == "TEDotProductAttentionStandIn"
+    load_hf_into_model(te_model, arch, hf)
+    load_hf_into_model(local, arch, hf)
+    tokens = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        plain = forward_logits(local.eval(), tokens)
+        spec = KVCacheSpec.build("fp8_e4m3", torch.bfloat16, arch.num_hidden_layers)
+        hooks = [KVFakeQuant(te_model, spec), KVFakeQuant(local, spec)]
+        te_kv, local_kv = forward_logits(te_model.eval(), tokens), forward_logits(local.eval(), tokens)
+        for h in hooks:
+            h.remove()
+    assert float((te_kv - local_kv).abs().max()) <= 1e-6
+    assert float((te_kv - plain).abs().max()) > 1e-2
+
+
 def _te_rank(model_dir: str, tp: int, ep: int) -> dict:
     """One rank of a TP/EP layout: the TE table against Megatron's TE spec, and TE vs local logits."""
     import torch.distributed as dist

@@ -56,8 +56,9 @@ class LearnerRanks(abc.ABC):
         return self.on_every_rank(LearnerWorker.sync)[0]
 
     def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
-                 temperature: float | None = None, lengths: list[int] | None = None) -> torch.Tensor:
-        return self.on_every_rank(LearnerWorker.logprobs, tokens_BS, routes_BSLK, temperature, lengths)[0]
+                 temperature: float | None = None, lengths: list[int] | None = None,
+                 kv_cache: bool = True) -> torch.Tensor:
+        return self.on_every_rank(LearnerWorker.logprobs, tokens_BS, routes_BSLK, temperature, lengths, kv_cache)[0]
 
     def routing_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None) -> dict:
         return self.on_every_rank(LearnerWorker.routing_logprobs, tokens_BS, routes_BSLK)[0]
@@ -141,7 +142,7 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
     if r.backend == "embedded":
         return [*prefix, *embedded_command(model_dir, port, host=host, dtype=r.dtype, max_batch_size=r.max_batch_size,
                                            return_routed_experts=cfg.algo.wants_routes, python=python,
-                                           numerics=cfg.numerics)]
+                                           numerics=cfg.numerics, kv_cache_dtype=r.kv_cache_dtype)]
     # the rollout manager seeds every sample (rollout/manager.py), which SGLang honours only in
     # deterministic inference
     spec = SGLangServerSpec(model_path=model_dir, host=host, port=port, tp=r.gpus_per_server, ep=r.ep_size,
@@ -149,7 +150,7 @@ def server_command(cfg: QarlConfig, model_dir: str, host: str, port: int) -> lis
                             api_key_file=r.api_key and str(sglang_key_file(
                                 r.api_key, log_dir(cfg), f"sglang-{socket.gethostname()}-{port}.key.yaml")),
                             random_seed=cfg.seed, deterministic_inference=True,
-                            return_routed_experts=cfg.algo.wants_routes,
+                            return_routed_experts=cfg.algo.wants_routes, kv_cache_dtype=r.kv_cache_dtype,
                             extra_args=("--max-running-requests", str(r.max_batch_size)))
     return [*prefix, *launch_command(spec, python=python)]
 

@@ -14,6 +14,7 @@ and every ratio and mismatch compares like with like.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from megatron_qarl.moe.model import Qwen3MoeArch, attention_mask, build_model, e
 from megatron_qarl.moe.parallelize import all_gather_tensors, all_reduce, to_group_device
 from megatron_qarl.moe.te import check_te_fp8, resolve_impl
 from megatron_qarl.qat.config import QuantConfig
+from megatron_qarl.qat.kv_cache import KVCacheSpec, KVFakeQuant, kv_unaware
 from megatron_qarl.qat.modules import apply_fake_quant
 
 
@@ -98,7 +100,7 @@ class Learner:
                  optimizer_cpu_offload: bool = False, optimizer_offload_fraction: float = 1.0, recompute: str = "none",
                  recompute_num_layers: int = 1, te_fp8: bool = False, numerics: str = "default",
                  act_dtype: torch.dtype = torch.bfloat16, refresh_kernel: str = "auto", attention: str = "auto",
-                 experts: str = "auto"):
+                 experts: str = "auto", kv_cache: KVCacheSpec | None = None):
         """``impl``: ``model.impl`` (auto | local | te): the Megatron layer spec the policy is built with; "te" runs
         Transformer Engine layers, in BF16 GEMMs on ModelOpt's fake-quant operands for the quantized schemes
         (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (impl te, schemes bf16 and w4a16,
@@ -109,7 +111,9 @@ class Learner:
         The memory options: see the class docstring. ``numerics`` "exact": log-probs from moe/exact.py (the rollout
         engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype).
         ``attention``: ``model.attention`` (auto | sdpa | unfused), the local spec's core attention
-        (``moe.attention``); ``self.attention`` is what was built: "sdpa", "unfused" or "te"."""
+        (``moe.attention``); ``self.attention`` is what was built: "sdpa", "unfused" or "te".
+        ``kv_cache``: the servers' FP8 KV cache (rollout.kv_cache_dtype); the aligned learner's attention computes
+        on the keys and values it reads back (qat/kv_cache.py ``KVFakeQuant``), an unaligned one on its own."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -134,6 +138,8 @@ class Learner:
         self.fake_quant = (apply_fake_quant(self.module, arch, quant, forward=aligned, compiled=compile_quantizer,
                                             refresh_kernel=refresh_kernel)
                            if quant and quant.enabled else None)
+        self.kv_cache = kv_cache if aligned else None
+        self.kv_fake_quant = KVFakeQuant(self.module, self.kv_cache) if self.kv_cache is not None else None
         self.exact = exact_forward(numerics, self, act_dtype, quant, aligned)  # None unless numerics: exact
         # packed sequences (learner/packing.py) where the core attention takes them and R3 does not replay [B, S] routes
         self.packs = self.attention == "sdpa" and self.exact is None and not routing_replay
@@ -225,13 +231,16 @@ class Learner:
 
     @torch.no_grad()
     def forward_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
-                         temperature: float | None = None, lengths: list[int] | None = None) -> torch.Tensor:
+                         temperature: float | None = None, lengths: list[int] | None = None,
+                         kv_cache: bool = True) -> torch.Tensor:
         """The aligned forward (fake quant on when configured): logp [B, S-1] of the whole batch on
         every rank; each data-parallel rank computes its slice (rows padded to a multiple of the
         data-parallel size by repeating the last one), then they are all-gathered. ``routes_BSLK``: R3.
         ``temperature``: instead of the learner's (1.0: the unscaled ones, train/pipeline.py's mismatch split).
-        ``lengths``: the rows' needed lengths (``logprobs``; packed where the learner packs)."""
-        return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature, lengths=lengths)[0]
+        ``lengths``: the rows' needed lengths (``logprobs``; packed where the learner packs). ``kv_cache`` False: the
+        attention on its own keys and values, not the servers' FP8 cache's (the KV part of the mismatch split)."""
+        with contextlib.nullcontext() if kv_cache else kv_unaware(self.kv_fake_quant, self.exact):
+            return self._dp_forward(tokens_BS, routes_BSLK, record=False, temperature=temperature, lengths=lengths)[0]
 
     @torch.no_grad()
     def forward_routes(self, tokens_BS: torch.Tensor,

@@ -77,6 +77,7 @@ class LearnerWorker:
         from megatron_qarl.learner.rank import Learner
         from megatron_qarl.moe.model import Qwen3MoeArch
         from megatron_qarl.moe.parallelize import init_parallel
+        from megatron_qarl.qat.kv_cache import run_spec
 
         cfg = self.cfg
         require_gpu(cfg, self.rank)
@@ -99,16 +100,18 @@ class LearnerWorker:
                                optimizer_offload_fraction=cfg.learner.optimizer_offload_fraction,
                                recompute=cfg.learner.recompute, recompute_num_layers=cfg.learner.recompute_num_layers,
                                numerics=cfg.numerics, act_dtype=parse_dtype(cfg.rollout.dtype),
-                               experts=cfg.model.experts)
+                               experts=cfg.model.experts, kv_cache=run_spec(cfg, arch.num_hidden_layers))
         self.learner.load_hf(cfg.model.path)
 
     # ------------------------------------------------------------------------------- compute
     def logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None = None,
-                 temperature: float | None = None, lengths: list[int] | None = None) -> torch.Tensor | None:
+                 temperature: float | None = None, lengths: list[int] | None = None,
+                 kv_cache: bool = True) -> torch.Tensor | None:
         """The aligned forward log-probs [B, S-1] (the fake-quant weights when quantization is aligned);
         ``routes_BSLK`` replayed (R3), ``temperature`` instead of the sampling one, ``lengths`` the rows' needed
-        lengths (packed sequences; ``Learner.forward_logprobs``)."""
-        out = self.learner.forward_logprobs(tokens_BS, routes_BSLK, temperature, lengths)
+        lengths (packed sequences), ``kv_cache`` False without the servers' FP8 KV rounding
+        (``Learner.forward_logprobs``)."""
+        out = self.learner.forward_logprobs(tokens_BS, routes_BSLK, temperature, lengths, kv_cache)
         return out if self.rank == 0 else None
 
     def routing_logprobs(self, tokens_BS: torch.Tensor, routes_BSLK: torch.Tensor | None) -> dict | None:

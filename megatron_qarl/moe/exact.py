@@ -38,6 +38,7 @@ from megatron_qarl.numerics import layers, ops
 
 if TYPE_CHECKING:
     from megatron_qarl.qat.config import QuantConfig
+    from megatron_qarl.qat.kv_cache import KVCacheSpec
     from megatron_qarl.qat.modules import FakeQuant
 
 
@@ -67,11 +68,13 @@ class ExactForward:
     what the quantized linears multiply), None for scheme bf16."""
 
     def __init__(self, module: torch.nn.Module, arch: Qwen3MoeArch, act: torch.dtype,
-                 fake_quant: FakeQuant | None):
+                 fake_quant: FakeQuant | None, kv: KVCacheSpec | None = None):
+        """``kv``: the servers' FP8 KV cache (qat/kv_cache.py), whose read-back keys and values the attention takes
+        (None: as computed)."""
         from megatron_qarl.numerics import native
 
         native.lib()
-        self.module, self.arch, self.act, self.fq = module, arch, act, fake_quant
+        self.module, self.arch, self.act, self.fq, self.kv = module, arch, act, fake_quant, kv
         self.tp, self.ep, self.etp = _groups()
         self.cos, self.sin = ops.rope_tables(arch.max_position_embeddings, arch.head_dim, arch.rope_theta)
         cfg = fake_quant.cfg if fake_quant is not None else None
@@ -140,7 +143,7 @@ class ExactForward:
         e = F.embedding(torch.where(mine, local, torch.zeros_like(local)), w)
         return ops.round_to(select_owner(e.float(), tokens // rows, self.tp), self.act)
 
-    def _attention(self, attn: torch.nn.Module, h: Tensor, pos: Tensor, b: int, s: int) -> Tensor:
+    def _attention(self, attn: torch.nn.Module, h: Tensor, pos: Tensor, b: int, s: int, index: int) -> Tensor:
         a = self.arch
         d, rep = a.head_dim, a.num_attention_heads // a.num_key_value_heads
         qkv = self._column(h, attn.linear_qkv.weight, self.tp)
@@ -151,7 +154,10 @@ class ExactForward:
                                    self.w(attn.k_layernorm.weight), self.cos[pos], self.sin[pos], a.rms_norm_eps,
                                    self.act)
         g = q_part.shape[1]
-        o = ops.attention_causal(q.view(b, s, -1, d), k.view(b, s, g, d), v_part.reshape(b, s, g, d))
+        v = v_part.reshape(b, s, g, d)
+        if self.kv is not None:  # the keys and values as the servers' FP8 cache reads them back (exact.c's too)
+            k, v = self.kv.round_trip(k, index, 0), self.kv.round_trip(v, index, 1)
+        o = ops.attention_causal(q.view(b, s, -1, d), k.view(b, s, g, d), v)
         return self._row_parallel(ops.round_to(o, self.act).reshape(b * s, -1), attn.linear_proj.weight, self.tp)
 
     def _experts(self, mlp: torch.nn.Module, n: Tensor, ids: Tensor) -> Tensor:
@@ -200,9 +206,9 @@ class ExactForward:
         b, s = tokens_BS.shape
         pos = torch.arange(s).repeat(b)
         x = self._embed(tokens_BS.reshape(-1))
-        for layer in m.decoder.layers:
+        for index, layer in enumerate(m.decoder.layers):
             h = layers.norm(x, self.shared(layer.input_layernorm.weight), a.rms_norm_eps, act)
-            x = ops.round_to(x + self._attention(layer.self_attention, h, pos, b, s), act)
+            x = ops.round_to(x + self._attention(layer.self_attention, h, pos, b, s, index), act)
             n = layers.norm(x, self.shared(layer.pre_mlp_layernorm.weight), a.rms_norm_eps, act)
             x = ops.round_to(x + self._moe(layer.mlp, n), act)
         x = layers.norm(x, self.shared(m.decoder.final_layernorm.weight), a.rms_norm_eps, act)
@@ -232,4 +238,4 @@ def exact_forward(numerics: str, learner: Any, act: torch.dtype, quant: QuantCon
         raise ValueError(f"numerics: exact computes on the CPU (megatron_qarl/numerics/ is C), but this learner's "
                          f"parameters are on {device}: CUDA is visible to a CPU run; hide it "
                          "(CUDA_VISIBLE_DEVICES='') or run with numerics default (docs/numerics.md, 'On GPUs')")
-    return ExactForward(learner.module, learner.arch, act, learner.fake_quant)
+    return ExactForward(learner.module, learner.arch, act, learner.fake_quant, learner.kv_cache)

@@ -358,6 +358,55 @@ static inline float qx_e4m3(float f) {
     return sign ? -r : r;
 }
 
+/* float8_e5m2 rounding (c10's fp8e5m2_from_fp32_value, widened back): below 2^-14 in steps of 2^-16 (one fp32
+ * addition of 2^7 rounds there), above to 2 mantissa bits, nearest even, a result of 65536 or more (from 61440 up,
+ * by rounding) infinite; the sign kept, a NaN a NaN. */
+static inline float qx_e5m2(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    const uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    float r;
+    if (b > 0x7f800000u) {
+        r = NAN;
+    } else if (b < (113u << 23)) {
+        float a;
+        memcpy(&a, &b, 4);
+        r = (a + 128.0f) - 128.0f;
+    } else {
+        b = (b + 0xfffffu + ((b >> 21) & 1u)) & 0xffe00000u;
+        memcpy(&r, &b, 4);
+        if (r >= 65536.0f) r = INFINITY;
+    }
+    return sign ? -r : r;
+}
+
+/* qat/kv_cache.py's kv_round_trip of n floats in place (fmt 0: none): x = act(fp8(act(act(x) / s)) * s), fmt 1
+ * e4m3 (a finite overflow saturates to +-448, as c10's cast does), 2 e5m2. */
+static void qx_kv_round_row(float *x, int64_t n, int fmt, float s, int act_bf16) {
+    if (!fmt) return;
+    for (int64_t i = 0; i < n; i++) {
+        float v = (act_bf16 ? qx_round_bf16_1(x[i]) : x[i]) / s;
+        if (act_bf16) v = qx_round_bf16_1(v);
+        if (fmt == 1) {
+            v = v < -QX_FP8_MAX ? -QX_FP8_MAX : (v > QX_FP8_MAX ? QX_FP8_MAX : v);
+            v = qx_e4m3(v);
+        } else {
+            v = qx_e5m2(v);
+        }
+        v = v * s;
+        x[i] = act_bf16 ? qx_round_bf16_1(v) : v;
+    }
+}
+
+/* qx_kv_round_row of n floats, out of place (tests and the learner's exact forward). */
+int qx_kv_round(const float *x, int64_t n, int fmt, float s, int act_bf16, float *out) {
+    if (fmt < 0 || fmt > 2 || !(s > 0.0f)) return -1;
+    memcpy(out, x, sizeof(float) * (size_t)n);
+    qx_kv_round_row(out, n, fmt, s, act_bf16);
+    return 0;
+}
+
 static inline float qx_amax(const float *x, int64_t n) {
     float m = 0.0f;
     for (int64_t i = 0; i < n; i++) {
@@ -407,16 +456,19 @@ static inline void qx_row_dense(const float *x, int64_t K, int quant, int64_t g,
 
 /* An attention block of the engine (serve/exact_forward.py; numerics/layers.py's composition, with the residual):
  *   n = round(rmsnorm(x, ln)); [q | k | v] = dense(n, W_qkv); per head q, k = round(rope(round(rmsnorm(., qn|kn))));
- *   the row's k, v written at (slot, position) of the float32 caches [slots, Hkv, S, D]; then (every row's keys
- *   written) o = round(qx_attention over keys 0 .. pos); x = round(x + dense(o, W_o)).
+ *   the row's k, v written at (slot, position) of the float32 caches [slots, Hkv, S, D] (as the FP8 cache of format
+ *   kv_fmt reads them back, qx_kv_round_row with k_scale / v_scale); then (every row's keys written)
+ *   o = round(qx_attention over keys 0 .. pos); x = round(x + dense(o, W_o)).
  * x [R, H] is updated in place; wt operands K-major; cos, sin the rope tables [L, D]; quant / g per linear as
  * qx_quant_act. */
 int qx_attn_block(float *x, int64_t R, int64_t H, const float *ln, float eps, const float *qkv_t, int qkv_quant,
                   int64_t qkv_g, const float *qn, const float *kn, const float *cos_t, const float *sin_t,
                   const int64_t *pos, const int64_t *slot, float *kc, float *vc, int64_t S, int64_t Hq, int64_t Hkv,
                   int64_t D, float scale, const float *o_t, int o_quant, int64_t o_g, int64_t chunk, int act_bf16,
-                  int threads) {
-    if (Hkv <= 0 || Hq % Hkv || D % 2 || R <= 0) return -1;
+                  int kv_fmt, float k_scale, float v_scale, int threads) {
+    if (Hkv <= 0 || Hq % Hkv || D % 2 || R <= 0 || kv_fmt < 0 || kv_fmt > 2 || !(k_scale > 0.0f) ||
+        !(v_scale > 0.0f))
+        return -1;
     const int64_t NQKV = (Hq + 2 * Hkv) * D, HO = Hq * D, half = D / 2;
     float *Q = malloc(sizeof(float) * (size_t)(R * HO)), *O = malloc(sizeof(float) * (size_t)(R * HO));
     int64_t *kbase = malloc(sizeof(int64_t) * (size_t)R), *nkeys = malloc(sizeof(int64_t) * (size_t)R);
@@ -452,9 +504,13 @@ int qx_attn_block(float *x, int64_t R, int64_t H, const float *ln, float eps, co
                         dst[i] = a + b;
                     }
                     qx_round_row(dst, D, act_bf16);
+                    if (h >= Hq) qx_kv_round_row(dst, D, kv_fmt, k_scale, act_bf16);
                 }
-                for (int64_t g = 0; g < Hkv; g++)
-                    memcpy(vc + kbase[r] + g * S * D + pos[r] * D, qkv + (Hq + Hkv + g) * D, sizeof(float) * (size_t)D);
+                for (int64_t g = 0; g < Hkv; g++) {
+                    float *dst = vc + kbase[r] + g * S * D + pos[r] * D;
+                    memcpy(dst, qkv + (Hq + Hkv + g) * D, sizeof(float) * (size_t)D);
+                    qx_kv_round_row(dst, D, kv_fmt, v_scale, act_bf16);
+                }
             }
             free(n);
             free(tmp);

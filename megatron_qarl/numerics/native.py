@@ -54,7 +54,8 @@ def lib() -> ctypes.CDLL:
         cdll.qx_silu_mul_bwd.argtypes = [_P, _P, _P, _I64, _P, _P, _INT]
         cdll.qx_round_bf16.argtypes = [_P, _I64, _P, _INT]
         cdll.qx_attn_block.argtypes = [_P, _I64, _I64, _P, _F, _P, _INT, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64,
-                                       _I64, _I64, _I64, _F, _P, _INT, _I64, _I64, _INT, _INT]
+                                       _I64, _I64, _I64, _F, _P, _INT, _I64, _I64, _INT, _INT, _F, _F, _INT]
+        cdll.qx_kv_round.argtypes = [_P, _I64, _INT, _F, _INT, _P]
         cdll.qx_moe_block.argtypes = [_P, _I64, _I64, _P, _F, _P, _I64, _I64, _INT, _P, _P, _I64, _INT, _I64, _INT,
                                       _I64, _I64, _INT, _P, _INT]
         _LIB.append(cdll)
@@ -168,6 +169,19 @@ def round_bf16(x: Tensor) -> Tensor:
     return out
 
 
+KV_FORMATS = {None: 0, "auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}  # exact.c's kv_fmt
+
+
+def kv_round(x: Tensor, kv_dtype: str, scale: float, act: torch.dtype) -> Tensor:
+    """``qx_kv_round``: qat/kv_cache.py's ``kv_round_trip`` in C (the exact engine's attention block applies it to
+    the keys and values it caches), held in float32: x = act(fp8(act(x / scale)) * scale)."""
+    x = _f32(x, "kv round input")
+    out = torch.empty_like(x)
+    _check(lib().qx_kv_round(x.data_ptr(), x.numel(), KV_FORMATS[kv_dtype], scale, _act_bf16(act, 1, "kv round"),
+                             out.data_ptr()), "kv round")
+    return out
+
+
 def softmax(x_MV: Tensor, log: bool) -> Tensor:
     x_MV = _f32(x_MV, "softmax input")
     out = torch.empty_like(x_MV)
@@ -254,7 +268,9 @@ class AttnBlock:
 
     def __init__(self, ln: Tensor, eps: float, w_qkv: Tensor, qkv_q: tuple[str, int | None], q_norm: Tensor,
                  k_norm: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, hq: int, w_o: Tensor,
-                 o_q: tuple[str, int | None], chunk: int, act: torch.dtype):
+                 o_q: tuple[str, int | None], chunk: int, act: torch.dtype,
+                 kv: tuple[str, float, float] = ("auto", 1.0, 1.0)):
+        """``kv``: the FP8 cache's (format, k_scale, v_scale) the cached keys and values are rounded as."""
         hidden = ln.shape[0]
         slots, hkv, seq, d = kc.shape
         if vc.shape != kc.shape or not (kc.is_contiguous() and vc.is_contiguous()) or kc.dtype != torch.float32:
@@ -276,7 +292,8 @@ class AttnBlock:
         self.head = (ln.data_ptr(), eps, qkv_t.data_ptr(), *_quant(*qkv_q, hidden, "qkv input"), q_norm.data_ptr(),
                      k_norm.data_ptr(), cos.data_ptr(), sin.data_ptr())
         self.tail = (kc.data_ptr(), vc.data_ptr(), seq, hq, hkv, d, d**-0.5, o_t.data_ptr(),
-                     *_quant(*o_q, hq * d, "o input"), chunk, _act_bf16(act, chunk, "attention block"))
+                     *_quant(*o_q, hq * d, "o input"), chunk, _act_bf16(act, chunk, "attention block"),
+                     KV_FORMATS[kv[0]], kv[1], kv[2])
 
     def __call__(self, x_RH: Tensor, rows: CacheRows) -> None:
         r = _residual(x_RH, self.hidden, "attention block")

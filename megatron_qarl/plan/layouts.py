@@ -216,7 +216,7 @@ def _verdict(cfg: QarlConfig, arch: Qwen3MoeArch, lay: LearnerLayout, opts: Plan
 def _rollout_memory(cfg: QarlConfig, arch: Qwen3MoeArch, srv: ServerLayout, seqs: int, opts: PlanOptions):
     return rollout_memory(arch, cfg.quant, srv, gpu_bytes=int(opts.gpu_gib * GIB),
                           mem_fraction_static=cfg.rollout.mem_fraction_static, concurrent_seqs=seqs,
-                          seq_len=step_shape(cfg)[1])
+                          seq_len=step_shape(cfg)[1], kv_cache_dtype=cfg.rollout.kv_cache_dtype)
 
 
 def _rollout_cells(mem) -> dict:
@@ -312,7 +312,7 @@ def config_plan(cfg: QarlConfig, opts: PlanOptions, *, alternatives: bool = True
     srv = ServerLayout(tp=max(r.gpus_per_server, 1), ep=r.ep_size)
     seqs = min(r.max_batch_size, math.ceil(sequences / r.servers))
     rollout = {"servers": r.servers, "gpus_per_server": r.gpus_per_server, "tp": srv.tp, "seqs_per_server": seqs,
-               **_rollout_cells(_rollout_memory(cfg, arch, srv, seqs, opts))}
+               "kv_cache_dtype": r.kv_cache_dtype, **_rollout_cells(_rollout_memory(cfg, arch, srv, seqs, opts))}
     la = cfg.launch
     checkpoint = _checkpoint_gib(arch, cfg.quant)
     plan = {

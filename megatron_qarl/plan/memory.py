@@ -479,15 +479,20 @@ class RolloutMemory:
 
 
 def rollout_memory(arch: Qwen3MoeArch, quant: QuantConfig, srv: ServerLayout, *, gpu_bytes: int,
-                   mem_fraction_static: float, concurrent_seqs: int, seq_len: int) -> RolloutMemory:
+                   mem_fraction_static: float, concurrent_seqs: int, seq_len: int,
+                   kv_cache_dtype: str = "auto") -> RolloutMemory:
     """SGLang's memory model per GPU: weights + KV pool = mem_fraction_static * GPU; the rest is overhead.
 
     kv_tokens = (f * GPU - weights) / kv_bytes_per_token; ``concurrent_seqs`` sequences of this server at
-    ``seq_len`` tokens (prompt + max response) need concurrent_seqs * seq_len * kv_bytes_per_token.
+    ``seq_len`` tokens (prompt + max response) need concurrent_seqs * seq_len * kv_bytes_per_token, with one byte
+    per element in an FP8 cache (``kv_cache_dtype``, rollout.kv_cache_dtype: SGLang's pool stores uint8, its
+    MHATokenToKVPool ``store_dtype``), two in BF16 (auto): an FP8 cache holds twice the tokens of the same pool.
     """
+    from megatron_qarl.qat.kv_cache import bytes_per_element
+
     check_server_layout(arch, quant, srv)
     weights = rollout_gpu_weight_bytes(arch, quant, srv)
-    per_token = kv_bytes_per_token(arch, srv.tp)
+    per_token = kv_bytes_per_token(arch, srv.tp, bytes_per_element(kv_cache_dtype, 2))
     pool = int(mem_fraction_static * gpu_bytes) - weights
     tokens = max(pool, 0) // per_token
     return RolloutMemory(weights=weights, overhead=int((1 - mem_fraction_static) * gpu_bytes), kv_pool=pool,

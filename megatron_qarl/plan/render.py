@@ -123,7 +123,8 @@ def render_config_text(plan: dict, config: str) -> str:
     out += [
         f"\nrollout: {ro['servers']} servers x {ro['gpus_per_server']} GPU (SGLang --tp-size {ro['tp']}), "
         f"{ro['seqs_per_server']} sequences of up to {plan['workload']['seq_len']} tokens each",
-        f"  weights {ro['weights_gib']} GiB, KV pool {ro['kv_pool_gib']} GiB ({ro['kv_tokens']} tokens, "
+        f"  weights {ro['weights_gib']} GiB, KV pool {ro['kv_pool_gib']} GiB ({ro['kv_tokens']} tokens "
+        f"{'in bf16' if ro['kv_cache_dtype'] == 'auto' else 'in ' + ro['kv_cache_dtype']}, "
         f"{ro['seqs_at_full_length']} full-length sequences; all {ro['seqs_per_server']} need "
         f"{ro['kv_needed_gib']} GiB), overhead {ro['overhead_gib']} GiB -> "
         f"{'FITS' if ro['fits'] else 'DOES NOT FIT'}"

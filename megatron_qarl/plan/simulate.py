@@ -303,6 +303,7 @@ def _build_learner(cfg: QarlConfig, arch: Qwen3MoeArch, micro: int, real_device:
     inductor kernels, and the torch path's temporaries bound theirs from above; on a real one (plan/measure.py), as
     configured."""
     from megatron_qarl.learner.rank import Learner
+    from megatron_qarl.qat.kv_cache import run_spec
     from megatron_qarl.wire import parse_dtype
 
     le = cfg.learner
@@ -314,7 +315,8 @@ def _build_learner(cfg: QarlConfig, arch: Qwen3MoeArch, micro: int, real_device:
                    attention=cfg.model.attention,
                    distributed_optimizer=le.distributed_optimizer, optimizer_cpu_offload=le.optimizer_cpu_offload,
                    optimizer_offload_fraction=le.optimizer_offload_fraction, recompute=le.recompute,
-                   recompute_num_layers=le.recompute_num_layers, experts=cfg.model.experts, **kernels)
+                   recompute_num_layers=le.recompute_num_layers, experts=cfg.model.experts,
+                   kv_cache=run_spec(cfg, arch.num_hidden_layers), **kernels)
 
 
 def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_tokens: int | None = None,

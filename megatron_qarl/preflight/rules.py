@@ -155,6 +155,24 @@ def check_numerics(cfg: QarlConfig) -> None:
                               f"split into whole chunks of {CHUNK} per rank (the fixed reduction order)")
 
 
+def check_kv_cache(cfg: QarlConfig) -> None:
+    """``rollout.kv_cache_dtype`` (qat/kv_cache.py) against the backend and the learner: what the servers can hold
+    and what the learner can reproduce."""
+    r = cfg.rollout
+    fp8 = r.kv_cache_dtype != "auto"
+    if fp8 and r.backend == "vllm":
+        raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} with rollout.backend=vllm: vLLM 0.32 takes "
+                          "--kv-cache-dtype (its CPU attention lists fp8_e4m3 / fp8_e5m2 on AVX-512 or AMX CPUs), but "
+                          "its cache's rounding is compiled code that is not SGLang's, which the learner reproduces: "
+                          "measured on the tiny model with a float32 vLLM server, the aligned learner's per-token "
+                          "mismatch (0.076 e4m3, 0.156 e5m2) exceeds an unaware learner's (0.049, 0.127; "
+                          "docs/rollout.md, 'vLLM as a rollout backend'); use auto with vLLM")
+    if fp8 and cfg.numerics == "exact" and not cfg.learner.aligned:
+        raise ConfigError(f"learner.aligned: false with rollout.kv_cache_dtype={r.kv_cache_dtype} and numerics=exact: "
+                          "the learner's attention would read other keys and values than the servers' FP8 cache; "
+                          "set it true")
+
+
 BACKEND_RULES = {"embedded": None, "sglang": check_sglang, "vllm": check_vllm}
 
 
@@ -196,6 +214,7 @@ def check_run(cfg: QarlConfig) -> QarlConfig:
     """Every rule between components on a schema-valid config; ConfigError naming the key, else ``cfg``."""
     check_loss(cfg)
     check_numerics(cfg)
+    check_kv_cache(cfg)
     rule = BACKEND_RULES[cfg.rollout.backend]
     if rule is not None:
         rule(cfg)

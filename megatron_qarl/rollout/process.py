@@ -25,7 +25,7 @@ from megatron_qarl.utils.processes import reap
 def embedded_command(model_dir: str, port: int, *, host: str = "127.0.0.1", dtype: str = "bfloat16",
                      max_batch_size: int = 128, max_seq_len: int | None = None,
                      return_routed_experts: bool = False, python: str = sys.executable,
-                     numerics: str = "default") -> list[str]:
+                     numerics: str = "default", kv_cache_dtype: str = "auto") -> list[str]:
     """``qarl serve`` for a Hugging Face directory (BF16 or a qat/ export), run by ``python``. Its API key goes in
     its environment ($QARL_API_KEY, ``launch.fleet.server_env``), never this argv."""
     cmd = [python, "-m", "megatron_qarl.cli", "serve", "--model", model_dir, "--host", host,
@@ -33,6 +33,7 @@ def embedded_command(model_dir: str, port: int, *, host: str = "127.0.0.1", dtyp
     cmd += ["--max-seq-len", str(max_seq_len)] if max_seq_len else []
     cmd += ["--enable-return-routed-experts"] if return_routed_experts else []
     cmd += ["--numerics", numerics] if numerics != "default" else []
+    cmd += ["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype != "auto" else []
     return cmd
 
 

@@ -17,6 +17,13 @@ Every server built here receives weight updates, and SGLang 0.5.23 constrains su
 - ``sampling_seed`` is honoured only with ``--enable-deterministic-inference``
   (sglang/srt/sampling/sampling_batch_info.py); the rollout manager seeds every sample, so the
   fleet turns it on (``deterministic_inference``).
+- An FP8 KV cache (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``, rollout.kv_cache_dtype) runs on
+  ``--attention-backend flashinfer``: deterministic inference otherwise picks fa3 on Hopper
+  (arg_groups/overrides.py ``_deterministic_attention_backend``), which casts the queries to FP8 too
+  (layers/attention/flashattention_backend.py ``prepare_paged_mha_query``) and serves e4m3 only; FlashInfer
+  under deterministic inference reads every key and value from the paged cache, the new tokens' too
+  (``use_ragged`` is off: layers/attention/flashinfer_backend.py), as the learner's fake quant and the
+  embedded engine do (qat/kv_cache.py; docs/quantization.md "The KV cache").
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class SGLangServerSpec:
     random_seed: int | None = None
     deterministic_inference: bool = False  # honour each request's sampling_seed
     return_routed_experts: bool = False  # answer return_routed_experts (routing replay, R3)
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype; FP8 also picks --attention-backend flashinfer (module docstring)
     extra_args: tuple[str, ...] = ()
 
 
@@ -91,6 +99,8 @@ def launch_command(spec: SGLangServerSpec, python: str = sys.executable) -> list
         cmd += ["--enable-deterministic-inference"]
     if spec.return_routed_experts:
         cmd += ["--enable-return-routed-experts"]
+    if spec.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", spec.kv_cache_dtype, "--attention-backend", "flashinfer"]
     if spec.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.context_length is not None:

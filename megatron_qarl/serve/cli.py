@@ -32,6 +32,12 @@ def register(subparsers) -> None:
     p.add_argument("--numerics", choices=["default", "exact"], default="default",
                    help="exact: every token through megatron_qarl/numerics/ (bitwise the learner's log-probs under "
                         "numerics: exact; docs/numerics.md)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                   help="SGLang's flag: the KV cache in the compute dtype (auto) or FP8, written and read as SGLang "
+                        "does (megatron_qarl/qat/kv_cache.py)")
+    p.add_argument("--kv-cache-mib", type=float, default=None,
+                   help="the KV cache's memory in MiB: the slots are at most the full-length sequences it holds "
+                        "(twice as many in FP8 as in bf16); default: --max-batch-size slots")
     p.set_defaults(func=_serve)
 
 
@@ -55,7 +61,8 @@ def _serve(args) -> int:
         engine = Engine(EngineConfig(model_path=args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                                      max_seq_len=args.max_seq_len, num_threads=args.num_threads,
                                      enable_return_routed_experts=args.enable_return_routed_experts,
-                                     numerics=args.numerics))
+                                     numerics=args.numerics, kv_cache_dtype=args.kv_cache_dtype,
+                                     kv_cache_mib=args.kv_cache_mib))
     except (KeyError, ValueError, json.JSONDecodeError) as err:
         raise UserError(f"--model {args.model}: {err}") from None
     app = build_app(engine, server_cfg)

@@ -42,6 +42,8 @@ class EngineConfig(BaseModel):
     max_seq_len: cache length per slot (prompt + completion); None = the model's max_position_embeddings.
     return_original_logprob: output log-probs of the unscaled distribution (SGLang's
         ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``; serve/sampling.py).
+    kv_cache_dtype: SGLang's --kv-cache-dtype: ``auto`` (the compute dtype) or an FP8 cache (qat/kv_cache.py).
+    kv_cache_mib: the KV cache's memory, which bounds the slots (serve/model.py ``kv_slots``); None: max_batch_size.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -54,6 +56,8 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(default=None, ge=1)
     enable_return_routed_experts: bool = False  # SGLang's --enable-return-routed-experts (R3)
     numerics: Literal["default", "exact"] = "default"  # exact: numerics/ kernels, the learner's bits (docs/numerics.md)
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    kv_cache_mib: float | None = Field(default=None, gt=0)
 
 
 class Engine:
@@ -66,7 +70,7 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         self.model = model or in_fresh_thread(Qwen3MoeEngineModel.from_model_dir, cfg.model_path,
                                               parse_dtype(cfg.dtype), cfg.max_batch_size, cfg.max_seq_len,
-                                              cfg.numerics)
+                                              cfg.numerics, cfg.kv_cache_dtype, cfg.kv_cache_mib)
         self._log_softmax = _exact_log_softmax if self.model.exact is not None else torch_log_softmax
         self.limits = Limits(self.model.arch.vocab_size, self.model.max_seq_len, eos_ids(cfg.model_path))
         self.lock = threading.RLock()  # model work and weight changes

@@ -6,7 +6,8 @@ Each linear multiplies float32 operands: dense weights as the store holds them (
 servers), low-bit ones dequantized from the checkpoint's codes with the one quantizer's functions (W4A16:
 ``dequantize_w4a16``; INT8: ``dequantize_int8_channel``; FP8: ``dequantize_fp8_block``), computed once per weight
 version. W8A8 activations are quantized per token (group) with the learner's formulas (``numerics.ops.quant_act``).
-The KV cache holds float32 (values already rounded to the compute dtype); attention reads exactly a query's keys.
+The KV cache holds float32 (values already rounded to the compute dtype; with an FP8 cache, the values it reads
+back: qat/kv_cache.py, exact.c ``qx_kv_round_row``); attention reads exactly a query's keys.
 
 A layer is two calls of exact.c (its attention block and its MoE block), not the dozens of torch ops and kernel
 calls the learner's autograd path makes: at decode those calls, not the arithmetic, were the time (the tiny model's
@@ -117,7 +118,7 @@ class ExactForward:
                                     self.w(layer.qkv), act_scheme(layer.qkv), self.vec(f"{norm}.q_norm.weight"),
                                     self.vec(f"{norm}.k_norm.weight"), self.cos, self.sin, m.k_cache[layer.index],
                                     m.v_cache[layer.index], a.num_attention_heads, self.w(layer.o), act_scheme(layer.o),
-                                    ops.CHUNK, self.act)
+                                    ops.CHUNK, self.act, (m.kv_dtype, *m.kv_scales[layer.index]))
             gu_q, down_q = act_scheme(layer.gate_up[0]), act_scheme(layer.down[0])
             if any(act_scheme(g) != gu_q for g in layer.gate_up) or any(act_scheme(d) != down_q for d in layer.down):
                 raise ValueError(f"layer {layer.index}: its experts' linears are not all of one format")

@@ -29,6 +29,8 @@ from torch import Tensor
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.qat.export import iter_safetensors, scheme_of
+from megatron_qarl.qat.kv_cache import FP8, KV_CACHE_DTYPES, SCALE_NAMES, kv_load_table, kv_store
+from megatron_qarl.qat.kv_cache import bytes_per_element as kv_bytes_per_element
 from megatron_qarl.serve.kernels.linear import DenseLinear, Linear, Store, make_linear
 from megatron_qarl.sync import delta
 
@@ -44,6 +46,55 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """HF's ``x * cos + rotate_half(x) * sin`` in 4 ops instead of 7, with the same result: rotate_half(x) * sin
     = cat(-x2, x1) * sin = roll(x, D/2) * cat(-sin1, sin2) (a sign flip is exact)."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def kv_scales(raw: dict[str, Tensor], layers: int) -> list[tuple[float, float]]:
+    """Each layer's (k_scale, v_scale) as SGLang 0.5.23 serves Qwen3-MoE: 1.0 (qat/kv_cache.py says why); a
+    checkpoint's scale tensors (``SCALE_NAMES``) are dropped from ``raw``, as its load_weights skips them."""
+    for i in range(layers):
+        for name in SCALE_NAMES:
+            raw.pop(name.format(i=i), None)
+    return [(1.0, 1.0)] * layers
+
+
+def to_cache(x: Tensor, kv_dtype: str, scale: float, act: torch.dtype) -> Tensor:
+    """What the cache stores of keys or values: ``x`` itself, or its FP8 codes (qat/kv_cache.py) as bytes."""
+    return kv_store(x, scale, FP8[kv_dtype], act).view(torch.uint8) if kv_dtype in FP8 else x
+
+
+def kv_tables(scales: list[tuple[float, float]], kv_dtype: str,
+              act: torch.dtype) -> list[tuple[Tensor | None, Tensor | None]]:
+    """Each layer's (keys', values') ``kv_load_table`` of an FP8 cache ((None, None) for auto); ConfigError naming
+    --kv-cache-dtype for another name."""
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype: {kv_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_dtype not in FP8:
+        return [(None, None)] * len(scales)
+    return [(kv_load_table(FP8[kv_dtype], ks, act), kv_load_table(FP8[kv_dtype], vs, act)) for ks, vs in scales]
+
+
+def from_cache(held: Tensor, table: Tensor | None) -> Tensor:
+    """What the attention reads of cached keys or values: as held, or the FP8 codes times the scale (``kv_load``,
+    looked up in its table of the 256 codes: qat/kv_cache.py ``kv_load_table``)."""
+    return held if table is None else table[held.long()]
+
+
+def cache_bytes_per_token(model: Qwen3MoeEngineModel) -> int:
+    """Bytes an engine's cache holds per token (every layer's keys and values)."""
+    return model.k_cache[:, 0, :, 0].numel() * 2 * model.k_cache.element_size()
+
+
+def kv_slots(arch: Qwen3MoeArch, slots: int, length: int, cache_bytes: int, mib: float | None) -> int:
+    """The KV slots: ``slots`` (--max-batch-size), at most what ``mib`` (--kv-cache-mib) holds of sequences of
+    ``length`` tokens at 2 x layers x KV heads x head_dim x ``cache_bytes`` bytes per token (None: no memory bound):
+    twice as many with an FP8 cache as with a bf16 one."""
+    if mib is None:
+        return slots
+    per_seq = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * cache_bytes * length
+    fits = int(mib * 2**20 // per_seq)
+    if fits < 1:
+        raise ConfigError(f"--kv-cache-mib: {mib:g} MiB holds no sequence of {length} tokens ({per_seq} bytes each)")
+    return min(slots, fits)
 
 
 class Layer:
@@ -84,15 +135,19 @@ class Qwen3MoeEngineModel:
     """The network, its store of checkpoint-format tensors and a KV cache of ``slots`` sequences."""
 
     def __init__(self, arch: Qwen3MoeArch, tensors: dict[str, Tensor], quant_cfg: dict | None,
-                 dtype: torch.dtype, slots: int, max_seq_len: int, numerics: str = "default"):
+                 dtype: torch.dtype, slots: int, max_seq_len: int, numerics: str = "default",
+                 kv_cache_dtype: str = "auto"):
         """``numerics`` "exact": every forward runs serve/exact_forward.py (numerics/ kernels, a float32 KV
-        cache holding values rounded to ``dtype``), bit for bit what the learner's exact forward computes."""
+        cache holding values rounded to ``dtype``), bit for bit what the learner's exact forward computes.
+        ``kv_cache_dtype``: SGLang's --kv-cache-dtype (``to_cache``; exact: a float32 cache of the values read back)."""
         if arch.attention_bias:
             raise ConfigError("config.json: attention_bias=true is not supported by the embedded engine")
         self.arch, self.dtype = arch, dtype
         self.scheme, group = scheme_of(quant_cfg) if quant_cfg else ("bf16", None)
         fp8_block = group if self.scheme == "w8a8_fp8" else None
         raw = dict(tensors)
+        self.kv_dtype, self.kv_scales = kv_cache_dtype, kv_scales(raw, arch.num_hidden_layers)
+        self.kv_tables = kv_tables(self.kv_scales, kv_cache_dtype, dtype)
         self.store: dict[str, Tensor] = {}
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             if name not in raw:
@@ -110,7 +165,7 @@ class Qwen3MoeEngineModel:
         self.capture: list[Tensor] | None = None  # forward appends each layer's top-k expert ids here when a list
         self.slots, self.max_seq_len = slots, max_seq_len
         kv_shape = (arch.num_hidden_layers, slots, arch.num_key_value_heads, max_seq_len, arch.head_dim)
-        cache_dtype = torch.float32 if numerics == "exact" else dtype
+        cache_dtype = torch.float32 if numerics == "exact" else torch.uint8 if kv_cache_dtype in FP8 else dtype
         self.k_cache = torch.zeros(kv_shape, dtype=cache_dtype)
         self.v_cache = torch.zeros(kv_shape, dtype=cache_dtype)
         self.exact = None
@@ -129,12 +184,13 @@ class Qwen3MoeEngineModel:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype, slots: int, max_seq_len: int | None,
-                       numerics: str = "default"):
+                       numerics: str = "default", kv_cache_dtype: str = "auto", kv_cache_mib: float | None = None):
         arch = Qwen3MoeArch.from_model_dir(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         length = min(max_seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
-        return cls(arch, dict(iter_safetensors(model_dir)), config.get("quantization_config"), dtype, slots, length,
-                   numerics)
+        cache_bytes = 4 if numerics == "exact" else kv_bytes_per_element(kv_cache_dtype, dtype.itemsize)
+        return cls(arch, dict(iter_safetensors(model_dir)), config.get("quantization_config"), dtype,
+                   kv_slots(arch, slots, length, cache_bytes, kv_cache_mib), length, numerics, kv_cache_dtype)
 
     # -------------------------------------------------------------------------------- weight updates
     def update_tensors(self, tensors: dict[str, Tensor]) -> None:
@@ -209,6 +265,8 @@ class Qwen3MoeEngineModel:
         q_BHTD, k_BHTD = qk_BHTD[:, :hq], qk_BHTD[:, hq:]
         v_BHTD = qkv[:, (hq + hkv) * d :].view(b, t, hkv, d).transpose(1, 2)
         kc, vc = self.k_cache[layer.index], self.v_cache[layer.index]  # [slots, Hkv, S, D]
+        (ks, vs), kv, act = self.kv_scales[layer.index], self.kv_dtype, self.dtype
+        k_BHTD, v_BHTD = to_cache(k_BHTD, kv, ks, act), to_cache(v_BHTD, kv, vs, act)
         if b == 1 and (t == 1 or t == kv_len):
             # one sequence (batch-1 decode, or a prefill from position 0): the cache rows are a view
             # and need no mask (decode: every cached position is visible; prefill: plain causal)
@@ -223,6 +281,9 @@ class Qwen3MoeEngineModel:
             vc[bidx, :, pos_BT] = v_BHTD.transpose(1, 2)
             keys, values = kc[slots_B, :, :kv_len], vc[slots_B, :, :kv_len]  # [B, Hkv, L, D]
             mask = (torch.arange(kv_len)[None, None, :] <= pos_BT[:, :, None])[:, None]  # [B, 1, T, L]
+        # every key read comes from the cache, the new tokens' too (SGLang's paged attention: quantization.md)
+        kt, vt = self.kv_tables[layer.index]
+        keys, values = from_cache(keys, kt), from_cache(values, vt)
         o_BHTD = self._sdpa(q_BHTD, keys, values, mask)
         return layer.o(o_BHTD.transpose(1, 2).reshape(b * t, -1)).view(b, t, -1)
 

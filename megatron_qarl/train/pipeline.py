@@ -128,6 +128,17 @@ def mismatch_split(logp_old_BT: torch.Tensor, logp_old_unscaled_BT: torch.Tensor
     return m
 
 
+def kv_cache_split(logp_aligned_BT: torch.Tensor, logp_unaware_BT: torch.Tensor,
+                   mask_BT: torch.Tensor) -> dict[str, float]:
+    """The FP8 KV cache's part of d_quant (``mismatch_split``; rollout.kv_cache_dtype with learner.aligned): the
+    learner's unscaled log-probs on the keys and values the servers' cache reads back (``logp_aligned``, those of
+    d_quant) against those on its own (``logp_unaware``, one more forward at the same weights), d_kv = logp_unaware
+    - logp_aligned = d_quant(unaware learner) - d_quant(aligned): what the cache's rounding would add to the
+    quantization part without the alignment. Returns mismatch_kv/* (algo/mismatch.py's statistics)."""
+    return {f"mismatch_kv/{k}": float(v) for k, v in mismatch_metrics(logp_unaware_BT, logp_aligned_BT,
+                                                                       mask_BT).items()}
+
+
 @dataclasses.dataclass
 class Rollout:
     """One step's rollout: its prompts (and the data position before them), its samples once done."""

@@ -40,7 +40,13 @@ from megatron_qarl.learner.rank import Batch
 from megatron_qarl.rollout.manager import RoutesSpec, Sample
 from megatron_qarl.train.evaluation import Evaluation, response_texts
 from megatron_qarl.train.metrics import scalar, step_metrics
-from megatron_qarl.train.pipeline import RolloutPipeline, mismatch_split, rescored_BT, staleness_metrics
+from megatron_qarl.train.pipeline import (
+    RolloutPipeline,
+    kv_cache_split,
+    mismatch_split,
+    rescored_BT,
+    staleness_metrics,
+)
 from megatron_qarl.train.rollouts import TrainingAborted, TrainRollouts
 from megatron_qarl.train.tracking import Tracker
 
@@ -207,8 +213,13 @@ class Trainer:
         more aligned forward at temperature 1 (with the same replayed routes under R3)."""
         unscaled_BT = logp_old_BT if self.cfg.rollout.sampling.temperature == 1.0 else self.learners.logprobs(
             batch.tokens_BS, batch.extra.get("routes_BSLK"), temperature=1.0, lengths=loss_lengths(batch.loss_mask_BT))
-        return mismatch_split(logp_old_BT, unscaled_BT, rescored_BT(groups, rescored, tuple(logp_sampler_BT.shape)),
-                              logp_sampler_BT, batch.loss_mask_BT)
+        m = mismatch_split(logp_old_BT, unscaled_BT, rescored_BT(groups, rescored, tuple(logp_sampler_BT.shape)),
+                           logp_sampler_BT, batch.loss_mask_BT)
+        if self.cfg.rollout.kv_cache_dtype != "auto" and self.cfg.learner.aligned:  # the FP8 KV cache's part
+            unaware_BT = self.learners.logprobs(batch.tokens_BS, batch.extra.get("routes_BSLK"), temperature=1.0,
+                                                lengths=loss_lengths(batch.loss_mask_BT), kv_cache=False)
+            m.update(kv_cache_split(unscaled_BT, unaware_BT, batch.loss_mask_BT))
+        return m
 
     def _count_nonfinite(self, step: int, loss_metrics: dict[str, float]) -> None:
         """A skipped update (non-finite loss or gradient) counts; train.max_nonfinite_in_row of them in a row
