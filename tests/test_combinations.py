@@ -46,7 +46,7 @@ def test_the_space_is_the_product_of_the_config_types():
     assert dims["model.experts"] == ("auto", "sequential", "grouped")
     assert dims["model.attention"] == ("auto", "sdpa", "unfused")
     assert dims["rollout.kv_cache_dtype"] == ("auto", "fp8_e4m3", "fp8_e5m2")
-    assert cs.SIZE == 2_488_320
+    assert cs.SIZE == 7_464_960
 
 
 def _is_key(dotted: str) -> bool:
