@@ -57,4 +57,3 @@ allreduce  # moe/grouped.py: Megatron's parameter attribute: DDP and the optimiz
 backward_dw  # moe/grouped.py GroupedExperts: Megatron's MoE layer calls its experts' backward_dw (delayed wgrad)
 attention_type  # moe/attention.py SDPAttention(...): Megatron's core-attention builder signature (CoreAttentionBuilder)
 cp_comm_type  # moe/attention.py SDPAttention(...): Megatron's core-attention builder signature (context parallel 1)
-core_attention  # moe/model.py layer_spec: a field of Megatron's SelfAttentionSubmodules, read when it builds a layer

@@ -134,7 +134,8 @@ def test_the_te_specs_core_attention_takes_the_fp8_kv_caches_keys_and_values(tin
 
     arch = Qwen3MoeArch.from_model_dir(tiny_model_dir)
     hf = SafetensorsDir(tiny_model_dir)
-    te_model, local = _te_model_from_megatrons_spec(arch), build_model(arch)
+    # the stand-ins attend as Megatron's DotProductAttention (tests/te_standins.py): the same kernels locally
+    te_model, local = _te_model_from_megatrons_spec(arch), build_model(arch, attention="unfused")
     assert type(te_model.decoder.layers[0].self_attention.core_attention).__name__ == "TEDotProductAttentionStandIn"
     load_hf_into_model(te_model, arch, hf)
     load_hf_into_model(local, arch, hf)

@@ -105,25 +105,18 @@ class Learner:
         Transformer Engine layers, in BF16 GEMMs on ModelOpt's fake-quant operands for the quantized schemes
         (``qat/modules.py``). ``te_fp8``: ``model.te_fp8``, TE's blockwise FP8 GEMMs (impl te, schemes bf16 and w4a16,
         ``moe.te.check_te_fp8``).
-        ``compile_quantizer``: learner.compile_quantizer (``qat.quantizer.fake_quantize_weight``); ``refresh_kernel``:
-        learner.refresh_kernel (``qat.modules.resolve_refresh_kernel``). ``experts``: ``model.experts`` (auto |
-        sequential | grouped: the local spec's experts, ``moe.grouped.resolve_experts``).
-        The memory options: see the class docstring. ``numerics`` "exact": log-probs from moe/exact.py (the rollout
-        engine's numerics/ kernels, its rounding points to ``act_dtype``, the servers' activation dtype).
-        ``attention``: ``model.attention`` (auto | sdpa | unfused), the local spec's core attention
-        (``moe.attention``); ``self.attention`` is what was built: "sdpa", "unfused" or "te".
+        ``compile_quantizer``, ``refresh_kernel``: learner.*; the memory options: the class docstring. ``numerics``
+        "exact": log-probs from moe/exact.py (the engine's numerics/ kernels, rounding to ``act_dtype``, the servers'
+        activation dtype). ``attention``, ``experts``: model.* (``resolve_spec``: ``self.attention``, ``self.experts``
+        what was built: sdpa / unfused / te, grouped / sequential / te).
         ``kv_cache``: the servers' FP8 KV cache (rollout.kv_cache_dtype); the aligned learner's attention computes
         on the keys and values it reads back (qat/kv_cache.py ``KVFakeQuant``), an unaligned one on its own."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        if not temperature > 0:
-            raise ValueError(f"temperature: {temperature} must be > 0 (the learner divides its logits by it)")
-        self.arch = arch
-        self.parallel = parallel
-        self.temperature = float(temperature)
-        check_options(routing_replay, recompute, optimizer_cpu_offload)
+        check_options(temperature, routing_replay, recompute, optimizer_cpu_offload)
+        self.arch, self.parallel, self.temperature = arch, parallel, float(temperature)
         self.impl, self.attention, self.experts = resolve_spec(impl, attention, experts, te_fp8,
                                                               (quant or QuantConfig()).scheme, arch, parallel, dtype)
         self.module = build_model(arch, tp=parallel.tp, ep=parallel.ep, sp=parallel.sp, dtype=dtype,
@@ -341,8 +334,10 @@ class Learner:
 
 
 
-def check_options(routing_replay: bool, recompute: str, optimizer_cpu_offload: bool) -> None:
+def check_options(temperature: float, routing_replay: bool, recompute: str, optimizer_cpu_offload: bool) -> None:
     """ValueError naming the option a learner cannot take here."""
+    if not temperature > 0:
+        raise ValueError(f"temperature: {temperature} must be > 0 (the learner divides its logits by it)")
     if routing_replay and recompute == "full":
         raise ValueError("recompute: 'full' reruns the routers in the backward, where they would route on their "
                          "own instead of replaying (routing_replay); use 'selective' or 'none'")
