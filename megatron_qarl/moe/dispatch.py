@@ -44,6 +44,9 @@ def sort_by_expert(routing_map: Tensor, probs: Tensor, slots: int) -> tuple[Tens
     """(token index of each slot, its prob), slots ordered by expert then token: ``masked_select``'s order over
     ``routing_map^T`` (module docstring). ``slots``: the number of True entries (T * k dropless), known on the host."""
     tokens = routing_map.shape[0]
+    # the map must hold exactly ``slots`` routes (a token routed twice to one expert, by replayed routes, would leave
+    # fewer): checked on the device, no host read; a wrong count would hand the experts unrouted rows
+    torch._assert_async(routing_map.sum() == slots, "MoE routing map: not the expected number of routes")
     # cloned: the slice would keep the whole [E * T] argsort alive, saved for the backward of the probs' gather
     order = torch.argsort(routing_map.T.reshape(-1).to(torch.int8), descending=True, stable=True)[:slots].clone()
     return order % tokens, probs.T.reshape(-1).index_select(0, order)
@@ -146,6 +149,15 @@ def sort_dispatch(model: torch.nn.Module) -> None:
     the MoELayer class itself, by identity.)"""
     kinds = {MoEAlltoAllTokenDispatcher: SortedAlltoAllDispatcher,
              MoEAllGatherTokenDispatcher: SortedAllGatherDispatcher}
+    config = getattr(model, "config", None)
+    # what the sort assumes: dropless routing, exactly top-k experts per token, no padding, no fused permutation
+    taken = {"moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
+             "moe_router_padding_for_quantization": False, "moe_permute_fusion": False,
+             "moe_shared_expert_overlap": False}
+    for key, value in taken.items():
+        if config is not None and getattr(config, key, value) != value:
+            raise ValueError(f"moe/dispatch.py: the sorted permutation assumes {key}={value!r}, the model has "
+                             f"{getattr(config, key)!r}")
     for module in model.modules():
         if isinstance(module, MoELayer):
             kind = kinds.get(type(module.token_dispatcher))

@@ -58,9 +58,11 @@ def _no_fast_path(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cuda":
         return f"no grouped_mm kernel on {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
-    if major not in (9, 10):
-        return (f"this GPU (sm_{major}{minor}) has no single-kernel grouped_mm in torch {torch.__version__} (sm_90 and "
-                "sm_100 have): torch loops over the experts and copies the offsets to the host in every layer")
+    if major != 9:
+        return (f"this GPU (sm_{major}{minor}): torch {torch.__version__}'s grouped_mm is one kernel on sm_90 and "
+                "sm_100 only (elsewhere it loops over the experts and copies the offsets to the host in every "
+                "layer), and on sm_100 it gives an expert with no token a non-zero weight gradient "
+                "(pytorch/pytorch#172439, open)")
     if dtype != torch.bfloat16:
         return (f"{dtype} parameters: torch's grouped_mm is one kernel for bfloat16 operands only (model.dtype "
                 "bfloat16); otherwise it loops over the experts and copies the offsets to the host in every layer")
@@ -101,7 +103,8 @@ class _DenseGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ARG004
-        return grad.contiguous()
+        # an empty expanded gradient is "contiguous" with zero strides, which grouped_mm refuses too: a copy
+        return grad.clone(memory_format=torch.contiguous_format) if grad.numel() == 0 else grad.contiguous()
 
 
 def grouped_linear(x: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
@@ -138,6 +141,9 @@ class GroupedExperts(MegatronModule):
             raise ConfigError("model.experts: grouped computes Megatron's unfused GLU without biases in the "
                               "parameters' precision (use_te_activation_func, bias_activation_fusion, "
                               "add_bias_linear, fp8 / fp4 off)")
+        if cfg.recompute_granularity == "selective" and "moe_act" in (cfg.recompute_modules or []):
+            raise ConfigError("model.experts: grouped does not recompute its activation (Megatron's 'moe_act' "
+                              "recompute module); use model.experts=sequential or another recompute")
         self.num_local_experts = num_local_experts
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
         etp, etp_rank = self.tp_group.size(), self.tp_group.rank()
@@ -206,17 +212,26 @@ class GroupedExperts(MegatronModule):
         ShardedTensorFactory per parameter builds, from whatever tensor of the parameter's shape it is handed (the
         weights, or an optimizer state of the model-space formats), the ShardedTensors of every local expert under
         SequentialMLP's keys and offsets, and stacks them back on load; ``_extra_state`` entries as its linears'.
-        Experts are written as singleton local shards (each under a key of its global index, ``experts.E.``) where
-        the metadata asks, and where ModelOpt converted the linears: its QuantSequentialMLP always asks (ModelOpt
-        0.47, plugins/megatron.py), so a quantized learner's checkpoint has those keys with either implementation."""
+
+        A quantized learner's keys follow what ModelOpt 0.47's plugins (plugins/megatron.py) make SequentialMLP write:
+        its QuantSequentialMLP (where it applies: ``qat.modules.quant_sequential_mlp_applies``) sets
+        ``metadata["singleton_local_shards"]`` (each expert under a key of its global index, ``experts.E.``), and each
+        expert's QuantMLP sets it for its own linears (fc1's SwiGLU halves as ``_w`` / ``_v`` keys) where the
+        container did not; both set it in the dict every later layer is handed, so the layers after the first write
+        singleton keys. The same happens here, so either implementation writes the same checkpoint at any layout
+        (tests/test_grouped_experts.py)."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
         metadata = ensure_metadata_has_dp_cp_group(metadata)
-        single = bool(metadata.get("singleton_local_shards", False)) or hasattr(self.linear_fc1, "weight_quantizer")
+        quantized = hasattr(self.linear_fc1, "weight_quantizer")
+        if self._quantized_by_modelopt():
+            metadata["singleton_local_shards"] = True  # QuantSequentialMLP's, in the dict it is handed
+        single = bool(metadata.get("singleton_local_shards", False))
+        halves_single = single or quantized  # each expert's QuantMLP: its SwiGLU halves under keys of their own
         out = {}
         for name in ("linear_fc1", "linear_fc2"):
-            build = functools.partial(self._expert_tensors, name, prefix, sharded_offsets, metadata, single)
+            build = functools.partial(self._expert_tensors, name, sharded_offsets, metadata, single, halves_single)
             out[f"{prefix}{name}.weight"] = ShardedTensorFactory(f"{prefix}experts.{name}.weight",
                                                                  getattr(self, name).weight, build, _stack_experts,
                                                                  (0, 0, self.dp_group.rank()))
@@ -229,7 +244,19 @@ class GroupedExperts(MegatronModule):
                 obj.key = self._expert_prefix(e, prefix, single) + obj.key[len(local):]
                 obj.replica_id = (*obj.replica_id[:2], self.dp_group.rank())
                 out[f"{prefix}expert{e}.{k[len(local):]}"] = obj
+        if quantized:
+            metadata["singleton_local_shards"] = True  # as each expert's QuantMLP leaves it for the layers after
         return out
+
+    def _quantized_by_modelopt(self) -> bool:
+        """Whether this layer's experts would be ModelOpt's QuantSequentialMLP with sequential experts (quantized, and
+        a layout ModelOpt's plugin takes: ``qat.modules.quant_sequential_mlp_applies``), which writes singleton keys."""
+        if not hasattr(self.linear_fc1, "weight_quantizer"):
+            return False
+        from megatron_qarl.qat.modules import quant_sequential_mlp_applies
+
+        return quant_sequential_mlp_applies(self.config.tensor_model_parallel_size,
+                                            self.config.expert_model_parallel_size)
 
     def _global(self, e: int) -> int:
         return self.ep_group.rank() * self.num_local_experts + e
@@ -243,8 +270,8 @@ class GroupedExperts(MegatronModule):
         n_global = self.ep_group.size() * self.num_local_experts
         return (*sharded_offsets, (len(sharded_offsets), self._global(e), n_global))
 
-    def _expert_tensors(self, name: str, prefix: str, sharded_offsets: tuple, metadata: dict, single: bool, key: str,
-                        t: Tensor, replica_id, flattened_range) -> list:
+    def _expert_tensors(self, name: str, sharded_offsets: tuple, metadata: dict, single: bool, halves_single: bool,
+                        key: str, t: Tensor, replica_id, flattened_range) -> list:
         """The ShardedTensors of each local expert's rows of ``t`` (``name``'s shape) under ``key`` (the weight's,
         or an optimizer state's: its prefix is kept): as SequentialMLP builds them (its linears'
         make_sharded_tensors_for_checkpoint, fc1's SwiGLU halves, its keys and replica ids)."""
@@ -259,10 +286,16 @@ class GroupedExperts(MegatronModule):
             offsets = self._expert_offsets(e, sharded_offsets, single)
             sh = make_sharded_tensors_for_checkpoint({"w": t[e]}, "", {"w": axis}, offsets, tp_group=self.tp_group,
                                                      dp_cp_group=metadata["dp_cp_group"])["w"]
-            sh.key = key.replace(f"{prefix}experts.", self._expert_prefix(e, prefix, single), 1)
+            # the key as handed in (Megatron's TransformerBlock may have renamed the factory's, an optimizer prefixed
+            # it): its own ``experts.linear_fcN.weight`` end gets the expert's global index where experts are singletons
+            end = f"experts.{name}.weight"
+            head = key[: -len(end)] if key.endswith(end) else None
+            if head is None:
+                raise ValueError(f"{key}: a grouped expert key ends with {end}")
+            sh.key = head + (f"experts.{self._global(e)}.{name}.weight" if single else end)
             sh.replica_id = (*replica_id[:2], self.dp_group.rank())
             if name == "linear_fc1" and self.config.gated_linear_unit:
-                experts.append(apply_swiglu_sharded_factory(sh, offsets, single).build())
+                experts.append(apply_swiglu_sharded_factory(sh, offsets, halves_single).build())
             else:
                 experts.append([sh])
         return experts

@@ -170,6 +170,14 @@ def modelopt_config(cfg: QuantConfig) -> dict:
     }
 
 
+def quant_sequential_mlp_applies(tp: int, ep: int) -> bool:
+    """Whether ModelOpt's QuantSequentialMLP converts a quantized learner's SequentialMLP: not at TP > 1 with EP > 1
+    (``_sequential_mlp_as_children``). Its sharded_state_dict writes every expert under a key of its own
+    (singleton_local_shards), so the grouped experts of a quantized learner do where it applies
+    (moe/grouped.py ``GroupedExperts.sharded_state_dict``): the two write the same checkpoint keys at any layout."""
+    return not (tp > 1 and ep > 1)
+
+
 @contextlib.contextmanager
 def _sequential_mlp_as_children(model: torch.nn.Module, lay: Layout):
     """ModelOpt 0.47's QuantSequentialMLP refuses TP > 1 with EP > 1: its sharded state of calibrated amax gets the
@@ -177,7 +185,7 @@ def _sequential_mlp_as_children(model: torch.nn.Module, lay: Layout):
     (``moe.model.expert_tp``) and our quantizers hold no calibrated state, so at TP > 1 with EP > 1 the
     SequentialMLP container stays a Megatron module during ``mtq.quantize`` (its expert linears are still
     converted), and its expert linears get the parallel state QuantSequentialMLP would give them."""
-    if not (lay.tp > 1 and lay.ep > 1):
+    if quant_sequential_mlp_applies(lay.tp, lay.ep):
         yield
         return
     from megatron.core import parallel_state as ps
