@@ -111,7 +111,8 @@ SIZE = int(np.prod([len(d.values) for d in DIMENSIONS]))
 # what every combination runs with besides its dimensions: float32 on both sides (the aligned learner and the
 # servers compute the same low-bit weights, so their log-probs agree to ~1e-6), and what a backend needs to load
 COMMON = {"model.dtype": "float32", "rollout.dtype": "float32"}
-BACKEND_BASE = {"embedded": {}, "vllm": {}, "sglang": {"rollout.gpus_per_server": 1}}
+# SGLang: bf16 servers (its FP8 KV cache runs FlashInfer, which has no float32 kernels: preflight/rules.py)
+BACKEND_BASE = {"embedded": {}, "vllm": {}, "sglang": {"rollout.gpus_per_server": 1, "rollout.dtype": "bfloat16"}}
 
 
 def overrides_of(combo: tuple) -> dict:

@@ -73,7 +73,7 @@ def pack(tokens_BS: torch.Tensor, lengths: list[int], multiple: int = 1, pad_id:
     # the next token of its row; after a row's last token any label (that log-prob is never read)
     labels = torch.roll(tokens, -1)
     total = index.numel()
-    pad = (-total) % multiple
+    pad = (-total) % multiple if total else max(multiple, 1)  # no row to score: one segment of padding to run on
     bounds = [0]
     for _, n in kept:
         bounds.append(bounds[-1] + n)

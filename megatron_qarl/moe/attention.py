@@ -46,6 +46,8 @@ local spec (``moe.te.resolve_impl``). ``numerics: exact`` computes attention wit
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -100,14 +102,34 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: tor
     return out.reshape(b, heads, s, d)
 
 
-def _varlen_attn():
-    """torch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``, CUDA), None in a torch
-    without it (the learner pins torch 2.13, which has it; a GPU image may bring its own torch)."""
+HALF = (torch.float16, torch.bfloat16)  # the dtypes of the CUDA flash kernels (varlen_attn, SDPA's GQA on CUDA)
+
+
+@functools.cache
+def _varlen_kernel():
+    """torch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``, CUDA) where it takes what
+    ``SDPAttention`` hands it (torch 2.13's signature: ``scale``, ``window_size``, ``enable_gqa``), else None: a torch
+    without it, or an older one (torch 2.10's takes ``is_causal`` and no ``window_size``; a GPU image may bring its own
+    torch), runs the per-sequence loop instead."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
+    if not {"scale", "window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters):
+        return None
     return varlen_attn
+
+
+def _varlen_attn(t: torch.Tensor):
+    """``_varlen_kernel`` for operands ``t`` it takes: fp16 / bf16 only (flash attention's dtypes), else None."""
+    return _varlen_kernel() if t.dtype in HALF else None
+
+
+def _native_gqa(t: torch.Tensor) -> bool:
+    """Whether SDPA takes ``t``'s grouped query heads itself (``enable_gqa``): CUDA's flash kernel, fp16 / bf16 only
+    (torch's scaled_dot_product_attention: GQA "works only for Flash_attention and math kernel on CUDA"; in float32 it
+    would run the math kernel, s^2 scores and repeated K / V), else the expanded-view path of ``grouped_sdpa``."""
+    return _cuda_kernels(t) and t.dtype in HALF
 
 
 def _cuda_kernels(t: torch.Tensor) -> bool:
@@ -158,7 +180,7 @@ class SDPAttention(torch.nn.Module):
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)
         v = value.contiguous().permute(1, 2, 0, 3)  # a view of the fused qkv output: keep only V's own bytes
-        out = grouped_sdpa(q, k, v, mask=mask, causal=causal, scale=self.softmax_scale, native_gqa=_cuda_kernels(q))
+        out = grouped_sdpa(q, k, v, mask=mask, causal=causal, scale=self.softmax_scale, native_gqa=_native_gqa(q))
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -180,7 +202,7 @@ class SDPAttention(torch.nn.Module):
             raise ValueError("SDPAttention: packed sequences need the same cu_seqlens for queries and keys, unpadded")
         v = value.contiguous()
         cuda = _cuda_kernels(query)
-        varlen_attn = _varlen_attn() if cuda else None
+        varlen_attn = _varlen_attn(query) if cuda else None
         if varlen_attn is not None:
             cu_q = cu_k = cu_q.to(query.device, non_blocking=True)  # from the host (learner/packing.py), no sync
             out = varlen_attn(query, key, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv,
@@ -188,7 +210,7 @@ class SDPAttention(torch.nn.Module):
             return out.reshape(out.shape[0], -1)
         lengths = (cu_q[1:] - cu_q[:-1]).tolist()
         parts = [grouped_sdpa(q.permute(1, 0, 2)[None], k.permute(1, 0, 2)[None], vv.permute(1, 0, 2)[None], mask=None,
-                              causal=True, scale=self.softmax_scale, native_gqa=cuda)[0].permute(1, 0, 2)
+                              causal=True, scale=self.softmax_scale, native_gqa=_native_gqa(query))[0].permute(1, 0, 2)
                  for q, k, vv in zip(query.split(lengths), key.split(lengths), v.split(lengths), strict=True)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)  # one sequence: the kernel's output, no copy
         return out.reshape(query.shape[0], -1)

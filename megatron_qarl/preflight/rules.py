@@ -42,6 +42,10 @@ def check_sglang(cfg: QarlConfig) -> None:
                           "(docs/rollout.md, 'Delta weight sync')")
     if ro.gpus_per_server < 1:
         raise ConfigError("rollout.gpus_per_server: sglang servers need at least 1 GPU")
+    if ro.kv_cache_dtype != "auto" and ro.dtype != "bfloat16":
+        raise ConfigError(f"rollout.kv_cache_dtype: {ro.kv_cache_dtype} with rollout.backend=sglang and "
+                          f"rollout.dtype={ro.dtype}: the FP8 cache runs on SGLang's FlashInfer attention, which has "
+                          "no float32 kernels; the learner models the cache's reads in rollout.dtype: use bfloat16")
     if ro.dp_size != 1:
         raise ConfigError(f"rollout.dp_size: {ro.dp_size}: SGLang's weight updates assert dp_size == 1 "
                           "(an updatable server is one data-parallel replica); raise rollout.servers instead")

@@ -55,17 +55,41 @@ FP8: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torc
 SCALE_NAMES = ("model.layers.{i}.self_attn.attn.k_scale", "model.layers.{i}.self_attn.attn.v_scale")
 
 
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def _scale(scale: float, device: torch.device) -> Tensor:
+    """The scale as a float32 tensor on ``device``, made once per (scale, device): a division by a tensor on the
+    operand's device is a true division (CUDA's division by a CPU scalar multiplies by its reciprocal), and a tensor
+    made from a Python number for each call would be a copy to the device, waited for, in every layer."""
+    key = (float(scale), str(device))
+    held = _SCALES.get(key)
+    if held is None:
+        held = _SCALES[key] = torch.tensor(scale, dtype=torch.float32, device=device)
+    return held
+
+
+_SCALES: dict[tuple[float, str], Tensor] = {}
+
+
 def kv_store(x: Tensor, scale: float, fp8: torch.dtype, act: torch.dtype) -> Tensor:
     """SGLang's write: fp8(act(float32(x) / scale)), the codes as ``fp8`` (``x`` in any float dtype: it is taken in
-    ``act`` first, the server's K / V)."""
-    s = torch.tensor(scale, dtype=torch.float32, device=x.device)  # a tensor on x's device: a true division
-    return (x.to(act).float() / s).to(act).to(fp8)
+    ``act`` first, the server's K / V). e4m3 saturates at +-448 (torch 2.13 / 2.14's cast, SGLang's servers'): clamped
+    first, nan kept, so that a learner's older torch, whose cast gave nan from about 464, rounds the same. Scale 1 (the
+    only one SGLang 0.5.23's Qwen3-MoE has, module docstring): x / 1 and act(float32(act(x))) are act(x) exactly, so
+    the division is left out (the same bits, two kernels and no scale tensor fewer)."""
+    y = x.to(act) if scale == 1.0 else (x.to(act).float() / _scale(scale, x.device)).to(act)
+    if fp8 == torch.float8_e4m3fn:
+        y = y.clamp(-E4M3_MAX, E4M3_MAX)
+    return y.to(fp8)
 
 
 def kv_load(codes: Tensor, scale: float, act: torch.dtype) -> Tensor:
-    """The attention's read of stored codes: act(float32(codes) * scale)."""
-    s = torch.tensor(scale, dtype=torch.float32, device=codes.device)
-    return (codes.float() * s).to(act)
+    """The attention's read of stored codes: act(float32(codes) * scale) (scale 1: act(codes), the same bits: an FP8
+    value is exact in float32, bfloat16 and float16)."""
+    if scale == 1.0:
+        return codes.to(act)
+    return (codes.float() * _scale(scale, codes.device)).to(act)
 
 
 def kv_load_table(fp8: torch.dtype, scale: float, act: torch.dtype) -> Tensor:

@@ -100,6 +100,12 @@ def launch_command(spec: SGLangServerSpec, python: str = sys.executable) -> list
     if spec.return_routed_experts:
         cmd += ["--enable-return-routed-experts"]
     if spec.kv_cache_dtype != "auto":
+        if not spec.deterministic_inference:
+            raise ValueError(f"kv_cache_dtype {spec.kv_cache_dtype}: needs deterministic_inference (without it "
+                             "FlashInfer's ragged prefill attends to a prefill's own keys and values unrounded)")
+        if "--attention-backend" in spec.extra_args:
+            raise ValueError(f"kv_cache_dtype {spec.kv_cache_dtype}: extra_args may not choose --attention-backend "
+                             "(the FP8 cache's reads are FlashInfer's, which the learner models)")
         cmd += ["--kv-cache-dtype", spec.kv_cache_dtype, "--attention-backend", "flashinfer"]
     if spec.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
