@@ -128,6 +128,14 @@ class GroupedLinear(torch.nn.Module):
         return grouped_linear(x, self.weight, offs)
 
 
+def quant_sequential_mlp_applies(tp: int, ep: int) -> bool:
+    """Whether ModelOpt's QuantSequentialMLP converts a quantized learner's SequentialMLP: not at TP > 1 with EP > 1
+    (qat/modules.py ``_sequential_mlp_as_children``). Its sharded_state_dict writes every expert under a key of its own
+    (singleton_local_shards), so the grouped experts of a quantized learner do where it applies
+    (``GroupedExperts.sharded_state_dict``): the two write the same checkpoint keys at any layout."""
+    return not (tp > 1 and ep > 1)
+
+
 class GroupedExperts(MegatronModule):
     """The local experts of one MoE layer in ``SequentialMLP``'s place (the local layer spec, moe/model.py): the same
     constructor and forward signatures, parameters ``linear_fc1.weight`` [E, 2F/ETP, H] and ``linear_fc2.weight``
@@ -214,7 +222,7 @@ class GroupedExperts(MegatronModule):
         SequentialMLP's keys and offsets, and stacks them back on load; ``_extra_state`` entries as its linears'.
 
         A quantized learner's keys follow what ModelOpt 0.47's plugins (plugins/megatron.py) make SequentialMLP write:
-        its QuantSequentialMLP (where it applies: ``qat.modules.quant_sequential_mlp_applies``) sets
+        its QuantSequentialMLP (where it applies: ``quant_sequential_mlp_applies``) sets
         ``metadata["singleton_local_shards"]`` (each expert under a key of its global index, ``experts.E.``), and each
         expert's QuantMLP sets it for its own linears (fc1's SwiGLU halves as ``_w`` / ``_v`` keys) where the
         container did not; both set it in the dict every later layer is handed, so the layers after the first write
@@ -250,11 +258,9 @@ class GroupedExperts(MegatronModule):
 
     def _quantized_by_modelopt(self) -> bool:
         """Whether this layer's experts would be ModelOpt's QuantSequentialMLP with sequential experts (quantized, and
-        a layout ModelOpt's plugin takes: ``qat.modules.quant_sequential_mlp_applies``), which writes singleton keys."""
+        a layout ModelOpt's plugin takes: ``quant_sequential_mlp_applies``), which writes singleton keys."""
         if not hasattr(self.linear_fc1, "weight_quantizer"):
             return False
-        from megatron_qarl.qat.modules import quant_sequential_mlp_applies
-
         return quant_sequential_mlp_applies(self.config.tensor_model_parallel_size,
                                             self.config.expert_model_parallel_size)
 

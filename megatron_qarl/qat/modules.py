@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from megatron_qarl.moe.convert import Layout, ParamMap, hf_to_shard, model_impl, param_maps, shards_to_hf
+from megatron_qarl.moe.grouped import quant_sequential_mlp_applies
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
 from megatron_qarl.qat.config import QuantConfig, is_quantized
@@ -168,14 +169,6 @@ def modelopt_config(cfg: QuantConfig) -> dict:
         ],
         "algorithm": None,
     }
-
-
-def quant_sequential_mlp_applies(tp: int, ep: int) -> bool:
-    """Whether ModelOpt's QuantSequentialMLP converts a quantized learner's SequentialMLP: not at TP > 1 with EP > 1
-    (``_sequential_mlp_as_children``). Its sharded_state_dict writes every expert under a key of its own
-    (singleton_local_shards), so the grouped experts of a quantized learner do where it applies
-    (moe/grouped.py ``GroupedExperts.sharded_state_dict``): the two write the same checkpoint keys at any layout."""
-    return not (tp > 1 and ep > 1)
 
 
 @contextlib.contextmanager
