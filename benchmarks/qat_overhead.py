@@ -91,42 +91,76 @@ def _pair(arch, off, scheme: str, compiled: bool, batch: int, seq: int, steps: i
 MODELS = ("tiny", "wide", "wide64")
 
 
-def run(steps: int, rounds: int, experts: tuple[str, ...] = ("sequential", "grouped"),
-        models: tuple[str, ...] = MODELS) -> str:
+def _models(names: tuple[str, ...]) -> list:
     from megatron_qarl.moe.model import Qwen3MoeArch
+
+    tiny = Qwen3MoeArch.from_model_dir(REPO / "checkpoints/tiny-qwen3-moe")
+    chosen = {"tiny": ("tiny (1.8M params, hidden 128, 8 experts)", tiny, 16, 64),
+              "wide": ("wide (hidden 2048, FFN 768, 16 experts, 2 layers)", wide_arch(16), 2, 64),
+              "wide64": ("wide64 (hidden 1024, FFN 384, 64 experts top-8, 2 layers)", wide_arch(64), 2, 64)}
+    return [chosen[m] for m in names]
+
+
+def _in_process(fn, *args, timeout: float = 3600.0) -> list:
+    """``fn(*args)`` in a fresh one-rank process (spawned; ``fn`` a module-level function): a learner's memory is
+    not all returned to the host when it is dropped (Megatron's and ModelOpt's global state keep references), and at
+    the wide model's size (~3 GiB of fp32 weights, gradients and Adam moments each) the learners of one model's every
+    scheme and both expert implementations do not fit a 24 GiB machine in one process. Bounded by ``timeout``."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_one_rank, fn, *args).result(timeout=timeout)
+
+
+def _one_rank(fn, *args):
     from megatron_qarl.moe.parallelize import init_parallel, run_ranks
 
     def body():
         init_parallel()
-        tiny = Qwen3MoeArch.from_model_dir(REPO / "checkpoints/tiny-qwen3-moe")
-        chosen = {"tiny": ("tiny (1.8M params, hidden 128, 8 experts)", tiny, 16, 64),
-                  "wide": ("wide (hidden 2048, FFN 768, 16 experts, 2 layers)", wide_arch(16), 2, 64),
-                  "wide64": ("wide64 (hidden 1024, FFN 384, 64 experts top-8, 2 layers)", wide_arch(64), 2, 64)}
-        rows = []
-        for label, arch, batch, seq in (chosen[m] for m in models):
-            offs = {impl: learner_of(arch, "bf16", experts=impl) for impl in experts}
-            for off in offs.values():
-                time_steps(off, arch, batch, seq, 1, torch.Generator().manual_seed(1))  # warm-up
-            if len(offs) == 2:  # grouped vs sequential, both off, taking turns
-                a, b, ratio, ratios = _turns(arch, *offs.values(), batch, seq, steps, rounds)
-                rows.append(_row(label, batch, seq, f"off: {experts[1]} vs {experts[0]}", a, b, ratio, ratios))
-            for impl, off in offs.items():
-                for scheme, compiled in SCHEMES[1:]:
-                    a, b, ratio, ratios = _pair(arch, off, scheme, compiled, batch, seq, steps, rounds, impl)
-                    name = scheme + (" (compile_quantizer)" if compiled else "")
-                    rows.append(_row(label, batch, seq, f"{impl}: {name}", a, b, ratio, ratios))
-            del offs
-        return rows
+        return fn(*args)
 
-    rows = run_ranks(1, body)[0]
+    return run_ranks(1, body)[0]
+
+
+def _versus(m: str, experts: tuple[str, ...], steps: int, rounds: int) -> list[str]:
+    """The two expert implementations' off learners, taking turns."""
+    (label, arch, batch, seq), = _models((m,))
+    first, second = (learner_of(arch, "bf16", experts=impl) for impl in experts)
+    for off in (first, second):
+        time_steps(off, arch, batch, seq, 1, torch.Generator().manual_seed(1))  # warm-up
+    a, b, ratio, ratios = _turns(arch, first, second, batch, seq, steps, rounds)
+    return [_row(label, batch, seq, f"off: {experts[1]} vs {experts[0]}", a, b, ratio, ratios)]
+
+
+def _scheme(m: str, impl: str, scheme: str, compiled: bool, steps: int, rounds: int) -> list[str]:
+    """One scheme's learner against the off one, both with ``impl``'s experts."""
+    (label, arch, batch, seq), = _models((m,))
+    off = learner_of(arch, "bf16", experts=impl)
+    time_steps(off, arch, batch, seq, 1, torch.Generator().manual_seed(1))  # warm-up
+    a, b, ratio, ratios = _pair(arch, off, scheme, compiled, batch, seq, steps, rounds, impl)
+    name = scheme + (" (compile_quantizer)" if compiled else "")
+    return [_row(label, batch, seq, f"{impl}: {name}", a, b, ratio, ratios)]
+
+
+def run(steps: int, rounds: int, experts: tuple[str, ...] = ("sequential", "grouped"),
+        models: tuple[str, ...] = MODELS) -> str:
+    rows = []
+    for m in models:
+        if len(experts) == 2:
+            rows += _in_process(_versus, m, experts, steps, rounds)
+        for impl in experts:
+            for scheme, compiled in SCHEMES[1:]:
+                rows += _in_process(_scheme, m, impl, scheme, compiled, steps, rounds)
     head = ["| model | batch x seq | experts: fake quant | off: median step (ms) | on: median step (ms) | vs off "
             "(median of rounds) | rounds' range |", "|---|---|---|---|---|---|---|"]
     cpu = platform.processor() or platform.machine()
     machine = f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     return "\n".join([f"Machine: {machine}; per scheme, {rounds} round(s) of {steps} timed steps of the off learner "
-                      "then of the fake-quant one (after a warm-up step each); the ratio of their medians per "
-                      "round, its median over rounds. The \"off\" rows set the two expert implementations' off "
-                      "learners against each other the same way (the second column is the first implementation's).",
+                      "then of the fake-quant one (after a warm-up step each; each pair in a process of its own); "
+                      "the ratio of their medians per round, its median over rounds. The \"off\" rows set the two "
+                      "expert implementations' off learners against each other the same way (the second column is "
+                      "the first implementation's).",
                       "", *head, *rows])
 
 

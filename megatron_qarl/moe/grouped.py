@@ -73,7 +73,7 @@ def resolve_experts(choice: str, *, impl: str, device: torch.device, dtype: torc
                     ffn_per_rank: int) -> str:
     """``model.experts`` on a learner: "te" on the Transformer Engine spec (its TEGroupedMLP), else "sequential"
     (Megatron's SequentialMLP) or "grouped" (this module). ``auto`` is grouped where torch's grouped matmul is
-    bit-equal and fast (the CPU; CUDA sm90 / sm100 with bfloat16 parameters) and the shapes allow it
+    bit-equal and fast (the CPU; CUDA sm90 with bfloat16 parameters: ``_no_fast_path``) and the shapes allow it
     (``check_shapes``), else sequential; an explicit ``grouped`` where it is not is refused, saying why."""
     if choice not in EXPERTS:
         raise ConfigError(f"model.experts: {choice!r} is not one of {', '.join(EXPERTS)}")

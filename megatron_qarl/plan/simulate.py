@@ -64,6 +64,7 @@ class SimResult:
     sync: dict[str, int]
     seconds: float
     micro_batch_tokens: int
+    modules: str = ""  # the learner's experts and core attention as built ("grouped experts, sdpa attention")
 
     def terms(self, phase: str = "train_step") -> dict[str, int]:
         """``phase``'s peak by the planner's terms: the persistent ones, ``activations`` (every activation kind),
@@ -346,6 +347,7 @@ def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_
                 init_parallel(tp=cfg.parallel.tp, ep=cfg.parallel.ep, seed=cfg.seed)
             with tracker.labelled("weights"):
                 learner = _build_learner(cfg, arch, micro)
+            modules = f"{learner.experts} experts, {learner.attention} attention"
             _relabel_model(learner, tracker)
             _wrap_optimizer(learner, tracker)
             _skip_host_adam(learner)
@@ -370,7 +372,7 @@ def simulate_learner(cfg: QarlConfig, *, layers: int | None = None, micro_batch_
     finally:
         destroy_parallel()
     return SimResult(layers=arch.num_hidden_layers, phases=measured, sync=sync,
-                     seconds=round(time.perf_counter() - t0, 1), micro_batch_tokens=micro * seq_len)
+                     seconds=round(time.perf_counter() - t0, 1), micro_batch_tokens=micro * seq_len, modules=modules)
 
 
 def _line(xa: float, xb: float, la: int, lb: int, layers: int) -> int:
@@ -391,7 +393,7 @@ def extrapolate(a: SimResult, b: SimResult, layers: int) -> dict:
 
 def _record(s: SimResult) -> dict:
     return {"layers": s.layers, "seconds": s.seconds, "micro_batch_tokens": s.micro_batch_tokens,
-            "phases": s.phases, "sync": s.sync}
+            "phases": s.phases, "sync": s.sync, "modules": s.modules}
 
 
 def simulate_config(cfg: QarlConfig, *, layers: tuple[int, ...] = (2, 4)) -> dict:
