@@ -37,6 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from megatron_qarl.errors import ConfigError
+from megatron_qarl.qat.config import quant_sequential_mlp_applies
 
 EXPERTS = ("auto", "sequential", "grouped")  # model.experts
 
@@ -126,14 +127,6 @@ class GroupedLinear(torch.nn.Module):
 
     def forward(self, x: Tensor, offs: Tensor) -> Tensor:
         return grouped_linear(x, self.weight, offs)
-
-
-def quant_sequential_mlp_applies(tp: int, ep: int) -> bool:
-    """Whether ModelOpt's QuantSequentialMLP converts a quantized learner's SequentialMLP: not at TP > 1 with EP > 1
-    (qat/modules.py ``_sequential_mlp_as_children``). Its sharded_state_dict writes every expert under a key of its own
-    (singleton_local_shards), so the grouped experts of a quantized learner do where it applies
-    (``GroupedExperts.sharded_state_dict``): the two write the same checkpoint keys at any layout."""
-    return not (tp > 1 and ep > 1)
 
 
 class GroupedExperts(MegatronModule):

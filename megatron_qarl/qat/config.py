@@ -184,3 +184,11 @@ def check_scheme(scheme: str) -> str:
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
     return scheme
+
+
+def quant_sequential_mlp_applies(tp: int, ep: int) -> bool:
+    """Whether ModelOpt's QuantSequentialMLP converts a quantized learner's SequentialMLP: not at TP > 1 with EP > 1
+    (qat/modules.py ``_sequential_mlp_as_children``). Its sharded_state_dict writes every expert under a key of its own
+    (singleton_local_shards), so the grouped experts of a quantized learner do where it applies
+    (moe/grouped.py ``GroupedExperts.sharded_state_dict``): the two write the same checkpoint keys at any layout."""
+    return not (tp > 1 and ep > 1)

@@ -56,10 +56,9 @@ import torch
 from torch import Tensor
 
 from megatron_qarl.moe.convert import Layout, ParamMap, hf_to_shard, model_impl, param_maps, shards_to_hf
-from megatron_qarl.moe.grouped import quant_sequential_mlp_applies
 from megatron_qarl.moe.model import Qwen3MoeArch
 from megatron_qarl.moe.parallelize import all_gather_tensors, to_group_device
-from megatron_qarl.qat.config import QuantConfig, is_quantized
+from megatron_qarl.qat.config import QuantConfig, is_quantized, quant_sequential_mlp_applies
 from megatron_qarl.qat.fake_quant import fake_quant_act, straight_through
 from megatron_qarl.qat.quantizer import QuantizedWeight, fake_quantize_weight, scales_finite
 
