@@ -238,3 +238,23 @@ def test_the_weight_update_group_outlives_the_syncs_deadline_and_closes_its_own_
     t.close()
     assert order == ["the local side", "the server told to destroy weight_update_group"]
     assert t.group is None
+
+
+def test_the_other_ranks_wait_for_each_of_the_payloads_collectives_on_nccl_only(monkeypatch):
+    """On NCCL a collective's wait() does not block the host: a rank other than 0 that did not wait for each gather
+    would queue the whole payload ahead of rank 0, each op's timeout running from its queueing. Its loop waits for
+    the CUDA stream after each item there, and does nothing more on gloo (where the collective blocks already)."""
+    from megatron_qarl.sync import broadcaster
+
+    groups = types.SimpleNamespace(world=object())
+    waits = []
+    stream = types.SimpleNamespace(synchronize=lambda: waits.append(1))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+    for backend, expected in (("gloo", 0), ("nccl", 3)):
+        waits.clear()
+        monkeypatch.setattr(broadcaster.dist, "get_backend", lambda group, b=backend: b)
+        pace = broadcaster._pace(groups)
+        for _ in range(3):
+            pace()
+        assert len(waits) == expected, backend
+    assert broadcaster._pace(None)() is None

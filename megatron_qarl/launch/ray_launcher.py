@@ -134,7 +134,7 @@ def placement_summary(pg, learner_ranks: int) -> str:
 
 # how long a shutdown waits: every server's stop at once (``ServerProcess.stop``: SIGTERM, 10 s, SIGKILL, 10 s, and
 # the actor's call around it), and the learner ranks' close (their groups; the broadcaster's, whose servers are told
-# within sync/transport.py's DESTROY_WAIT_S); past it the actors are killed all the same
+# within sync/weight_update.py's CLEANUP_S); past it the actors are killed all the same
 STOP_TIMEOUT_S = 60.0
 
 

@@ -90,6 +90,18 @@ def share_outcome(problem: str | None, groups: SyncGroups | None) -> str:
     return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="ignore")
 
 
+def _pace(groups: SyncGroups | None) -> Callable[[], None]:
+    """What a rank other than 0 does after each of the payload's collectives. On NCCL a collective's ``wait()`` only
+    orders the current CUDA stream, so without a host wait those ranks would queue every gather of the payload (and
+    the outcome's broadcast) far ahead of rank 0, each op's clock running from its queueing (ProcessGroupNCCL's
+    ``workStartTime_``) through many of rank 0's buckets, its buffers held meanwhile: past the peer bound
+    (``transport.peer_wait_s``) the watchdog would abort them without the SyncError. Waiting for the stream after each
+    one keeps them at rank 0's pace; on gloo a collective already blocks the host."""
+    if groups is not None and dist.get_backend(groups.world) == "nccl":
+        return torch.cuda.current_stream().synchronize
+    return lambda: None
+
+
 @dataclasses.dataclass
 class SyncReport:
     weight_version: str
@@ -148,8 +160,9 @@ class DistributedBroadcaster:
         groups = sync_groups(peer_wait_s(self.transport.timeout_s)) if dist.is_initialized() else None
         tensors = iter_sync_tensors(learner, self.dtype, groups=groups)
         if not self._is_sender:
+            keep_pace = _pace(groups)
             for _ in tensors:  # the other ranks take part in the gathers only
-                pass
+                keep_pace()
             problem = share_outcome(None, groups)
             if problem:
                 raise SyncError(problem)
