@@ -174,8 +174,9 @@ def render_simulation_text(check: dict) -> str:
     sim = check["simulation"]
     runs = ", ".join(f"{s['layers']} layers {s['seconds']} s" for s in sim["simulated"])
     out = [f"\nsimulated learner rank (rank 0 of tp{check['layout']['tp']}/ep{check['layout']['ep']} on "
-           f"{check['layout']['gpus']} GPUs, local spec: {sim['simulated'][0]['modules']}; shape-only device; {runs}; phases linear in the layers "
-           f"extrapolated to {sim['model_layers']}, the sync's at the simulated counts):",
+           f"{check['layout']['gpus']} GPUs, local spec: {sim['simulated'][0]['modules']}; shape-only device; "
+           f"{runs}; phases linear in the layers extrapolated to {sim['model_layers']}, the sync's at the simulated "
+           "counts):",
            f"  {'phase':<16} {'layers':>6} {'term':<11} {'plan GiB':>9} {'sim GiB':>9} {'plan-sim':>9}"]
     for r in check["rows"]:
         diff = "n/a" if r["diff"] is None else f"{r['diff']:+.1%}"
